@@ -1,0 +1,332 @@
+"""`PagedKVCache`: one layer's paged, quantized KV cache, and its reference (pure jnp) write path.
+
+Layout (all pytree leaves; sizes are static aux data):
+- `pages[side][field]`: [num_blocks, Hk, tiles_per_block, *field shape] - the quantized blocks. A
+  tile is `cfg.tile_tokens` tokens of one head; for per-token schemes tiles_per_block = block_size.
+- `sink[side]`: [max_seqs, Hk, block_size, D] in `dtype` - the first block of every sequence
+  (the attention sink) stays in high precision for the sequence's whole life.
+- `tail[side]`: [max_seqs, Hk, tail_blocks * block_size, D] in `dtype` - a ring indexed by
+  `position % (tail_blocks * block_size)` holding the not-yet-full block of every sequence.
+- `dropped_tokens`: int32 count of tokens a jitted write could not store (invalid slot, sequence id
+  or position, or more blocks completed in one write than its static bound). Non-zero means the
+  caller passed bad metadata; eager calls raise instead.
+
+High-precision storage is indexed by a sequence id in [0, max_seqs) (a serving slot, e.g. the row
+of a request in the batch), so its size is fixed by `max_seqs` and reported by `memory_report`; an
+id out of range is an error, never a silent cap. For rotated schemes (KVarN) the sink and tail hold
+rotated values, so attention runs entirely in the rotated frame. Passthrough schemes (fp16/bf16)
+store every token straight into its page and have no sink or tail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence, Union
+
+import jax
+import jax.numpy as jnp
+
+from .. import schemes
+from ..config import KVQuantConfig
+from ..hadamard import rotate
+from ..validation import check_array, check_finite, check_range, is_concrete
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    pages: dict
+    sink: Union[dict, None]
+    tail: Union[dict, None]
+    static: Union[dict, None]
+    dropped_tokens: jnp.ndarray
+    cfg: KVQuantConfig = dataclasses.field(metadata=dict(static=True))
+    num_blocks: int = dataclasses.field(metadata=dict(static=True))
+    block_size: int = dataclasses.field(metadata=dict(static=True))
+    num_kv_heads: int = dataclasses.field(metadata=dict(static=True))
+    head_dim: int = dataclasses.field(metadata=dict(static=True))
+    max_seqs: int = dataclasses.field(metadata=dict(static=True))
+    tail_blocks: int = dataclasses.field(metadata=dict(static=True))
+    dtype: str = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def tiles_per_block(self) -> int:
+        return self.block_size // self.cfg.tile_tokens
+
+    @property
+    def tail_len(self) -> int:
+        return self.tail_blocks * self.block_size
+
+    @property
+    def has_hp(self) -> bool:
+        """Whether the cache keeps sink/tail blocks in high precision (every quantized scheme does)."""
+        return not self.cfg.is_passthrough
+
+    @classmethod
+    def create(cls, cfg: Union[str, KVQuantConfig], *, num_blocks: int, block_size: int,
+               num_kv_heads: int, head_dim: int, max_seqs: int | None = None, dtype=jnp.float16,
+               tail_blocks: int = 1, calibration=None) -> "PagedKVCache":
+        """An empty cache for one layer.
+
+        max_seqs: how many sequences can be live at once (sizes the high-precision sink/tail
+          storage: max_seqs * (1 + tail_blocks) blocks). Required for quantized schemes.
+        dtype: model dtype of K/V; the sink and tail are kept in it.
+        tail_blocks: blocks per sequence in the high-precision ring. 1 suffices for ordinary
+          decoding; use 2 with speculative decoding so that rejected draft tokens that spilled into
+          the next block never overwrite the previous block's high-precision copy.
+        calibration: one layer's `Calibration`, required by static schemes.
+        """
+        cfg = KVQuantConfig.parse(cfg)
+        for name, val in (("num_blocks", num_blocks), ("num_kv_heads", num_kv_heads)):
+            if not isinstance(val, int) or val <= 0:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        cfg.check_head_dim(head_dim)
+        cfg.check_block_size(block_size)
+        if jnp.dtype(dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+            raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
+        if cfg.is_passthrough:
+            dtype, max_seqs, tail_blocks = cfg.dtype, 0, 0
+        else:
+            if not isinstance(max_seqs, int) or max_seqs <= 0:
+                raise ValueError(f"max_seqs must be a positive int for {cfg.name} (it bounds the high-precision "
+                                 f"sink/tail storage), got {max_seqs!r}")
+            if tail_blocks not in (1, 2):
+                raise ValueError(f"tail_blocks must be 1 or 2, got {tail_blocks!r}")
+        from ..quantize import _static_params  # the same calibration rules as `quantize`
+        static = _static_params(cfg, calibration, num_kv_heads, head_dim)
+        tpb = block_size // cfg.tile_tokens
+        pages = {side: {name: jnp.zeros((num_blocks, num_kv_heads, tpb) + shape, dt)
+                        for name, (shape, dt) in schemes.side_fields(cfg, side, head_dim).items()}
+                 for side in schemes.SIDES}
+        sink = tail = None
+        if not cfg.is_passthrough:
+            sink = {s: jnp.zeros((max_seqs, num_kv_heads, block_size, head_dim), dtype) for s in schemes.SIDES}
+            tail = {s: jnp.zeros((max_seqs, num_kv_heads, tail_blocks * block_size, head_dim), dtype)
+                    for s in schemes.SIDES}
+        return cls(pages=pages, sink=sink, tail=tail, static=static, dropped_tokens=jnp.zeros((), jnp.int32),
+                   cfg=cfg, num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
+                   head_dim=head_dim, max_seqs=max_seqs, tail_blocks=tail_blocks,
+                   dtype=jnp.dtype(dtype).name)
+
+
+def stack_layers(caches: Sequence[PagedKVCache]) -> PagedKVCache:
+    """Stack per-layer caches into one with a leading layer axis on every leaf (for `jax.vmap`/`lax.scan`)."""
+    caches = list(caches)
+    if not caches:
+        raise ValueError("caches is empty")
+    treedefs = {jax.tree_util.tree_structure(c) for c in caches}
+    if len(treedefs) != 1:
+        raise ValueError("caches must all have the same scheme, sizes and dtype to be stacked")
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *caches)
+
+
+# ---------------------------------------------------------------------------------------- write
+def _storage_frame(cache: PagedKVCache, x: jnp.ndarray) -> jnp.ndarray:
+    return rotate(x, cache.dtype) if cache.cfg.rotated else x.astype(cache.dtype)
+
+
+def _quantize_blocks(cache: PagedKVCache, side: str, blocks: jnp.ndarray) -> dict:
+    """[M, Hk, block_size, D] storage-frame values -> page fields [M, Hk, tiles_per_block, ...]."""
+    g = cache.cfg.tile_tokens
+    m, h, b, d = blocks.shape
+    tiles = blocks if g == 1 else blocks.reshape(m, h, b // g, g, d)
+    st = schemes.expand_static(cache.cfg, cache.static[side], 1) if cache.static else None
+    return schemes.quantize_side(tiles, cache.cfg, side, st)
+
+
+def completed_block_bound(cache: PagedKVCache, num_tokens: int) -> int:
+    """Static bound on blocks one write of `num_tokens` can complete.
+
+    A completed block's tokens come from this write or from the sequence's ring, which holds at most
+    `tail_blocks` partial blocks per sequence, so at most num_tokens // block_size + max_seqs *
+    tail_blocks blocks complete (and never more than num_tokens).
+    """
+    return max(1, min(num_tokens, num_tokens // cache.block_size + cache.max_seqs * cache.tail_blocks))
+
+
+def write_reference(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp.ndarray,
+                    seq_ids: jnp.ndarray | None, positions: jnp.ndarray | None) -> PagedKVCache:
+    """Pure-jnp write (no checks; see `write`). Never writes outside the named slots."""
+    n = k.shape[0]
+    nb, bs = cache.num_blocks, cache.block_size
+    slot = slot_mapping.astype(jnp.int32)
+    blk, off = slot // bs, slot % bs
+    in_range = (slot >= 0) & (slot < nb * bs)
+    xs = {"k": _storage_frame(cache, k), "v": _storage_frame(cache, v)}
+
+    if cache.cfg.is_passthrough:
+        dropped = jnp.sum(~in_range & (slot != -1), dtype=jnp.int32)
+        b_idx = jnp.where(in_range, blk, nb)  # out of bounds -> dropped
+        pages = {s: {"values": cache.pages[s]["values"].at[b_idx, :, off].set(xs[s], mode="drop")}
+                 for s in schemes.SIDES}
+        return dataclasses.replace(cache, pages=pages, dropped_tokens=cache.dropped_tokens + dropped)
+
+    ns, r = cache.max_seqs, cache.tail_len
+    seq = seq_ids.astype(jnp.int32)
+    pos = positions.astype(jnp.int32)
+    valid = in_range & (seq >= 0) & (seq < ns) & (pos >= 0) & (pos % bs == off)
+    dropped = jnp.sum(~valid & (slot != -1), dtype=jnp.int32)
+    is_sink = valid & (pos < bs)
+    rest = valid & (pos >= bs)
+
+    # Sink block: its own high-precision page per sequence.
+    s_idx = jnp.where(is_sink, seq, ns)
+    sink = {s: cache.sink[s].at[s_idx, :, off].set(xs[s], mode="drop") for s in schemes.SIDES}
+
+    # Ring: the last `r` positions each sequence writes (a longer write would collide in the ring;
+    # its earlier tokens are only needed by blocks this write completes, which read them directly).
+    seq_c = jnp.clip(seq, 0, ns - 1)
+    maxpos = jnp.full((ns,), -1, jnp.int32).at[jnp.where(rest, seq, ns)].max(pos, mode="drop")
+    in_ring = rest & (pos > maxpos[seq_c] - r)
+    r_idx = jnp.where(in_ring, seq, ns)
+    tail = {s: cache.tail[s].at[r_idx, :, pos % r].set(xs[s], mode="drop") for s in schemes.SIDES}
+
+    # Blocks whose last slot this write fills: assemble them from the ring (tokens of earlier
+    # writes) overlaid with this write's tokens, quantize, store in their pages.
+    completes = rest & (off == bs - 1)
+    m = completed_block_bound(cache, n)
+    (ti,) = jnp.nonzero(completes, size=m, fill_value=n)
+    overflow = jnp.maximum(jnp.sum(completes, dtype=jnp.int32) - m, 0)
+    ok = ti < n
+    tc = jnp.minimum(ti, n - 1)
+    c_m = jnp.where(ok, blk[tc], nb)                        # physical block of each completion
+    s_m = seq_c[tc]
+    start = (pos[tc] // bs) * bs                            # first position of the block
+    ring_idx = (start[:, None] + jnp.arange(bs)[None, :]) % r  # [m, bs]
+    blk2m = jnp.full((nb,), m, jnp.int32).at[c_m].set(jnp.arange(m, dtype=jnp.int32), mode="drop")
+    m_t = jnp.where(rest, blk2m[jnp.clip(blk, 0, nb - 1)], m)
+    m_t = jnp.where(s_m[jnp.minimum(m_t, m - 1)] == seq, m_t, m)  # a block belongs to one sequence
+    pages = {}
+    for s in schemes.SIDES:
+        buf = cache.tail[s][s_m[:, None], :, ring_idx]        # [m, bs, Hk, D]
+        buf = buf.at[m_t, off].set(xs[s], mode="drop")
+        fields = _quantize_blocks(cache, s, buf.transpose(0, 2, 1, 3))
+        pages[s] = {name: cache.pages[s][name].at[c_m].set(f.astype(cache.pages[s][name].dtype), mode="drop")
+                    for name, f in fields.items()}
+    return dataclasses.replace(cache, pages=pages, sink=sink, tail=tail,
+                               dropped_tokens=cache.dropped_tokens + dropped + overflow * bs)
+
+
+def _check_write_args(cache, k, v, slot_mapping, seq_ids, positions):
+    if not isinstance(cache, PagedKVCache):
+        raise ValueError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+    for name, x in (("k", k), ("v", v)):
+        check_array(x, name, ndim=3, floating=True)
+        if tuple(x.shape[1:]) != (cache.num_kv_heads, cache.head_dim):
+            raise ValueError(f"{name} must be [tokens, {cache.num_kv_heads}, {cache.head_dim}] for this cache, "
+                             f"got {tuple(x.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    n = k.shape[0]
+    check_array(slot_mapping, "slot_mapping", ndim=1, integer=True)
+    if slot_mapping.shape[0] != n:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {n} tokens")
+    check_range(slot_mapping, "slot_mapping", 0, cache.num_blocks * cache.block_size,
+                f"slots are block_id * block_size + offset with block_id < num_blocks={cache.num_blocks} "
+                f"and block_size={cache.block_size} (-1 marks padding)", allow=(-1,))
+    if cache.has_hp:
+        for name, x in (("seq_ids", seq_ids), ("positions", positions)):
+            if x is None:
+                raise ValueError(f"{name} is required by {cache.cfg.name}: the sink block and the partial tail "
+                                 "block of each sequence are kept in high precision, indexed by sequence id "
+                                 "and position")
+            check_array(x, name, ndim=1, integer=True)
+            if x.shape[0] != n:
+                raise ValueError(f"{name} has {x.shape[0]} entries for {n} tokens")
+        if is_concrete(slot_mapping, seq_ids, positions):
+            live = slot_mapping != -1
+            check_range(jnp.where(live, seq_ids, 0), "seq_ids", 0, cache.max_seqs,
+                        f"sequence ids index the high-precision storage and must be < max_seqs={cache.max_seqs}")
+            check_range(jnp.where(live, positions, 0), "positions", 0, 2 ** 31 - 1, "positions must be >= 0")
+            mism = live & (positions % cache.block_size != slot_mapping % cache.block_size)
+            if bool(jnp.any(mism)):
+                i = int(jnp.argmax(mism))
+                raise ValueError(f"positions[{i}] = {int(positions[i])} and slot_mapping[{i}] = {int(slot_mapping[i])} "
+                                 f"disagree: a token's offset in its block (slot % block_size) must equal "
+                                 f"position % block_size (block_size={cache.block_size})")
+    check_finite(k, "k")
+    check_finite(v, "v")
+
+
+def write(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp.ndarray, *,
+          seq_ids: jnp.ndarray | None = None, positions: jnp.ndarray | None = None) -> PagedKVCache:
+    """Store tokens and return the new cache (functional; donate `cache` under jit to update in place).
+
+    k, v: [tokens, Hk, D]. slot_mapping: [tokens] int, vLLM's convention - token i goes to slot
+    `block_id * block_size + offset`; -1 marks padding and is skipped. Quantized schemes also need
+    seq_ids ([tokens], the sequence's slot in [0, max_seqs)) and positions ([tokens], the token's
+    position in its sequence; position % block_size must equal the slot's offset).
+
+    Semantics: tokens of a sequence's first block go to its high-precision sink; other tokens go to
+    the high-precision tail ring; a block is quantized into its page in the same call that writes
+    its last slot. Writing a slot again (speculative decoding after a rejection) replaces the
+    token; if that re-fills a block's last slot the block is quantized again from the ring, which
+    is exact as long as the rollback stays within the ring (tail_blocks=2 covers drafts that cross
+    one block boundary). Reads decide by sequence length: a block is read from its page only when
+    it is full and not the sink.
+    """
+    _check_write_args(cache, k, v, slot_mapping, seq_ids, positions)
+    return write_reference(cache, k, v, slot_mapping, seq_ids, positions)
+
+
+# ---------------------------------------------------------------------------------------- read
+def gather_dense(cache: PagedKVCache, block_tables: jnp.ndarray, seq_lens: jnp.ndarray,
+                 seq_ids: jnp.ndarray | None = None):
+    """Dense fp32 K and V of each sequence as attention sees them: ([B, Hk, L, D], [B, Hk, L, D]).
+
+    L = max_blocks * block_size; positions >= seq_lens hold garbage and must be masked. Values are in
+    the storage frame (rotated for KVarN). Full non-sink blocks come from the quantized pages, the
+    sink and the partial last block from high precision.
+    """
+    nbt, mb = block_tables.shape
+    bs, nb = cache.block_size, cache.num_blocks
+    g = cache.cfg.tile_tokens
+    tbl = jnp.clip(block_tables.astype(jnp.int32), 0, nb - 1)
+    pos = jnp.arange(mb * bs)
+    out = []
+    for side in schemes.SIDES:
+        f = {name: a[tbl] for name, a in cache.pages[side].items()}  # [B, mb, Hk, tpb, ...]
+        st = schemes.expand_static(cache.cfg, cache.static[side], 1) if cache.static else None
+        x = schemes.dequantize_side(f, cache.cfg, side, cache.head_dim, st)
+        if g > 1:  # [B, mb, Hk, tpb, G, D] -> [B, mb, Hk, bs, D]
+            x = x.reshape(nbt, mb, cache.num_kv_heads, bs, cache.head_dim)
+        x = x.transpose(0, 2, 1, 3, 4).reshape(nbt, cache.num_kv_heads, mb * bs, cache.head_dim)
+        if cache.has_hp:
+            sid = jnp.arange(nbt) if seq_ids is None else seq_ids.astype(jnp.int32)
+            sid = jnp.clip(sid, 0, cache.max_seqs - 1)
+            sink = cache.sink[side][sid].astype(jnp.float32)                   # [B, Hk, bs, D]
+            ring = cache.tail[side][sid][:, :, pos % cache.tail_len].astype(jnp.float32)
+            j = pos // bs
+            full = (j[None, :] + 1) * bs <= seq_lens[:, None]
+            from_page = (j[None, :] >= 1) & full
+            x = jnp.where(from_page[:, None, :, None], x, ring)
+            x = x.at[:, :, :bs].set(sink)
+        out.append(x)
+    return tuple(out)
+
+
+def check_read_args(cache, block_tables, seq_lens, seq_ids, batch: int | None = None):
+    """Shared checks of the decode entry points (reference and kernels)."""
+    if not isinstance(cache, PagedKVCache):
+        raise ValueError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+    check_array(block_tables, "block_tables", ndim=2, integer=True)
+    check_array(seq_lens, "seq_lens", ndim=1, integer=True)
+    nbt, mb = block_tables.shape
+    if seq_lens.shape[0] != nbt or (batch is not None and nbt != batch):
+        raise ValueError(f"block_tables has {nbt} rows, seq_lens {seq_lens.shape[0]}"
+                         + ("" if batch is None else f", the batch {batch}") + ": they must agree")
+    bs = cache.block_size
+    check_range(seq_lens, "seq_lens", 0, mb * bs + 1,
+                f"a sequence holds at most block_tables.shape[1] * block_size = {mb * bs} tokens")
+    if is_concrete(block_tables, seq_lens):
+        used = jnp.arange(mb)[None, :] * bs < seq_lens[:, None]
+        check_range(jnp.where(used, block_tables, 0), "block_tables", 0, cache.num_blocks,
+                    f"block ids must be < num_blocks={cache.num_blocks} for the blocks a sequence uses")
+    if seq_ids is not None:
+        check_array(seq_ids, "seq_ids", ndim=1, integer=True)
+        if seq_ids.shape[0] != nbt:
+            raise ValueError(f"seq_ids has {seq_ids.shape[0]} entries for {nbt} sequences")
+        if cache.has_hp:
+            check_range(seq_ids, "seq_ids", 0, cache.max_seqs, f"sequence ids must be < max_seqs={cache.max_seqs}")
+    elif cache.has_hp and nbt > cache.max_seqs:
+        raise ValueError(f"block_tables has {nbt} rows but max_seqs={cache.max_seqs}: pass seq_ids")

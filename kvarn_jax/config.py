@@ -1,0 +1,197 @@
+"""Quantization configs: one frozen, hashable object parsed from one string grammar.
+
+The same strings are accepted everywhere (Python API, CLI flags, the vLLM `--kv-cache-dtype` flag),
+so `KVQuantConfig.parse` is the single place that knows the grammar. Configs are hashable and compare
+by value, so they are static data under `jax.jit` (pytree aux data, `static_argnames`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Union
+
+# What the grammar accepts; also listed verbatim in error messages.
+KVARN_BITS = (2, 4, 8)
+KVARN_GROUPS = (32, 64, 128)
+KIVI_BITS = (2, 4)
+KIVI_GROUPS = (32, 64, 128)
+INT_BITS = (2, 4, 8)
+INT_GROUPS = (8, 16, 32, 64, 128, 256)
+PASSTHROUGH = {"fp16": "float16", "float16": "float16", "half": "float16",
+               "bf16": "bfloat16", "bfloat16": "bfloat16",
+               "fp32": "float32", "float32": "float32"}
+PRESETS = ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g64")
+GRAMMAR = (
+    "kvarn_k{2,4,8}v{2,4,8}_g{32,64,128} (presets: " + ", ".join(PRESETS) + "); "
+    "kivi_k{2,4}v{2,4}_g{32,64,128}; "
+    "int{2,4,8}[_g{8,16,32,64,128,256}] or int_k{2,4,8}v{2,4,8}[_g...], and int{2,4,8}_static / int_k..v.._static; "
+    "fp8 (alias fp8_e4m3), fp8_static; fp16, bf16, fp32 (passthrough)"
+)
+
+_METHODS = ("kvarn", "kivi", "int", "fp8", "passthrough")
+
+_KVARN_RE = re.compile(r"^kvarn_k(\d+)v(\d+)_g(\d+)$")
+_KIVI_RE = re.compile(r"^kivi_k(\d+)v(\d+)_g(\d+)$")
+_INT_RE = re.compile(r"^int(?:(\d+)|_k(\d+)v(\d+))(?:_g(\d+))?(_static)?$")
+
+# fp8 e4m3 (OCP "fn" variant) largest finite magnitude.
+FP8_E4M3_MAX = 448.0
+
+
+def _check_choice(value: int, allowed: tuple[int, ...], what: str, text: str) -> None:
+    if value not in allowed:
+        raise ValueError(
+            f"kv_cache_dtype {text!r}: {what} {value} is not accepted; {what} must be one of "
+            f"{list(allowed)}. Accepted strings: {GRAMMAR}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVQuantConfig:
+    """How K and V are stored in the cache.
+
+    method: "kvarn" (Hadamard + Sinkhorn + RTN, tiled), "kivi" (keys per channel over a tile of
+      tokens, values per token), "int" (per-token asymmetric RTN), "fp8" (e4m3) or "passthrough".
+    k_bits / v_bits: code widths (16/32 for passthrough, 8 for fp8).
+    group: kvarn/kivi: tokens per tile (the quantization unit along the sequence); int: channels
+      per scale along head_dim (0 = the whole head_dim).
+    static: scales come from a `Calibration` instead of being computed at write time (int, fp8).
+    dtype: storage dtype name of passthrough configs.
+    sinkhorn_iters: KVarN variance-normalization iterations (DESIGN.md §1.2).
+    """
+
+    method: str
+    k_bits: int
+    v_bits: int
+    group: int = 0
+    static: bool = False
+    dtype: str = ""
+    sinkhorn_iters: int = 8
+
+    def __post_init__(self):
+        if self.method not in _METHODS:
+            raise ValueError(f"method {self.method!r} is not one of {list(_METHODS)}")
+
+    # ---------------------------------------------------------------- grammar
+    @classmethod
+    def parse(cls, spec: Union[str, "KVQuantConfig"]) -> "KVQuantConfig":
+        """Parse a scheme string (or return a config unchanged). Raises ValueError naming the string."""
+        if isinstance(spec, KVQuantConfig):
+            return spec
+        if not isinstance(spec, str):
+            raise ValueError(f"kv_cache_dtype must be a string or KVQuantConfig, got {type(spec).__name__}")
+        text = spec.strip().lower()
+        if text in PASSTHROUGH:
+            bits = {"float16": 16, "bfloat16": 16, "float32": 32}[PASSTHROUGH[text]]
+            return cls("passthrough", bits, bits, dtype=PASSTHROUGH[text])
+        if text == "kvarn":
+            text = PRESETS[0]
+        if text in ("fp8", "fp8_e4m3"):
+            return cls("fp8", 8, 8)
+        if text in ("fp8_static", "fp8_e4m3_static"):
+            return cls("fp8", 8, 8, static=True)
+        m = _KVARN_RE.match(text)
+        if m:
+            kb, vb, g = map(int, m.groups())
+            _check_choice(kb, KVARN_BITS, "key bits", spec)
+            _check_choice(vb, KVARN_BITS, "value bits", spec)
+            _check_choice(g, KVARN_GROUPS, "group (tile tokens)", spec)
+            return cls("kvarn", kb, vb, group=g)
+        m = _KIVI_RE.match(text)
+        if m:
+            kb, vb, g = map(int, m.groups())
+            _check_choice(kb, KIVI_BITS, "key bits", spec)
+            _check_choice(vb, KIVI_BITS, "value bits", spec)
+            _check_choice(g, KIVI_GROUPS, "group (tile tokens)", spec)
+            return cls("kivi", kb, vb, group=g)
+        m = _INT_RE.match(text)
+        if m:
+            both, kb, vb, g, static = m.groups()
+            kb, vb = (int(both), int(both)) if both else (int(kb), int(vb))
+            _check_choice(kb, INT_BITS, "key bits", spec)
+            _check_choice(vb, INT_BITS, "value bits", spec)
+            group = int(g) if g else 0
+            if g:
+                _check_choice(group, INT_GROUPS, "group (channels per scale)", spec)
+                if static:
+                    raise ValueError(f"kv_cache_dtype {spec!r}: static int scales are per channel, so a "
+                                     f"group suffix does not apply; use e.g. 'int{kb}_static'")
+            return cls("int", kb, vb, group=group, static=bool(static))
+        raise ValueError(f"kv_cache_dtype {spec!r} is not a known scheme. Accepted strings: {GRAMMAR}")
+
+    @property
+    def name(self) -> str:
+        """Canonical string; `KVQuantConfig.parse(cfg.name) == cfg`."""
+        if self.method == "passthrough":
+            return {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[self.dtype]
+        if self.method == "fp8":
+            return "fp8_static" if self.static else "fp8"
+        if self.method in ("kvarn", "kivi"):
+            return f"{self.method}_k{self.k_bits}v{self.v_bits}_g{self.group}"
+        base = f"int{self.k_bits}" if self.k_bits == self.v_bits else f"int_k{self.k_bits}v{self.v_bits}"
+        return base + (f"_g{self.group}" if self.group else "") + ("_static" if self.static else "")
+
+    def __str__(self) -> str:
+        return self.name
+
+    # ---------------------------------------------------------------- derived facts
+    @property
+    def is_passthrough(self) -> bool:
+        return self.method == "passthrough"
+
+    @property
+    def rotated(self) -> bool:
+        """Stored values live in the Hadamard-rotated frame (q is rotated, the output un-rotated)."""
+        return self.method == "kvarn"
+
+    @property
+    def tile_tokens(self) -> int:
+        """Tokens quantized together; a cache block must hold a whole number of tiles."""
+        return self.group if self.method in ("kvarn", "kivi") else 1
+
+    def bits(self, side: str) -> int:
+        return self.k_bits if side == "k" else self.v_bits
+
+    def channel_group(self, side: str, head_dim: int) -> int:
+        """Channels sharing one scale for per-token rows (int values/keys, KIVI values)."""
+        if self.method == "int":
+            return self.group or head_dim
+        if self.method == "kivi" and side == "v":
+            return min(self.group, head_dim)
+        return head_dim
+
+    def check_head_dim(self, head_dim: int, arg: str = "head_dim") -> None:
+        """Raise ValueError (naming `arg`) if this scheme cannot store vectors of `head_dim`."""
+        if not isinstance(head_dim, int) or head_dim <= 0:
+            raise ValueError(f"{arg} must be a positive int, got {head_dim!r}")
+        if self.method == "kvarn":
+            ok = head_dim >= 16 and head_dim <= 1024 and head_dim & (head_dim - 1) == 0
+            if not ok:
+                raise ValueError(
+                    f"{arg}={head_dim} cannot be used with {self.name}: the Hadamard rotation needs a "
+                    "power-of-two head_dim in [16, 1024] (e.g. 64, 128, 256)")
+            return
+        for side in ("k", "v"):
+            b = self.bits(side)
+            cg = self.channel_group(side, head_dim)
+            if head_dim % cg:
+                raise ValueError(
+                    f"{arg}={head_dim} cannot be used with {self.name}: the channel group {cg} must "
+                    f"divide head_dim (accepted head_dims: multiples of {cg})")
+            if self.method in ("int", "kivi") and (head_dim * b) % 8:
+                raise ValueError(
+                    f"{arg}={head_dim} cannot be used with {self.name}: {b}-bit codes of a row must fill "
+                    f"whole bytes (accepted head_dims: multiples of {8 // b})")
+
+    def check_block_size(self, block_size: int, arg: str = "block_size") -> None:
+        """A cache block holds whole tiles; block sizes from 1 to 1024 tokens are accepted."""
+        t = self.tile_tokens
+        if not isinstance(block_size, int) or block_size <= 0 or block_size > 1024 or block_size % t:
+            raise ValueError(
+                f"{arg}={block_size!r} cannot be used with {self.name}: it must be a multiple of the "
+                f"scheme's tile of {t} token(s) and at most 1024 (e.g. {max(t, 16)}, {max(t, 128)}, 256)")
+
+
+def parse(spec: Union[str, KVQuantConfig]) -> KVQuantConfig:
+    """Module-level shorthand for `KVQuantConfig.parse`."""
+    return KVQuantConfig.parse(spec)

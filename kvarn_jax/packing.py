@@ -1,0 +1,34 @@
+"""Bit packing of integer codes into bytes (DESIGN.md §1.5).
+
+`8 // bits` codes share a byte; element j of each group sits at bit shift `j * bits` (element 0 in
+the low bits). Packing is along the last axis, whose length must be a multiple of `8 // bits`.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def pack(codes: jnp.ndarray, bits: int) -> jnp.ndarray:
+    """[..., n] integer codes in [0, 2**bits) -> [..., n * bits // 8] uint8."""
+    if bits == 8:
+        return codes.astype(jnp.uint8)
+    per = 8 // bits
+    n = codes.shape[-1]
+    if n % per:
+        raise ValueError(f"cannot pack {n} {bits}-bit codes into whole bytes ({per} per byte)")
+    c = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], n // per, per)
+    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits)
+    # Codes occupy disjoint bit ranges, so the sum equals the bitwise or.
+    return jnp.sum(jnp.left_shift(c, shifts), axis=-1, dtype=jnp.uint8)
+
+
+def unpack(packed: jnp.ndarray, bits: int) -> jnp.ndarray:
+    """[..., m] uint8 -> [..., m * 8 // bits] uint8 codes."""
+    if bits == 8:
+        return packed.astype(jnp.uint8)
+    per = 8 // bits
+    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits)
+    mask = jnp.uint8((1 << bits) - 1)
+    c = jnp.bitwise_and(jnp.right_shift(packed[..., None], shifts), mask)
+    return c.reshape(*packed.shape[:-1], packed.shape[-1] * per)

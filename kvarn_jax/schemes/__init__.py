@@ -1,0 +1,89 @@
+"""Scheme dispatch: what each scheme stores per tile and how it (de)quantizes one side (K or V).
+
+Every function here is pure `jnp` and vectorized over leading axes. A tile is `cfg.tile_tokens`
+tokens of one head: tiled schemes (kvarn, kivi) take x as [..., G, D]; per-token schemes take [..., D].
+Values are in the storage frame (Hadamard-rotated for kvarn; see `hadamard.py`).
+
+Static schemes (int*_static, fp8_static) take per-head parameters from a `Calibration`, in canonical
+shapes (int: scale/zero [Hk, D]; fp8: scale [Hk]). `expand_static` lines them up with a data layout
+whose head axis is followed by `between` token axes and then the channel axis.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from ..config import KVQuantConfig
+from . import kivi, kvarn, per_token
+
+SIDES = ("k", "v")
+
+
+def side_fields(cfg: KVQuantConfig, side: str, head_dim: int) -> dict:
+    """{field name: (shape per tile, dtype)} stored for one side."""
+    b = cfg.bits(side)
+    if cfg.method == "kvarn":
+        return kvarn.fields(side, b, cfg.group, head_dim)
+    if cfg.method == "kivi":
+        return kivi.fields(side, b, cfg.group, head_dim)
+    if cfg.method == "int":
+        if cfg.static:
+            return per_token.int_static_fields(b, head_dim)
+        return per_token.int_fields(b, cfg.channel_group(side, head_dim), head_dim)
+    if cfg.method == "fp8":
+        return per_token.fp8_fields(head_dim, cfg.static)
+    return per_token.passthrough_fields(head_dim, cfg.dtype)
+
+
+def static_param_shapes(cfg: KVQuantConfig, num_kv_heads: int, head_dim: int) -> dict:
+    """{name: shape} of the calibrated parameters a static scheme needs for one side."""
+    if not cfg.static:
+        return {}
+    if cfg.method == "int":
+        return {"scale": (num_kv_heads, head_dim), "zero": (num_kv_heads, head_dim)}
+    return {"scale": (num_kv_heads,)}
+
+
+def expand_static(cfg: KVQuantConfig, params: dict | None, between: int) -> dict | None:
+    """Reshape canonical static params to broadcast against [Hk, (between token axes), D]."""
+    if params is None:
+        return None
+    out = {}
+    for name, a in params.items():
+        if cfg.method == "int":  # [Hk, D]
+            out[name] = a.reshape(a.shape[:1] + (1,) * between + a.shape[1:])
+        else:  # fp8: [Hk]
+            out[name] = a.reshape(a.shape + (1,) * (between + 1))
+    return out
+
+
+def quantize_side(x: jnp.ndarray, cfg: KVQuantConfig, side: str, static: dict | None = None) -> dict:
+    b = cfg.bits(side)
+    if cfg.method == "kvarn":
+        return kvarn.quantize(x, side, b, cfg.sinkhorn_iters)
+    if cfg.method == "kivi":
+        return kivi.quantize(x, side, b, cfg.group)
+    if cfg.method == "int":
+        if cfg.static:
+            return per_token.int_static_quantize(x, b, static["scale"], static["zero"])
+        return per_token.int_quantize(x, b, cfg.channel_group(side, x.shape[-1]))
+    if cfg.method == "fp8":
+        return per_token.fp8_quantize(x, static["scale"] if cfg.static else None)
+    return {"values": x.astype(cfg.dtype)}
+
+
+def dequantize_side(f: dict, cfg: KVQuantConfig, side: str, head_dim: int,
+                    static: dict | None = None) -> jnp.ndarray:
+    """Fields -> fp32 values in the storage frame, [..., G, D] (tiled) or [..., D] (per token)."""
+    b = cfg.bits(side)
+    if cfg.method == "kvarn":
+        return kvarn.dequantize(f, side, b)
+    if cfg.method == "kivi":
+        return kivi.dequantize(f, side, b, cfg.group)
+    if cfg.method == "int":
+        if cfg.static:
+            return per_token.int_static_dequantize(f, b, static["scale"], static["zero"])
+        return per_token.int_dequantize(f, b, cfg.channel_group(side, head_dim))
+    if cfg.method == "fp8":
+        return per_token.fp8_dequantize(f, static["scale"] if cfg.static else None)
+    return f["values"].astype(jnp.float32)

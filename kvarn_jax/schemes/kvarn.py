@@ -1,0 +1,105 @@
+"""KVarN tile quantization, exactly as DESIGN.md §1.2-1.5 (pure jnp; the oracle for the kernels).
+
+A tile is G tokens x D channels of one head, already rotated (`hadamard.rotate`). Keys are
+normalized as a [D x G] matrix (rows = channels), values as [G x D] (rows = tokens); the RTN runs per
+row of the balanced tile and the Sinkhorn row scale is folded into the stored fp16 scale and zero.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from ..packing import pack, unpack
+from .rtn import rtn_codes, rtn_params
+
+
+TIE_RTOL = 1e-6
+
+
+def _std(x: jnp.ndarray, axis: int) -> jnp.ndarray:
+    """Unbiased single-pass std, means not subtracted first: sqrt(max((E[x²]-E[x]²)·n/(n-1), 0))."""
+    n = x.shape[axis]
+    m = jnp.mean(x, axis=axis)
+    m2 = jnp.mean(x * x, axis=axis)
+    return jnp.sqrt(jnp.maximum((m2 - m * m) * (n / (n - 1)), 0.0))
+
+
+def _imbalance(cur: jnp.ndarray) -> jnp.ndarray:
+    col = _std(cur, -2)
+    row = _std(cur, -1)
+    return (jnp.max(col, -1) / jnp.maximum(jnp.min(col, -1), 1e-8)
+            + jnp.max(row, -1) / jnp.maximum(jnp.min(row, -1), 1e-8))
+
+
+def sinkhorn_log_scales(t: jnp.ndarray, iters: int):
+    """Log-domain variance normalization of `t` [..., R, C] (fp32).
+
+    Returns (lc [..., C], lr [..., R]) of the iterate with the lowest imbalance, the all-zero start
+    included, ties going to the later iterate.
+    """
+    lc = jnp.zeros(t.shape[:-2] + t.shape[-1:], jnp.float32)
+    lr = jnp.zeros(t.shape[:-1], jnp.float32)
+
+    def normalized(lc, lr):
+        return t / jnp.exp(lc)[..., None, :] / jnp.exp(lr)[..., :, None]
+
+    best_lc, best_lr, best_imb = lc, lr, _imbalance(t)
+    cur = t
+    for _ in range(iters):
+        lc = jnp.clip(lc + jnp.log(jnp.clip(_std(cur, -2), 1e-3, 1e3)), -0.3, 10.0)
+        cur = normalized(lc, lr)
+        lr = jnp.clip(lr + jnp.log(jnp.clip(_std(cur, -1), 1e-3, 1e3)), -0.3, 10.0)
+        cur = normalized(lc, lr)
+        imb = _imbalance(cur)
+        # Ties go to the later iterate. Iterates that differ by a uniform factor moved between rows
+        # and columns have the same imbalance up to float rounding, so "tie" means equal within
+        # TIE_RTOL; otherwise summation order (device, library) would decide which one is kept.
+        better = imb <= best_imb * (1.0 + TIE_RTOL)
+        best_lc = jnp.where(better[..., None], lc, best_lc)
+        best_lr = jnp.where(better[..., None], lr, best_lr)
+        best_imb = jnp.where(better, imb, best_imb)
+    return best_lc, best_lr
+
+
+def _quantize_matrix(t: jnp.ndarray, bits: int, iters: int):
+    """Balance `t` [..., R, C], RTN per row. Returns codes [..., R, C], row scale/zero (folded), col scale."""
+    lc, lr = sinkhorn_log_scales(t, iters)
+    s_col, s_row = jnp.exp(lc), jnp.exp(lr)
+    bal = t / s_col[..., None, :] / s_row[..., :, None]
+    mn, scale = rtn_params(bal, bits)
+    codes = rtn_codes(bal, mn, scale, bits)
+    return (codes, (s_row * scale).astype(jnp.float16), (s_row * mn).astype(jnp.float16),
+            s_col.astype(jnp.float16))
+
+
+def fields(side: str, bits: int, group: int, head_dim: int):
+    g, d = group, head_dim
+    if side == "k":
+        return {"codes": ((d, g * bits // 8), jnp.uint8), "scale_chan": ((d,), jnp.float16),
+                "zero_chan": ((d,), jnp.float16), "scale_tok": ((g,), jnp.float16)}
+    return {"codes": ((g, d * bits // 8), jnp.uint8), "scale_chan": ((d,), jnp.float16),
+            "scale_tok": ((g,), jnp.float16), "zero_tok": ((g,), jnp.float16)}
+
+
+def quantize(x: jnp.ndarray, side: str, bits: int, iters: int) -> dict:
+    """x: rotated tiles [..., G, D] -> stored fields (see `fields`)."""
+    t = x.astype(jnp.float32)
+    if side == "k":
+        codes, scale_chan, zero_chan, scale_tok = _quantize_matrix(jnp.swapaxes(t, -1, -2), bits, iters)
+        return {"codes": pack(codes, bits), "scale_chan": scale_chan, "zero_chan": zero_chan,
+                "scale_tok": scale_tok}
+    codes, scale_tok, zero_tok, scale_chan = _quantize_matrix(t, bits, iters)
+    return {"codes": pack(codes, bits), "scale_chan": scale_chan, "scale_tok": scale_tok,
+            "zero_tok": zero_tok}
+
+
+def dequantize(f: dict, side: str, bits: int) -> jnp.ndarray:
+    """Stored fields -> rotated tiles [..., G, D] in fp32."""
+    c = unpack(f["codes"], bits).astype(jnp.float32)
+    if side == "k":  # c: [..., D, G]
+        kt = (c * f["scale_chan"].astype(jnp.float32)[..., :, None]
+              + f["zero_chan"].astype(jnp.float32)[..., :, None]) * f["scale_tok"].astype(jnp.float32)[..., None, :]
+        return jnp.swapaxes(kt, -1, -2)
+    # c: [..., G, D]
+    return ((c * f["scale_tok"].astype(jnp.float32)[..., :, None] + f["zero_tok"].astype(jnp.float32)[..., :, None])
+            * f["scale_chan"].astype(jnp.float32)[..., None, :])

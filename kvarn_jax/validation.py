@@ -1,0 +1,49 @@
+"""Argument checks shared by the public functions.
+
+Checks on values (NaN, out-of-range indices) need concrete arrays: they run when a function is
+called eagerly and are skipped while tracing under `jax.jit` (a traced value has no value yet). The
+jit-safe code paths never write out of bounds: invalid entries are dropped and counted (see
+`PagedKVCache.dropped_tokens`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+
+
+def is_concrete(*xs) -> bool:
+    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def check_array(x, name: str, ndim: int | None = None, floating: bool = False, integer: bool = False):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+    if floating and jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+        raise ValueError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+    if integer and not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array, got {x.dtype}")
+
+
+def check_finite(x, name: str):
+    if is_concrete(x) and not bool(jnp.all(jnp.isfinite(x))):
+        bad = int(jnp.sum(~jnp.isfinite(x)))
+        raise ValueError(f"{name} contains {bad} non-finite value(s) (NaN or Inf); refusing to quantize them")
+
+
+def check_range(x, name: str, lo: int, hi: int, what: str, allow: tuple = ()):
+    """Every element of integer array x must be in [lo, hi) or one of `allow`."""
+    if not is_concrete(x):
+        return
+    a = np.asarray(x)
+    ok = (a >= lo) & (a < hi)
+    for v in allow:
+        ok |= a == v
+    if not ok.all():
+        i = tuple(int(j) for j in np.argwhere(~ok)[0])
+        raise ValueError(f"{name}{list(i)} = {int(a[i])} is out of range: {what}")
