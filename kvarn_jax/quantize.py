@@ -7,6 +7,7 @@ is the config, so it passes through `jax.jit`, `jax.vmap` (e.g. over layers) and
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Union
 
 import jax
@@ -62,11 +63,12 @@ def _untiles(x: jnp.ndarray, g: int) -> jnp.ndarray:
     return x.transpose(0, 2, 1, 3).reshape(n * g, h, d)
 
 
-def quantize(kv, cfg: Union[str, KVQuantConfig], *, calibration=None) -> QuantizedKV:
+def quantize(kv, cfg: Union[str, KVQuantConfig], *, calibration=None, rotated: bool = False) -> QuantizedKV:
     """Quantize `kv = (k, v)`, each [tokens, num_kv_heads, head_dim] float16/bfloat16/float32.
 
     Tiled schemes need `tokens` to be a multiple of the tile (`cfg.tile_tokens`). Static schemes need
-    `calibration` (a one-layer `Calibration`). Jit-able; `cfg` is static.
+    `calibration` (a one-layer `Calibration`). `rotated=True`: k and v are already in the Hadamard
+    frame (KVarN only; e.g. values read back from a cache). Jit-able; `cfg` is static.
     """
     cfg = KVQuantConfig.parse(cfg)
     if not isinstance(kv, (tuple, list)) or len(kv) != 2:
@@ -86,12 +88,18 @@ def quantize(kv, cfg: Union[str, KVQuantConfig], *, calibration=None) -> Quantiz
     check_finite(k, "k")
     check_finite(v, "v")
     static = _static_params(cfg, calibration, h, d)
+    return _quantize(k, v, static, cfg=cfg, rotated=rotated)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "rotated"))
+def _quantize(k, v, static, *, cfg, rotated):
+    # Jitted once per (cfg, shape): eager callers get one fused computation, not op-by-op dispatch.
     fields = {}
     for side, x in (("k", k), ("v", v)):
-        if cfg.rotated:
+        if cfg.rotated and not rotated:
             x = rotate(x)
         st = schemes.expand_static(cfg, static[side], 0) if static else None
-        fields[side] = schemes.quantize_side(_tiles(x, g), cfg, side, st)
+        fields[side] = schemes.quantize_side(_tiles(x, cfg.tile_tokens), cfg, side, st)
     return QuantizedKV(fields=fields, static=static, cfg=cfg, dtype=jnp.dtype(k.dtype).name)
 
 
@@ -100,6 +108,13 @@ def dequantize(q: QuantizedKV, *, rotated: bool = False):
 
     Values are returned in the un-rotated frame unless `rotated=True` (the stored frame of KVarN).
     """
+    if not isinstance(q, QuantizedKV):
+        raise ValueError(f"q must be a QuantizedKV (from kvarn_jax.quantize), got {type(q).__name__}")
+    return _dequantize(q, rotated=rotated)
+
+
+@functools.partial(jax.jit, static_argnames=("rotated",))
+def _dequantize(q: QuantizedKV, *, rotated: bool):
     cfg = q.cfg
     out = []
     for side in ("k", "v"):

@@ -7,7 +7,10 @@ cache holds rotated K/V and H is orthonormal: (qH)(KH)^T = qK^T and (P·VH)H = P
 
 from __future__ import annotations
 
+import functools
 import math
+
+import jax
 
 import jax.numpy as jnp
 
@@ -49,6 +52,7 @@ def paged_decode_attention_reference(q: jnp.ndarray, cache: PagedKVCache, block_
     return _attend(q, cache, block_tables, seq_lens, scale, seq_ids, window, rotated_io)
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "window", "rotated_io"))
 def _attend(q, cache, block_tables, seq_lens, scale, seq_ids, window, rotated_io):
     nbt, hq, d = q.shape
     hk = cache.num_kv_heads

@@ -144,6 +144,7 @@ def completed_block_bound(cache: PagedKVCache, num_tokens: int) -> int:
     return max(1, min(num_tokens, num_tokens // cache.block_size + cache.max_seqs * cache.tail_blocks))
 
 
+@jax.jit
 def write_reference(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp.ndarray,
                     seq_ids: jnp.ndarray | None, positions: jnp.ndarray | None) -> PagedKVCache:
     """Pure-jnp write (no checks; see `write`). Never writes outside the named slots."""

@@ -1,0 +1,42 @@
+import os
+import pathlib
+import zlib
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+jax.config.update("jax_platforms", "cpu")
+
+# Hypothesis: few, deterministic examples in CI (each new shape costs a compile).
+settings.register_profile("ci", max_examples=12, deadline=None, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("dev", max_examples=40, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _golden_path():
+    env = os.environ.get("KVARN_GOLDEN")
+    cands = [pathlib.Path(env)] if env else []
+    cands += [ROOT / "tests" / "data" / "kvarn_tiles_public.npz", ROOT.parent / "shared" / "golden" / "kvarn_tiles_public.npz"]
+    for c in cands:
+        if c.exists():
+            return c
+    raise FileNotFoundError(f"golden tiles not found in {cands}")
+
+
+@pytest.fixture(scope="session")
+def golden():
+    with np.load(_golden_path()) as z:
+        return {k: z[k] for k in z.files}
+
+
+@pytest.fixture
+def rng(request):
+    # Fresh data per test, reproducible from the test's name.
+    seed = zlib.crc32(request.node.nodeid.encode())
+    return np.random.default_rng(seed)

@@ -1,0 +1,114 @@
+"""Test helpers: simulate a serving loop writing sequences into a paged cache, and an independent
+numpy (float64) oracle of what decode attention must return."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+import kvarn_jax as kj
+from kvarn_jax.hadamard import hadamard_matrix_np
+
+
+def random_kv(rng, tokens, heads, dim, dtype=np.float16, outliers=0, outlier_scale=20.0):
+    """Gaussian K/V; `outliers` channels of K get `outlier_scale` x the magnitude (as in real LLM keys)."""
+    k = rng.standard_normal((tokens, heads, dim))
+    v = rng.standard_normal((tokens, heads, dim))
+    if outliers:
+        ch = rng.choice(dim, outliers, replace=False)
+        k[..., ch] *= outlier_scale
+        k[..., ch] += outlier_scale / 2
+    return k.astype(dtype), v.astype(dtype)
+
+
+def allocate_tables(rng, lens, block_size, num_blocks, extra_cols=1):
+    """Random distinct physical blocks for each sequence; unused entries hold random junk ids."""
+    need = [-(-L // block_size) for L in lens]
+    assert sum(need) <= num_blocks, (need, num_blocks)
+    perm = rng.permutation(num_blocks)
+    width = max(max(need), 1) + extra_cols
+    tables = rng.integers(0, num_blocks, (len(lens), width))
+    c = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = perm[c:c + n]
+        c += n
+    return tables.astype(np.int32)
+
+
+def serve_writes(cache, tables, seqs, rng, seq_ids=None, max_chunk=None, write=kj.write):
+    """Write each sequence's tokens like a serving loop would: a chunked prefill of random length,
+    then tokens in random-size steps, sequences interleaved in each call, padding rows mixed in."""
+    n = len(seqs)
+    seq_ids = list(range(n)) if seq_ids is None else list(seq_ids)
+    done = [0] * n
+    lens = [s[0].shape[0] for s in seqs]
+    bs = cache.block_size
+    while any(d < L for d, L in zip(done, lens)):
+        rows = []
+        for i in range(n):
+            if done[i] >= lens[i]:
+                continue
+            step = int(rng.integers(1, (max_chunk or lens[i]) + 1)) if done[i] == 0 else int(rng.integers(1, 4))
+            for p in range(done[i], min(lens[i], done[i] + step)):
+                rows.append((i, p))
+            done[i] = min(lens[i], done[i] + step)
+        k = np.stack([seqs[i][0][p] for i, p in rows])
+        v = np.stack([seqs[i][1][p] for i, p in rows])
+        slots = [int(tables[i, p // bs]) * bs + p % bs for i, p in rows]
+        ids = [seq_ids[i] for i, _ in rows]
+        pos = [p for _, p in rows]
+        # one padding row (slot -1), as vLLM pads batches
+        k = np.concatenate([k, k[:1]])
+        v = np.concatenate([v, v[:1]])
+        slots.append(-1)
+        ids.append(0)
+        pos.append(0)
+        cache = write(cache, jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots, jnp.int32),
+                      seq_ids=jnp.asarray(ids, jnp.int32), positions=jnp.asarray(pos, jnp.int32))
+    return cache
+
+
+def expected_kv(cfg, seq_k, seq_v, block_size, dtype):
+    """What attention must see for one sequence (float64, storage frame), computed independently of
+    the cache: sink and partial tail = the written values in `dtype`; full blocks = quantize/dequantize."""
+    cfg = kj.parse(cfg)
+    L, h, d = seq_k.shape
+    out = []
+    for x in (seq_k, seq_v):
+        x = np.asarray(x)
+        if cfg.rotated:
+            hm = hadamard_matrix_np(d)
+            if np.dtype(dtype) == np.float16 and x.dtype == np.float16:
+                hm = hm.astype(np.float16).astype(np.float64)
+            x = (x.astype(np.float64) @ hm)
+        stored = np.asarray(jnp.asarray(x, jnp.float32).astype(dtype if not cfg.is_passthrough else cfg.dtype)).astype(np.float64)
+        out.append(stored)
+    if cfg.is_passthrough:
+        return out
+    full = (L // block_size) * block_size
+    if full > block_size:
+        kq, vq = kj.dequantize(kj.quantize((jnp.asarray(out[0][block_size:full], dtype),
+                                            jnp.asarray(out[1][block_size:full], dtype)),
+                                           cfg, rotated=True), rotated=True)
+        out[0][block_size:full] = np.asarray(kq.astype(jnp.float32))
+        out[1][block_size:full] = np.asarray(vq.astype(jnp.float32))
+    return out
+
+
+def dense_attention(q, ks, vs, lens, scale, window=None):
+    """float64 GQA attention of q [B, Hq, D] over per-sequence K/V lists ([L, Hk, D])."""
+    b, hq, d = q.shape
+    out = np.zeros((b, hq, d))
+    for i in range(b):
+        L = lens[i]
+        lo = 0 if window is None else max(0, L - window)
+        if L == 0:
+            continue
+        k, v = ks[i][lo:L], vs[i][lo:L]
+        hk = k.shape[1]
+        for h in range(hq):
+            kh = h // (hq // hk)
+            s = k[:, kh] @ q[i, h] * scale
+            p = np.exp(s - s.max())
+            out[i, h] = (p / p.sum()) @ v[:, kh]
+    return out
