@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvarn_jax as kj
-from kvarn_jax.hadamard import hadamard_matrix_np
 
 
 def random_kv(rng, tokens, heads, dim, dtype=np.float16, outliers=0, outlier_scale=20.0):
@@ -57,12 +56,13 @@ def serve_writes(cache, tables, seqs, rng, seq_ids=None, max_chunk=None, write=k
         slots = [int(tables[i, p // bs]) * bs + p % bs for i, p in rows]
         ids = [seq_ids[i] for i, _ in rows]
         pos = [p for _, p in rows]
-        # one padding row (slot -1), as vLLM pads batches
-        k = np.concatenate([k, k[:1]])
-        v = np.concatenate([v, v[:1]])
-        slots.append(-1)
-        ids.append(0)
-        pos.append(0)
+        # pad to a power of two with slot -1 rows, as a server pads batches (and so few shapes compile)
+        pad = max(8, 1 << len(rows).bit_length()) - len(rows)
+        k = np.concatenate([k, np.repeat(k[:1], pad, 0)])
+        v = np.concatenate([v, np.repeat(v[:1], pad, 0)])
+        slots += [-1] * pad
+        ids += [0] * pad
+        pos += [0] * pad
         cache = write(cache, jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots, jnp.int32),
                       seq_ids=jnp.asarray(ids, jnp.int32), positions=jnp.asarray(pos, jnp.int32))
     return cache
@@ -75,20 +75,18 @@ def expected_kv(cfg, seq_k, seq_v, block_size, dtype):
     L, h, d = seq_k.shape
     out = []
     for x in (seq_k, seq_v):
-        x = np.asarray(x)
-        if cfg.rotated:
-            hm = hadamard_matrix_np(d)
-            if np.dtype(dtype) == np.float16 and x.dtype == np.float16:
-                hm = hm.astype(np.float16).astype(np.float64)
-            x = (x.astype(np.float64) @ hm)
-        stored = np.asarray(jnp.asarray(x, jnp.float32).astype(dtype if not cfg.is_passthrough else cfg.dtype)).astype(np.float64)
-        out.append(stored)
+        x = jnp.asarray(x)
+        store = cfg.dtype if cfg.is_passthrough else dtype
+        # kj.rotate is checked on its own (bit-exact vs the reference's rotated tiles, orthonormality)
+        x = kj.rotate(x, store) if cfg.rotated else x.astype(store)
+        out.append(np.asarray(x.astype(jnp.float32)).astype(np.float64))
     if cfg.is_passthrough:
         return out
     full = (L // block_size) * block_size
     if full > block_size:
-        kq, vq = kj.dequantize(kj.quantize((jnp.asarray(out[0][block_size:full], dtype),
-                                            jnp.asarray(out[1][block_size:full], dtype)),
+        # the stored values in fp32 (exact), so the dequantized result is not rounded back to `dtype`
+        kq, vq = kj.dequantize(kj.quantize((jnp.asarray(out[0][block_size:full], jnp.float32),
+                                            jnp.asarray(out[1][block_size:full], jnp.float32)),
                                            cfg, rotated=True), rotated=True)
         out[0][block_size:full] = np.asarray(kq.astype(jnp.float32))
         out[1][block_size:full] = np.asarray(vq.astype(jnp.float32))

@@ -1,0 +1,341 @@
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import kvarn_jax as kj
+from helpers import allocate_tables, dense_attention, expected_kv, random_kv, serve_writes
+from kvarn_jax.hadamard import hadamard_matrix_np
+
+
+def make_cache(cfg, num_blocks=24, block_size=32, heads=2, dim=64, max_seqs=4, dtype=jnp.float16, **kw):
+    return kj.PagedKVCache.create(cfg, num_blocks=num_blocks, block_size=block_size, num_kv_heads=heads,
+                                  head_dim=dim, max_seqs=max_seqs, dtype=dtype, **kw)
+
+
+def poison(cache, rng):
+    """Fill every array of the cache with random garbage (never zeros)."""
+    def junk(a):
+        if a.dtype == jnp.uint8:
+            return jnp.asarray(rng.integers(0, 256, a.shape, dtype=np.uint8))
+        if a.dtype == jnp.int32:
+            return a
+        return jnp.asarray(rng.standard_normal(a.shape) * 7 + 3, a.dtype)
+    return jax.tree_util.tree_map(junk, cache)
+
+
+def check_against_oracle(cfg, cache, tables, seqs, rng, hq, window=None, calibration=None):
+    lens = [s[0].shape[0] for s in seqs]
+    bt, sl = jnp.asarray(tables), jnp.asarray(lens, jnp.int32)
+    kd, vd = kj.gather_dense(cache, bt, sl)
+    c = kj.parse(cfg)
+    exp_k, exp_v = [], []
+    for i, (k, v) in enumerate(seqs):
+        ek, ev = expected_kv(c, k, v, cache.block_size, cache.dtype) if not c.static else _static_expected(c, k, v, cache, calibration)
+        exp_k.append(ek)
+        exp_v.append(ev)
+        for got, exp in ((kd, ek), (vd, ev)):
+            g = np.asarray(got[i, :, :lens[i]]).transpose(1, 0, 2)
+            np.testing.assert_allclose(g, exp, rtol=2e-3, atol=2e-3 * (np.abs(exp).max() + 1e-6))
+    d = cache.head_dim
+    q = rng.standard_normal((len(seqs), hq, d)).astype(np.float32)
+    out = np.asarray(kj.paged_decode_attention_reference(jnp.asarray(q), cache, bt, sl, window=window))
+    qq = q @ hadamard_matrix_np(d) if c.rotated else q
+    ref = dense_attention(qq.astype(np.float64), exp_k, exp_v, lens, 1 / np.sqrt(d), window)
+    if c.rotated:
+        ref = ref @ hadamard_matrix_np(d)
+    np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+
+
+def _static_expected(c, k, v, cache, calibration):
+    full = (k.shape[0] // cache.block_size) * cache.block_size
+    out = []
+    k32, v32 = (jnp.asarray(x, cache.dtype).astype(jnp.float32) for x in (k, v))
+    kq, vq = kj.dequantize(kj.quantize((k32, v32), c, calibration=calibration))
+    for x, xq in ((k, kq), (v, vq)):
+        e = np.asarray(jnp.asarray(x, cache.dtype).astype(jnp.float32)).astype(np.float64)
+        e[cache.block_size:full] = np.asarray(xq.astype(jnp.float32))[cache.block_size:full]
+        out.append(e)
+    return out
+
+
+SCHEMES = ["kvarn_k4v2_g32", "kvarn_k2v4_g32", "kivi_k2v2_g32", "int4", "int8_g16", "int_k8v2", "fp8", "fp16", "bf16"]
+
+
+@given(cfg=st.sampled_from(SCHEMES), dim=st.sampled_from([64, 128]), heads=st.sampled_from([1, 2]),
+       ratio=st.sampled_from([1, 4, 7, 8]), blocks_per_tile=st.sampled_from([1, 2]),
+       lens=st.lists(st.integers(1, 150), min_size=1, max_size=3), dtype=st.sampled_from(["float16", "bfloat16"]),
+       seed=st.integers(0, 2 ** 16))
+def test_serving_writes_then_attention_match_dense_oracle(cfg, dim, heads, ratio, blocks_per_tile, lens, dtype, seed):
+    rng = np.random.default_rng(seed)
+    c = kj.parse(cfg)
+    bs = max(c.tile_tokens, 16) * blocks_per_tile
+    nb = sum(-(-L // bs) for L in lens) + 2
+    cache = poison(make_cache(cfg, num_blocks=nb, block_size=bs, heads=heads, dim=dim, max_seqs=3,
+                              dtype=jnp.dtype(dtype)), rng)
+    cache = dataclasses.replace(cache, dropped_tokens=jnp.zeros((), jnp.int32))
+    seqs = [random_kv(rng, L, heads, dim, dtype=np.float32, outliers=2) for L in lens]
+    tables = allocate_tables(rng, lens, bs, nb)
+    cache = serve_writes(cache, tables, seqs, rng)
+    assert int(cache.dropped_tokens) == 0
+    check_against_oracle(cfg, cache, tables, seqs, rng, hq=heads * ratio)
+
+
+@pytest.mark.parametrize("cfg", ["kvarn_k4v2_g64", "int4_g32", "fp8"])
+@pytest.mark.parametrize("block_size", [64, 128, 256])
+def test_block_sizes(cfg, block_size, rng):
+    lens = [block_size * 2 + 5, block_size - 3]
+    nb = 8
+    cache = make_cache(cfg, num_blocks=nb, block_size=block_size, heads=1, dim=64, max_seqs=2)
+    seqs = [random_kv(rng, L, 1, 64, dtype=np.float32) for L in lens]
+    tables = allocate_tables(rng, lens, block_size, nb)
+    cache = serve_writes(cache, tables, seqs, rng)
+    check_against_oracle(cfg, cache, tables, seqs, rng, hq=4)
+
+
+@pytest.mark.parametrize("cfg", ["int8_static", "fp8_static"])
+def test_static_schemes_in_the_cache(cfg, rng):
+    seqs = [random_kv(rng, L, 2, 64, dtype=np.float32) for L in (100, 40)]
+    cal = kj.calibrate([(jnp.asarray(k), jnp.asarray(v)) for k, v in seqs], cfg)
+    cache = make_cache(cfg, calibration=cal)
+    tables = allocate_tables(rng, [100, 40], 32, 24)
+    cache = serve_writes(cache, tables, seqs, rng)
+    check_against_oracle(cfg, cache, tables, seqs, rng, hq=4, calibration=cal)
+
+
+def test_sliding_window(rng):
+    lens = [150, 37]
+    cache = make_cache("kvarn_k4v4_g32")
+    seqs = [random_kv(rng, L, 2, 64, dtype=np.float32) for L in lens]
+    tables = allocate_tables(rng, lens, 32, 24)
+    cache = serve_writes(cache, tables, seqs, rng)
+    check_against_oracle("kvarn_k4v4_g32", cache, tables, seqs, rng, hq=8, window=50)
+
+
+def test_zero_length_sequence_gives_zero_output(rng):
+    cache = make_cache("int8")
+    q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.float32)
+    out = kj.paged_decode_attention_reference(q, cache, jnp.zeros((2, 3), jnp.int32), jnp.array([0, 0], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(out), 0)
+
+
+def test_rotated_io_convention(rng):
+    lens = [90]
+    cache = make_cache("kvarn_k4v2_g32")
+    seqs = [random_kv(rng, 90, 2, 64, dtype=np.float32)]
+    tables = allocate_tables(rng, lens, 32, 24)
+    cache = serve_writes(cache, tables, seqs, rng)
+    q = jnp.asarray(rng.standard_normal((1, 4, 64)), jnp.float32)
+    bt, sl = jnp.asarray(tables), jnp.array(lens, jnp.int32)
+    plain = kj.paged_decode_attention_reference(q, cache, bt, sl)
+    rot = kj.paged_decode_attention_reference(kj.rotate(q), cache, bt, sl, rotated_io=True)
+    np.testing.assert_allclose(np.asarray(kj.unrotate(rot)), np.asarray(plain), atol=1e-5)
+
+
+# ------------------------------------------------------------------ isolation
+@pytest.mark.parametrize("cfg", ["kvarn_k4v2_g32", "int4", "fp16"])
+def test_writes_touch_only_the_named_slots(cfg, rng):
+    cache = poison(make_cache(cfg, num_blocks=10, max_seqs=3), rng)
+    before = jax.tree_util.tree_map(np.asarray, cache)
+    # sequence 1 gets blocks 3 and 7: a 32-token sink block and 20 tokens of its second block
+    k, v = random_kv(rng, 52, 2, 64, dtype=np.float32)
+    slots = np.concatenate([3 * 32 + np.arange(32), 7 * 32 + np.arange(20)])
+    cache = kj.write(cache, jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots, jnp.int32),
+                     seq_ids=jnp.full((52,), 1, jnp.int32), positions=jnp.arange(52, dtype=jnp.int32))
+    after = jax.tree_util.tree_map(np.asarray, cache)
+    c = kj.parse(cfg)
+    for side in ("k", "v"):
+        for name in before.pages[side]:
+            b, a = before.pages[side][name], after.pages[side][name]
+            touched = [3, 7] if c.is_passthrough else []  # quantized schemes: nothing is full yet
+            for blk in range(10):
+                if blk not in touched:
+                    np.testing.assert_array_equal(a[blk], b[blk], err_msg=f"page {blk} changed")
+            if c.is_passthrough:
+                np.testing.assert_array_equal(a[7][:, 20:], b[7][:, 20:])  # unwritten slots of block 7
+        if not c.is_passthrough:
+            for s in (0, 2):
+                np.testing.assert_array_equal(after.sink[side][s], before.sink[side][s])
+                np.testing.assert_array_equal(after.tail[side][s], before.tail[side][s])
+            np.testing.assert_array_equal(after.tail[side][1][:, 20:], before.tail[side][1][:, 20:])
+    # complete block 7: now exactly page 7 changes among the pages
+    k2, v2 = random_kv(rng, 12, 2, 64, dtype=np.float32)
+    cache = kj.write(cache, jnp.asarray(k2), jnp.asarray(v2), jnp.asarray(7 * 32 + np.arange(20, 32), jnp.int32),
+                     seq_ids=jnp.full((12,), 1, jnp.int32), positions=jnp.arange(52, 64, dtype=jnp.int32))
+    final = jax.tree_util.tree_map(np.asarray, cache)
+    for side in ("k", "v"):
+        for name in before.pages[side]:
+            for blk in range(10):
+                if blk != 7 and not (c.is_passthrough and blk == 3):
+                    np.testing.assert_array_equal(final.pages[side][name][blk], before.pages[side][name][blk])
+            assert not np.array_equal(final.pages[side][name][7], before.pages[side][name][7])
+
+
+def test_invalid_entries_under_jit_are_dropped_and_counted(rng):
+    cache = poison(make_cache("kvarn_k4v2_g32", num_blocks=4, max_seqs=2), rng)
+    cache = dataclasses.replace(cache, dropped_tokens=jnp.zeros((), jnp.int32))
+    before = jax.tree_util.tree_map(np.asarray, cache)
+    k, v = random_kv(rng, 4, 2, 64, dtype=np.float32)
+    slots = jnp.array([4 * 32, 5, -1, 2], jnp.int32)          # out of range; ok; padding; bad seq id
+    seq_ids = jnp.array([0, 1, 0, 9], jnp.int32)
+    positions = jnp.array([0, 6, 0, 2], jnp.int32)             # slot 5 has offset 5 but position 6
+    out = jax.jit(kj.write)(cache, jnp.asarray(k), jnp.asarray(v), slots, seq_ids=seq_ids, positions=positions)
+    assert int(out.dropped_tokens) == 3  # padding is not counted
+    for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(out)):
+        if a.shape:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ------------------------------------------------------------------ speculative decoding
+def test_rollback_across_a_block_boundary_with_two_tail_blocks(rng):
+    bs = 32
+    k, v = random_kv(rng, 100, 2, 64, dtype=np.float32)
+    wk, wv = random_kv(rng, 100, 2, 64, dtype=np.float32)  # rejected drafts
+    table = np.array([[5, 2, 9, 0]], np.int32)
+
+    def put(cache, kk, vv, lo, hi):
+        pos = np.arange(lo, hi)
+        slots = table[0, pos // bs] * bs + pos % bs
+        return kj.write(cache, jnp.asarray(kk[lo:hi]), jnp.asarray(vv[lo:hi]), jnp.asarray(slots, jnp.int32),
+                        seq_ids=jnp.zeros(hi - lo, jnp.int32), positions=jnp.asarray(pos, jnp.int32))
+
+    cache = put(make_cache("kvarn_k4v2_g32", tail_blocks=2), k, v, 0, 60)
+    cache = put(cache, wk, wv, 60, 70)   # drafts complete block 1 (positions 32..63) and spill into block 2
+    cache = put(cache, k, v, 60, 70)     # verification rejected them: the correct tokens are re-written
+    cache = put(cache, k, v, 70, 75)
+    fresh = put(make_cache("kvarn_k4v2_g32", tail_blocks=2), k, v, 0, 75)
+    for a, b in zip(kj.gather_dense(cache, jnp.asarray(table), jnp.array([75])),
+                    kj.gather_dense(fresh, jnp.asarray(table), jnp.array([75]))):
+        np.testing.assert_array_equal(np.asarray(a[:, :, :75]), np.asarray(b[:, :, :75]))
+    # a rollback to inside block 1 (seq_len 62) reads block 1 from the ring, not from its page
+    rb = put(put(make_cache("kvarn_k4v2_g32", tail_blocks=2), k, v, 0, 62), wk, wv, 62, 66)
+    kd, _ = kj.gather_dense(rb, jnp.asarray(table), jnp.array([62]))
+    exp = np.asarray(kj.rotate(jnp.asarray(k[32:62]), jnp.float16).astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(kd[0, :, 32:62]).transpose(1, 0, 2), exp)
+
+
+# ------------------------------------------------------------------ jit / vmap
+def test_jit_with_donation_matches_eager(rng):
+    cache = make_cache("kvarn_k4v2_g32", max_seqs=2)
+    k, v = random_kv(rng, 64, 2, 64, dtype=np.float32)
+    args = (jnp.asarray(k), jnp.asarray(v), jnp.arange(64, dtype=jnp.int32) + 64)
+    kw = dict(seq_ids=jnp.zeros(64, jnp.int32), positions=jnp.arange(64, dtype=jnp.int32))
+    eager = kj.write(cache, *args, **kw)
+    jitted = jax.jit(kj.write, donate_argnums=0)(make_cache("kvarn_k4v2_g32", max_seqs=2), *args, **kw)
+    for a, b in zip(jax.tree_util.tree_leaves(eager), jax.tree_util.tree_leaves(jitted)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_stack_layers_and_vmap(rng):
+    layers = 3
+    caches = kj.stack_layers([make_cache("int4", num_blocks=6, max_seqs=2) for _ in range(layers)])
+    k, v = random_kv(rng, layers * 40, 2, 64, dtype=np.float32)
+    k, v = jnp.asarray(k).reshape(layers, 40, 2, 64), jnp.asarray(v).reshape(layers, 40, 2, 64)
+    slots = jnp.arange(40, dtype=jnp.int32) + 64
+    kw = dict(seq_ids=jnp.zeros(40, jnp.int32), positions=jnp.arange(40, dtype=jnp.int32))
+    out = jax.vmap(lambda c, k, v: kj.write(c, k, v, slots, **kw))(caches, k, v)
+    q = jnp.asarray(rng.standard_normal((layers, 1, 4, 64)), jnp.float32)
+    bt, sl = jnp.array([[2, 3, 0]], jnp.int32), jnp.array([40], jnp.int32)
+    att = jax.vmap(lambda c, q: kj.paged_decode_attention_reference(q, c, bt, sl))(out, q)
+    for layer in range(layers):
+        single = kj.write(make_cache("int4", num_blocks=6, max_seqs=2), k[layer], v[layer], slots, **kw)
+        np.testing.assert_array_equal(np.asarray(out.pages["k"]["codes"][layer]), np.asarray(single.pages["k"]["codes"]))
+        ref = kj.paged_decode_attention_reference(q[layer], single, bt, sl)
+        np.testing.assert_allclose(np.asarray(att[layer]), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    rep = kj.memory_report(out)
+    assert rep["layers"] == 3 and rep["fp16_bytes"] == 3 * 6 * 32 * 2 * 64 * 4
+
+
+# ------------------------------------------------------------------ memory
+@pytest.mark.parametrize("cfg, dim, expected", [
+    ("kvarn_k4v2_g128", 128, 108.0),   # 13,824 B per 128-token tile (DESIGN.md §1.5)
+    ("kvarn_k4v4_g128", 128, 140.0),   # (8192 + 768) + (8192 + 768) over 128 tokens
+    ("int8", 128, 264.0),              # 128 codes + fp16 scale + zero, for K and V
+    ("int4_g32", 128, 160.0),          # 64 codes + 4 groups x 4 B, x2
+    ("fp8", 128, 260.0),               # 128 codes + fp16 scale, x2
+    ("kivi_k2v2_g32", 128, 96.0),      # K: (1024 + 512)/32; V: (1024 + 256 + 256)/32
+    ("fp16", 64, 256.0),
+])
+def test_bytes_per_token(cfg, dim, expected):
+    assert kj.bytes_per_token(cfg, dim) == expected
+
+
+def test_memory_report_exact():
+    cache = make_cache("kvarn_k4v2_g128", num_blocks=10, block_size=128, heads=2, dim=128, max_seqs=3)
+    rep = kj.memory_report(cache)
+    assert rep["page_bytes"] == 10 * 2 * 13824
+    assert rep["code_bytes"] == 10 * 2 * (8192 + 4096)
+    assert rep["sink_bytes"] == 2 * 3 * 2 * 128 * 128 * 2
+    assert rep["tail_bytes"] == rep["sink_bytes"]
+    assert rep["total_bytes"] == rep["page_bytes"] + rep["sink_bytes"] + rep["tail_bytes"]
+    assert rep["fp16_bytes"] == 10 * 128 * 2 * 128 * 4
+    assert rep["bytes_per_token_per_head"] == 108.0
+    assert rep["capacity_vs_fp16"] == pytest.approx(rep["fp16_bytes"] / rep["total_bytes"])
+    assert "kvarn_k4v2_g128" in kj.format_memory_report(rep)
+    assert sum(a.nbytes for a in jax.tree_util.tree_leaves(cache)) == rep["total_bytes"] + 4  # + dropped counter
+
+
+# ------------------------------------------------------------------ errors
+def test_create_errors():
+    with pytest.raises(ValueError, match="max_seqs must be a positive int for kvarn_k4v2_g128"):
+        kj.PagedKVCache.create("kvarn_k4v2_g128", num_blocks=4, block_size=128, num_kv_heads=1, head_dim=128)
+    with pytest.raises(ValueError, match="block_size=64 cannot be used with kvarn_k4v2_g128"):
+        make_cache("kvarn_k4v2_g128", block_size=64)
+    with pytest.raises(ValueError, match="not a known scheme"):
+        make_cache("kvarn_k4v2")
+    with pytest.raises(ValueError, match="head_dim=80"):
+        make_cache("kvarn_k4v2_g32", dim=80)
+    with pytest.raises(ValueError, match="calibration is required by int8_static"):
+        make_cache("int8_static")
+    with pytest.raises(ValueError, match="num_blocks must be a positive int"):
+        make_cache("int8", num_blocks=0)
+
+
+def test_write_errors(rng):
+    cache = make_cache("kvarn_k4v2_g32", num_blocks=4, max_seqs=2)
+    k, v = (jnp.asarray(a) for a in random_kv(rng, 3, 2, 64, dtype=np.float32))
+    ok = dict(seq_ids=jnp.zeros(3, jnp.int32), positions=jnp.arange(3, dtype=jnp.int32))
+    with pytest.raises(ValueError, match=r"slot_mapping\[1\] = 128 is out of range"):
+        kj.write(cache, k, v, jnp.array([0, 128, 2], jnp.int32), **ok)
+    with pytest.raises(ValueError, match=r"seq_ids\[2\] = 2 is out of range.*max_seqs=2"):
+        kj.write(cache, k, v, jnp.arange(3, dtype=jnp.int32), seq_ids=jnp.array([0, 0, 2], jnp.int32),
+                 positions=ok["positions"])
+    with pytest.raises(ValueError, match=r"positions\[0\] = 5 and slot_mapping\[0\] = 0 disagree"):
+        kj.write(cache, k, v, jnp.arange(3, dtype=jnp.int32), seq_ids=ok["seq_ids"],
+                 positions=jnp.array([5, 1, 2], jnp.int32))
+    with pytest.raises(ValueError, match="seq_ids is required by kvarn_k4v2_g32"):
+        kj.write(cache, k, v, jnp.arange(3, dtype=jnp.int32))
+    with pytest.raises(ValueError, match=r"k must be \[tokens, 2, 64\]"):
+        kj.write(cache, k[:, :1], v[:, :1], jnp.arange(3, dtype=jnp.int32), **ok)
+    with pytest.raises(ValueError, match="slot_mapping has 2 entries for 3 tokens"):
+        kj.write(cache, k, v, jnp.arange(2, dtype=jnp.int32), **ok)
+    with pytest.raises(ValueError, match="slot_mapping must be an integer array"):
+        kj.write(cache, k, v, jnp.arange(3, dtype=jnp.float32), **ok)
+    with pytest.raises(ValueError, match="k contains 1 non-finite"):
+        kj.write(cache, k.at[1, 1, 1].set(jnp.nan), v, jnp.arange(3, dtype=jnp.int32), **ok)
+
+
+def test_attention_errors(rng):
+    cache = make_cache("int8", num_blocks=4, max_seqs=2)
+    q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.float32)
+    bt = jnp.array([[0, 1], [2, 3]], jnp.int32)
+    sl = jnp.array([40, 10], jnp.int32)
+    with pytest.raises(ValueError, match=r"block_tables\[1, 1\] = 4 is out of range"):
+        kj.paged_decode_attention_reference(q, cache, bt.at[1, 1].set(4), jnp.array([40, 40], jnp.int32))
+    # an unused entry may hold anything (vLLM pads tables)
+    kj.paged_decode_attention_reference(q, cache, bt.at[1, 1].set(99), sl)
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 65 is out of range"):
+        kj.paged_decode_attention_reference(q, cache, bt, jnp.array([65, 1], jnp.int32))
+    with pytest.raises(ValueError, match="q has 3 heads, which is not a multiple"):
+        kj.paged_decode_attention_reference(q[:, :3], cache, bt, sl)
+    with pytest.raises(ValueError, match="block_tables has 2 rows, seq_lens 1"):
+        kj.paged_decode_attention_reference(q, cache, bt, sl[:1])
+    with pytest.raises(ValueError, match=r"seq_ids\[0\] = 3 is out of range"):
+        kj.paged_decode_attention_reference(q, cache, bt, sl, seq_ids=jnp.array([3, 0], jnp.int32))
+    with pytest.raises(ValueError, match="q contains"):
+        kj.paged_decode_attention_reference(q.at[0, 0, 0].set(jnp.nan), cache, bt, sl)
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        kj.paged_decode_attention_reference(q, cache, bt, sl, window=0)
