@@ -87,9 +87,9 @@ def test_serving_writes_then_attention_match_dense_oracle(cfg, dim, heads, ratio
 @pytest.mark.parametrize("cfg", ["kvarn_k4v2_g64", "int4_g32", "fp8"])
 @pytest.mark.parametrize("block_size", [64, 128, 256])
 def test_block_sizes(cfg, block_size, rng):
-    lens = [block_size * 2 + 5, block_size - 3]
+    lens = [block_size * 2 + 5, block_size - 3, block_size * 2]  # mid-block, < 1 block, exactly full
     nb = 8
-    cache = make_cache(cfg, num_blocks=nb, block_size=block_size, heads=1, dim=64, max_seqs=2)
+    cache = make_cache(cfg, num_blocks=nb, block_size=block_size, heads=1, dim=64, max_seqs=3)
     seqs = [random_kv(rng, L, 1, 64, dtype=np.float32) for L in lens]
     tables = allocate_tables(rng, lens, block_size, nb)
     cache = serve_writes(cache, tables, seqs, rng)
