@@ -1,0 +1,57 @@
+"""`paged_decode_attention`: the public decode entry, choosing the Pallas kernel or the reference."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from ..hadamard import rotate, unrotate
+from . import paged_decode_pallas
+from .reference import _attend, _check
+
+IMPLS = ("auto", "pallas", "reference")
+
+
+def paged_decode_attention(q, cache, block_tables, seq_lens, scale: float | None = None, *, seq_ids=None,
+                           window: int | None = None, impl: str = "auto", interpret: bool | None = None,
+                           num_splits: int | None = None):
+    """Decode attention of one query token per sequence over a `PagedKVCache`.
+
+    Same arguments and result as `paged_decode_attention_reference` (q [B, Hq, D] -> [B, Hq, D] in
+    q.dtype), plus:
+      impl: "pallas" (the fused kernel), "reference" (pure jnp) or "auto": the kernel on GPU/TPU when
+        it supports the cache, the reference on CPU (there the kernel only runs interpreted, slowly).
+      interpret: run the Pallas kernel in interpret mode (default: True on CPU; how CI tests it).
+      num_splits: programs per (sequence, kv head) along the KV length (default: enough to fill the chip).
+    `impl="pallas"` raises ValueError if the kernel cannot take the cache (e.g. a block size that is
+    not a power of two); nothing falls back silently.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
+    _check(q, cache, block_tables, seq_lens, seq_ids, window)
+    backend = jax.default_backend()
+    why = paged_decode_pallas.supports(cache.cfg, cache.block_size, cache.head_dim)
+    if impl == "auto":
+        impl = "reference" if backend == "cpu" or why else "pallas"
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if impl == "reference":
+        return _attend(q, cache, block_tables, seq_lens, sm_scale, seq_ids, window, False)
+    if why is not None:
+        raise ValueError(f"impl='pallas' cannot run this cache: {why}; use impl='reference' or 'auto'")
+    sid = jnp.arange(q.shape[0], dtype=jnp.int32) if seq_ids is None else seq_ids
+    return _pallas(q, cache, block_tables, seq_lens, sid, scale=sm_scale, window=window,
+                   interpret=backend == "cpu" if interpret is None else bool(interpret), num_splits=num_splits)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "window", "interpret", "num_splits"))
+def _pallas(q, cache, block_tables, seq_lens, seq_ids, *, scale, window, interpret, num_splits):
+    # rotate once before and un-rotate once after: the kernel works in the stored frame
+    qr = rotate(q.astype(jnp.float32)) if cache.cfg.rotated else q
+    o = paged_decode_pallas.paged_decode_pallas(qr, cache, block_tables, seq_lens, seq_ids, scale=scale,
+                                                window=window, num_splits=num_splits, interpret=interpret)
+    if cache.cfg.rotated:
+        o = unrotate(o)
+    return o.astype(q.dtype)
