@@ -1,0 +1,253 @@
+"""Decode attention benchmark: our Pallas kernel per scheme vs FP16 baselines and the byte roofline.
+
+    python benchmarks/decode.py [--shapes 32x32768,128x4096,...] [--schemes kvarn_k4v2_g128,...]
+                                [--json out.json] [--check]
+
+For each shape (batch x context) it builds a paged cache with random contents (codes, positive
+scales) and random block tables, then times:
+  - ours: kvarn_jax.paged_decode_attention(impl="pallas") per scheme (device time per call, from a
+    lax.scan of dependent calls, and the plain dispatch loop time);
+  - fp16 SDPA: torch scaled_dot_product_attention on contiguous K/V (if torch with CUDA is present);
+  - jax paged: JAX's own Pallas GPU paged attention on fp16 pages (if it runs);
+  - roofline: bytes the kernel must read / measured copy bandwidth.
+`--check` also compares the kernel with the reference on the first shape (relative error).
+Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import kvarn_jax as kj  # noqa: E402
+
+DEFAULT_SHAPES = "32x32768,128x4096,256x8192,8x16384,1x131072"
+DEFAULT_SCHEMES = "kvarn_k4v2_g128,kvarn_k4v4_g128,int8,int4,fp8,fp16"
+
+
+def random_cache(cfg, batch, ctx, hk, d, bs, dtype, seed=0):
+    """A cache whose pages hold random codes and plausible scales, and random block tables."""
+    blocks_per_seq = -(-ctx // bs)
+    nb = batch * blocks_per_seq
+    cache = kj.PagedKVCache.create(cfg, num_blocks=nb, block_size=bs, num_kv_heads=hk, head_dim=d,
+                                   max_seqs=batch, dtype=dtype)
+    key = jax.random.PRNGKey(seed)
+
+    def fill(path, a):
+        nonlocal key
+        key, sub = jax.random.split(key)
+        name = str(path[-1])
+        if a.dtype == jnp.uint8:
+            r = jax.random.randint(sub, a.shape, 0, 256, jnp.int32).astype(jnp.uint8)
+            if kj.parse(cfg).method == "fp8":  # avoid e4m3 NaN patterns (x1111111)
+                r = jnp.where((r & 0x7F) == 0x7F, r & 0xFE, r)
+            return r
+        if a.dtype == jnp.int32:
+            return a
+        if "scale" in name:
+            return jax.random.uniform(sub, a.shape, jnp.float32, 0.02, 0.2).astype(a.dtype)
+        return (jax.random.normal(sub, a.shape, jnp.float32) * (0.1 if "zero" in name else 1.0)).astype(a.dtype)
+
+    cache = jax.tree_util.tree_map_with_path(fill, cache)
+    perm = np.random.default_rng(seed).permutation(nb).astype(np.int32)
+    tables = jnp.asarray(perm.reshape(batch, blocks_per_seq))
+    lens = jnp.full((batch,), ctx, jnp.int32)
+    return cache, tables, lens
+
+
+def kernel_bytes(cache, batch, ctx):
+    """Bytes one decode call must read: every used page, the sink and tail, q and the output."""
+    cfg, bs = cache.cfg, cache.block_size
+    per_token = kj.bytes_per_token(cfg, cache.head_dim) * cache.num_kv_heads
+    hp_tokens = 0 if cfg.is_passthrough else min(ctx, bs) + (ctx % bs if ctx >= bs else 0)
+    quant_tokens = ctx - hp_tokens
+    hp_bytes = hp_tokens * cache.num_kv_heads * cache.head_dim * 2 * jnp.dtype(cache.dtype).itemsize
+    return batch * (quant_tokens * per_token + hp_bytes)
+
+
+def device_time(fn, args, reps=20):
+    """Seconds per call on the device: `reps` dependent calls inside one jitted scan."""
+    q = args[0]
+
+    @jax.jit
+    def many(q, *rest):
+        def body(c, _):
+            o = fn(q + c, *rest)
+            return c + (o[0, 0, 0] * 0).astype(c.dtype), None
+        c, _ = jax.lax.scan(body, jnp.zeros((), q.dtype), None, length=reps)
+        return c
+
+    many(*args).block_until_ready()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        many(*args).block_until_ready()
+        times.append((time.perf_counter() - t) / reps)
+    return float(np.median(times))
+
+
+def loop_time(fn, args, reps=50):
+    f = jax.jit(fn)
+    f(*args).block_until_ready()
+    t = time.perf_counter()
+    for _ in range(reps):
+        o = f(*args)
+    o.block_until_ready()
+    return (time.perf_counter() - t) / reps
+
+
+def copy_bandwidth():
+    x = jax.random.normal(jax.random.PRNGKey(1), (512, 1024, 1024), jnp.float32)  # 2 GiB
+    f = jax.jit(lambda x: x * 1.0001)
+    f(x).block_until_ready()
+    ts = []
+    for _ in range(10):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        ts.append(time.perf_counter() - t)
+    return 2 * x.nbytes / float(np.median(ts))
+
+
+def torch_sdpa_time(batch, ctx, hq, hk, d):
+    try:
+        import torch
+        import torch.nn.functional as F
+        if not torch.cuda.is_available():
+            return None
+        q = torch.randn(batch, hq, 1, d, device="cuda", dtype=torch.float16)
+        k = torch.randn(batch, hk, ctx, d, device="cuda", dtype=torch.float16)
+        v = torch.randn(batch, hk, ctx, d, device="cuda", dtype=torch.float16)
+        fn = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ts = []
+        for _ in range(5):
+            start.record()
+            for _ in range(20):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            ts.append(start.elapsed_time(end) / 20 / 1e3)
+        del q, k, v
+        torch.cuda.empty_cache()
+        return float(np.median(ts))
+    except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
+        print(f"  torch SDPA baseline failed: {type(e).__name__}: {e}")
+        return None
+
+
+def jax_paged_time(batch, ctx, hq, hk, d, bs):
+    try:
+        from jax.experimental.pallas.ops.gpu import paged_attention as jpa
+        pages = batch * (ctx // bs)
+        kp = jax.random.normal(jax.random.PRNGKey(2), (hk, pages, bs, d), jnp.float16)
+        vp = jax.random.normal(jax.random.PRNGKey(3), (hk, pages, bs, d), jnp.float16)
+        q = jax.random.normal(jax.random.PRNGKey(4), (batch, hq, d), jnp.float16)
+        bt = jnp.asarray(np.random.default_rng(0).permutation(pages).astype(np.int32).reshape(batch, -1))
+        lens = jnp.full((batch,), ctx, jnp.int32)
+        ppcb = max(1, min(8, ctx // bs))
+        fn = lambda q, kp, vp, bt, lens: jpa.paged_attention(q, kp, vp, bt, lens, pages_per_compute_block=ppcb)
+        return device_time(fn, (q, kp, vp, bt, lens))
+    except Exception as e:  # noqa: BLE001
+        print(f"  jax paged attention baseline failed: {type(e).__name__}: {str(e)[:200]}")
+        return None
+
+
+def check(cfg, hq, hk, d, bs):
+    """Kernel vs reference on a moderately sized random cache."""
+    cache, tables, lens = random_cache(cfg, 4, 4 * bs + 37, hk, d, bs, jnp.float16, seed=7)
+    lens = jnp.array([4 * bs + 37, 3 * bs, bs - 5, 2 * bs + 1], jnp.int32)
+    q = jax.random.normal(jax.random.PRNGKey(5), (4, hq, d), jnp.float32)
+    ref = kj.paged_decode_attention(q, cache, tables, lens, impl="reference")
+    out = kj.paged_decode_attention(q, cache, tables, lens, impl="pallas")
+    return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default=DEFAULT_SHAPES)
+    p.add_argument("--schemes", default=DEFAULT_SCHEMES)
+    p.add_argument("--hq", type=int, default=32)
+    p.add_argument("--hk", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--splits", default="", help="comma list of num_splits to try (default: heuristic only)")
+    p.add_argument("--no-baselines", action="store_true")
+    p.add_argument("--check", action="store_true")
+    p.add_argument("--json", default="")
+    args = p.parse_args()
+    hq, hk, d, bs = args.hq, args.hk, args.head_dim, args.block_size
+    schemes = [s for s in args.schemes.split(",") if s]
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
+    dev = jax.devices()[0]
+    bw = copy_bandwidth()
+    print(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}; copy bandwidth {bw / 1e12:.2f} TB/s")
+    results = {"device": dev.device_kind, "jax": jax.__version__, "copy_bandwidth_Bps": bw,
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "hq": hq, "hk": hk,
+               "head_dim": d, "block_size": bs, "python": platform.python_version(), "checks": {}, "rows": []}
+    try:
+        results["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                           cwd=os.path.dirname(__file__)).stdout.strip()
+    except OSError:
+        results["commit"] = ""
+    if args.check:
+        for s in schemes:
+            try:
+                err = check(s, hq, hk, d, bs)
+            except Exception as e:  # noqa: BLE001 - report and go on with the other schemes
+                print(f"check {s}: FAILED {type(e).__name__}: {str(e)[:2000]}")
+                results["checks"][s] = f"error: {type(e).__name__}"
+                continue
+            results["checks"][s] = err
+            print(f"check {s}: kernel vs reference relative L2 error {err:.2e}")
+    splits = [int(x) for x in args.splits.split(",") if x] or [None]
+    for batch, ctx in shapes:
+        row = {"batch": batch, "ctx": ctx, "schemes": {}}
+        if not args.no_baselines:
+            row["fp16_sdpa_s"] = torch_sdpa_time(batch, ctx, hq, hk, d)
+            row["jax_paged_fp16_s"] = jax_paged_time(batch, ctx, hq, hk, d, bs)
+        for s in schemes:
+            if isinstance(results["checks"].get(s), str):
+                continue  # the kernel failed its check: timing it would mean nothing
+            cache, tables, lens = random_cache(s, batch, ctx, hk, d, bs, jnp.float16)
+            q = jax.random.normal(jax.random.PRNGKey(9), (batch, hq, d), jnp.float16)
+            nbytes = kernel_bytes(cache, batch, ctx)
+            best = None
+            for ns in splits:
+                fn = lambda q, c, t, l, ns=ns: kj.paged_decode_attention(q, c, t, l, impl="pallas", num_splits=ns)
+                t_dev = device_time(fn, (q, cache, tables, lens))
+                if best is None or t_dev < best["device_s"]:
+                    best = {"device_s": t_dev, "num_splits": ns}
+            fn = lambda q, c, t, l, ns=best["num_splits"]: kj.paged_decode_attention(q, c, t, l, impl="pallas", num_splits=ns)
+            best["loop_s"] = loop_time(fn, (q, cache, tables, lens))
+            best["bytes"] = nbytes
+            best["roofline_s"] = nbytes / bw
+            best["roofline_frac"] = best["roofline_s"] / best["device_s"]
+            row["schemes"][s] = best
+            del cache
+        results["rows"].append(row)
+        ms = lambda x: "   -   " if x is None else f"{x * 1e3:7.3f}"
+        print(f"B={batch:<4d} L={ctx:<7d} fp16 SDPA {ms(row.get('fp16_sdpa_s'))} ms | jax paged fp16 {ms(row.get('jax_paged_fp16_s'))} ms")
+        for s, r in row["schemes"].items():
+            print(f"    {s:<18s} {ms(r['device_s'])} ms  (loop {ms(r['loop_s'])} ms)  roofline {ms(r['roofline_s'])} ms"
+                  f"  {100 * r['roofline_frac']:5.1f}% of roofline  splits={r['num_splits']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
