@@ -50,19 +50,16 @@ def supports(cfg: KVQuantConfig, block_size: int, head_dim: int) -> str | None:
 
 
 # ----------------------------------------------------------------------------- in-kernel helpers
-def _unpack(c, bits: int):
-    """uint8 [R, Cb] -> codes [R, Cb * 8 // bits] (element j of a byte at bit shift j*bits)."""
+def _plane(c, bits: int, j: int):
+    """Bit plane j of packed codes: element j of every byte (bit shift j*bits), as fp16.
+
+    Codes are packed along the last axis, element j of a group of 8/bits at shift j*bits, so plane j
+    holds elements j, j + per, j + 2 per, ... Working plane by plane avoids re-interleaving codes in
+    registers: the token (K) or channel (V) order is restored outside the inner products.
+    """
     if bits == 8:
-        return c
-    per = 8 // bits
-    mask = (1 << bits) - 1
-    p = [jnp.bitwise_and(jnp.right_shift(c, j * bits), mask) for j in range(per)]
-    r, cb = c.shape
-    if per == 2:
-        out = jnp.stack([p[0], p[1]], axis=-1)
-    else:  # per == 4: interleave as [i, c, e] -> 4i + 2c + e, holding plane 2c + e
-        out = jnp.stack([jnp.stack([p[0], p[2]], axis=-1), jnp.stack([p[1], p[3]], axis=-1)], axis=-1)
-    return out.reshape(r, cb * per)
+        return c.astype(jnp.float16)
+    return jnp.bitwise_and(jnp.right_shift(c, j * bits), (1 << bits) - 1).astype(jnp.float16)
 
 
 def _f16(x):
@@ -92,86 +89,189 @@ def _fp8(c):
 
 
 # ----------------------------------------------------------------------------- per-scheme tiles
-class _Tiles:
-    """How one scheme turns a tile of pages into scores and value contributions.
+class _Plan:
+    """Static facts of one scheme's inner loop.
 
-    `f` maps field name -> loaded array for one tile of one head; `st` maps static parameter name
-    -> loaded per-head array. q is fp32 [Gp, D]; p is fp32 [Gp, T].
+    kc: token classes of a tile - keys of tiled schemes are packed along tokens, so bit plane j of
+        the key codes holds tokens j, j + kc, ...; values' rows are split the same way.
+    pk: channel planes of per-token keys (packed along channels); the query is split to match.
+    vp: channel planes of values (packed along channels); the accumulator and output are kept as
+        vp planes [Gp, D / vp] and re-interleaved outside the kernel.
     """
 
-    def __init__(self, cfg: KVQuantConfig, head_dim: int):
-        self.cfg, self.d = cfg, head_dim
+    def __init__(self, cfg: KVQuantConfig, head_dim: int, tile_tokens: int):
+        self.cfg, self.d, self.t = cfg, head_dim, tile_tokens
+        tiled = cfg.method in ("kvarn", "kivi")
+        self.kc = 8 // cfg.k_bits if tiled else 1
+        self.pk = 8 // cfg.k_bits if cfg.method == "int" else 1
+        self.vp = 8 // cfg.v_bits if cfg.method in ("kvarn", "kivi", "int") else 1
 
-    def scores(self, q, f, st):
-        cfg, d = self.cfg, self.d
-        if cfg.method == "kvarn":
-            c = _unpack(f["codes"], cfg.k_bits)                               # [D, G]
-            zq = jnp.sum(q * f["zero_chan"].astype(jnp.float32)[None, :], axis=1)
-            s = _dot(q * f["scale_chan"].astype(jnp.float32)[None, :], c) + zq[:, None]
-            return s * f["scale_tok"].astype(jnp.float32)[None, :]
-        if cfg.method == "kivi":
-            c = _unpack(f["codes"], cfg.k_bits)                               # [D, G]
-            zq = jnp.sum(q * f["zero"].astype(jnp.float32)[None, :], axis=1)
-            return _dot(q * f["scale"].astype(jnp.float32)[None, :], c) + zq[:, None]
-        return _dot_t(q, self._dequant_rows(f, st, "k"))
+    # views of the page fields that make every in-kernel load a plain strided slice
+    def page_view(self, side: str, name: str, a):
+        cfg, kc, vp = self.cfg, self.kc, self.vp
+        lead = a.shape[:3]                                                  # nb, Hk, tiles
+        if cfg.method in ("kvarn", "kivi"):
+            if side == "k" and name == "scale_tok":                        # [G] -> [G/kc, kc]
+                return a.reshape(lead + (a.shape[3] // kc, kc))
+            if side == "v" and name in ("codes", "scale_tok", "zero_tok", "scale", "zero"):
+                return a.reshape(lead + (a.shape[3] // kc, kc) + a.shape[4:])
+            if side == "v" and name == "scale_chan":                       # [D] -> [D/vp, vp]
+                return a.reshape(lead + (a.shape[3] // vp, vp))
+            return a
+        return a.reshape(a.shape[:2] + (a.shape[2] // self.t, self.t) + a.shape[3:])
 
-    def values(self, p, f, st):
-        cfg, d = self.cfg, self.d
-        if cfg.method == "kvarn":
-            c = _unpack(f["codes"], cfg.v_bits)                               # [G, D]
-            zp = jnp.sum(p * f["zero_tok"].astype(jnp.float32)[None, :], axis=1)
-            o = _dot(p * f["scale_tok"].astype(jnp.float32)[None, :], c) + zp[:, None]
-            return o * f["scale_chan"].astype(jnp.float32)[None, :]
-        return _dot(p, self._dequant_rows(f, st, "v"))
+    def static_view(self, side: str, a):
+        """Canonical static params -> [Hk, D/planes, planes] (int) or [Hk, 1] (fp8)."""
+        if self.cfg.method == "int":
+            planes = self.pk if side == "k" else self.vp
+            return a.reshape(a.shape[0], a.shape[1] // planes, planes)
+        return a.reshape(a.shape[0], 1)
 
-    def _dequant_rows(self, f, st, side):
-        """Tokens-by-channels fp32 values of a tile of per-token rows ([T, D])."""
-        cfg, d = self.cfg, self.d
-        if cfg.method == "passthrough":
-            return f["values"].astype(jnp.float32)
+    # ---------------------------------------------------------------- keys
+    def scores(self, q, q_planes, pages, st, blk, sub):
+        """List over token classes j of raw scores [Gp, T / kc] (tokens j, j + kc, ... of the tile)."""
+        cfg, kc = self.cfg, self.kc
+        f = pages["k"]
+        if cfg.method in ("kvarn", "kivi"):
+            codes = f["codes"][blk, sub]                                   # [D, G*b/8]
+            if cfg.method == "kvarn":
+                qs = q * f["scale_chan"][blk, sub].astype(jnp.float32)[None, :]
+                zq = jnp.sum(q * f["zero_chan"][blk, sub].astype(jnp.float32)[None, :], axis=1)
+            else:
+                qs = q * f["scale"][blk, sub].astype(jnp.float32)[None, :]
+                zq = jnp.sum(q * f["zero"][blk, sub].astype(jnp.float32)[None, :], axis=1)
+            qs = _f16(qs)
+            out = []
+            for j in range(kc):
+                s = jnp.dot(qs, _plane(codes, cfg.k_bits, j), preferred_element_type=jnp.float32) + zq[:, None]
+                if cfg.method == "kvarn":
+                    s = s * f["scale_tok"][blk, sub, :, j].astype(jnp.float32)[None, :]
+                out.append(s)
+            return out
+        if cfg.method == "int":
+            codes = f["codes"][blk, sub]                                   # [T, D*b/8]
+            if cfg.static:
+                s = 0.0
+                for n in range(self.pk):
+                    k = (_plane(codes, cfg.k_bits, n).astype(jnp.float32) * st["k"]["scale"][:, n][None, :]
+                         + st["k"]["zero"][:, n][None, :])
+                    s = s + _dot_t(q_planes[n], k)
+                return [s]
+            sc = f["scale"][blk, sub].astype(jnp.float32)                  # [T, D/cg]
+            zr = f["zero"][blk, sub].astype(jnp.float32)
+            if sc.shape[1] == 1:  # one scale per token: factor it out of the product
+                raw = 0.0
+                for n in range(self.pk):
+                    raw = raw + _dot_t(q_planes[n], _plane(codes, cfg.k_bits, n))
+                return [raw * sc[:, 0][None, :] + jnp.sum(q, axis=1)[:, None] * zr[:, 0][None, :]]
+            cgp = cfg.channel_group("k", self.d) // self.pk
+            s = 0.0
+            for n in range(self.pk):
+                k = (_plane(codes, cfg.k_bits, n).astype(jnp.float32) * _expand_groups(sc, cgp, self.d // self.pk)
+                     + _expand_groups(zr, cgp, self.d // self.pk))
+                s = s + _dot_t(q_planes[n], k)
+            return [s]
         if cfg.method == "fp8":
-            v = _fp8(f["codes"])
-            s = st["scale"].astype(jnp.float32)[None, :] if cfg.static else f["scale"].astype(jnp.float32)[:, None]
-            return v * s
-        bits = cfg.bits(side)
-        c = _unpack(f["codes"], bits).astype(jnp.float32)                     # [T, D]
-        if cfg.method == "int" and cfg.static:
-            return c * st["scale"].astype(jnp.float32)[None, :] + st["zero"].astype(jnp.float32)[None, :]
-        cg = cfg.channel_group(side, d)
-        return (c * _expand_groups(f["scale"].astype(jnp.float32), cg, d)
-                + _expand_groups(f["zero"].astype(jnp.float32), cg, d))
+            v = _fp8(f["codes"][blk, sub])                                  # [T, D]
+            scale = st["k"]["scale"][...].astype(jnp.float32) if cfg.static else f["scale"][blk, sub].astype(jnp.float32)
+            if cfg.static:
+                return [_dot_t(q, v) * scale[0]]
+            return [_dot_t(q, v) * scale[None, :]]
+        return [_dot_t(q, f["values"][blk, sub].astype(jnp.float32))]
+
+    # ---------------------------------------------------------------- values
+    def values(self, ps, pages, st, blk, sub):
+        """Token-class probabilities [Gp, T/kc] -> list over channel planes of [Gp, D / vp]."""
+        cfg, kc, vp = self.cfg, self.kc, self.vp
+        f = pages["v"]
+        if cfg.method == "kvarn":
+            zp = 0.0
+            p16 = []
+            for j in range(kc):
+                zp = zp + jnp.sum(ps[j] * f["zero_tok"][blk, sub, :, j].astype(jnp.float32)[None, :], axis=1)
+                p16.append(_f16(ps[j] * f["scale_tok"][blk, sub, :, j].astype(jnp.float32)[None, :]))
+            out = []
+            for n in range(vp):
+                o = zp[:, None]
+                for j in range(kc):
+                    o = o + jnp.dot(p16[j], _plane(f["codes"][blk, sub, :, j], cfg.v_bits, n),
+                                    preferred_element_type=jnp.float32)
+                out.append(o * f["scale_chan"][blk, sub, :, n].astype(jnp.float32)[None, :])
+            return out
+        if cfg.method == "kivi":
+            cgp = cfg.channel_group("v", self.d) // vp
+            out = []
+            for n in range(vp):
+                o = 0.0
+                for j in range(kc):
+                    sc = _expand_groups(f["scale"][blk, sub, :, j].astype(jnp.float32), cgp, self.d // vp)
+                    zr = _expand_groups(f["zero"][blk, sub, :, j].astype(jnp.float32), cgp, self.d // vp)
+                    v = _plane(f["codes"][blk, sub, :, j], cfg.v_bits, n).astype(jnp.float32) * sc + zr
+                    o = o + _dot(ps[j], v)
+                out.append(o)
+            return out
+        p = ps[0]
+        if cfg.method == "int":
+            codes = f["codes"][blk, sub]
+            if cfg.static:
+                return [_dot(p, _plane(codes, cfg.v_bits, n).astype(jnp.float32) * st["v"]["scale"][:, n][None, :]
+                             + st["v"]["zero"][:, n][None, :]) for n in range(vp)]
+            sc = f["scale"][blk, sub].astype(jnp.float32)
+            zr = f["zero"][blk, sub].astype(jnp.float32)
+            if sc.shape[1] == 1:
+                pz = jnp.sum(p * zr[:, 0][None, :], axis=1)[:, None]
+                ps16 = _f16(p * sc[:, 0][None, :])
+                return [jnp.dot(ps16, _plane(codes, cfg.v_bits, n), preferred_element_type=jnp.float32) + pz
+                        for n in range(vp)]
+            cgp = cfg.channel_group("v", self.d) // vp
+            return [_dot(p, _plane(codes, cfg.v_bits, n).astype(jnp.float32) * _expand_groups(sc, cgp, self.d // vp)
+                         + _expand_groups(zr, cgp, self.d // vp)) for n in range(vp)]
+        if cfg.method == "fp8":
+            v = _fp8(f["codes"][blk, sub])
+            if cfg.static:
+                return [_dot(p, v) * st["v"]["scale"][...].astype(jnp.float32)[0]]
+            return [_dot(p * f["scale"][blk, sub].astype(jnp.float32)[None, :], v)]
+        return [_dot(p, f["values"][blk, sub].astype(jnp.float32))]
 
 
 # ----------------------------------------------------------------------------- the kernel
-def _kernel(*refs, cfg, names, has_static, has_hp, block_size, tail_len, tile_tokens, tiles_per_block,
-            num_splits, sm_scale, window, head_dim):
+def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tiles_per_block,
+            num_splits, sm_scale, window):
+    cfg, d, kc, vp, t_tok = plan.cfg, plan.d, plan.kc, plan.vp, plan.t
     it = iter(refs)
-    q_ref, bt_ref, len_ref, sid_ref = next(it), next(it), next(it), next(it)
+    q_ref = next(it)
+    qp_ref = next(it) if plan.pk > 1 else None
+    bt_ref, len_ref, sid_ref = next(it), next(it), next(it)
     pages = {side: {n: next(it) for n in names[side]} for side in ("k", "v")}
-    static = {side: {n: next(it) for n in has_static[side]} for side in ("k", "v")}
+    static = {side: {n: next(it) for n in static_names[side]} for side in ("k", "v")}
     if has_hp:
         sink_k, sink_v, tail_k, tail_v = next(it), next(it), next(it), next(it)
     o_ref, m_ref, l_ref = next(it), next(it), next(it)
 
     b, split = pl.program_id(0), pl.program_id(2)
     length = len_ref[b]
-    bs, t_tok, tpb = block_size, tile_tokens, tiles_per_block
+    bs, tpb = block_size, tiles_per_block
     ws = jnp.maximum(length - window, 0) if window is not None else jnp.int32(0)
     q = q_ref[...].astype(jnp.float32)                                        # [Gp, D]
+    q_planes = [qp_ref[n] for n in range(plan.pk)] if qp_ref is not None else [q]
     gp = q.shape[0]
-    tiles = _Tiles(cfg, head_dim)
     st = {side: {n: r[...] for n, r in static[side].items()} for side in ("k", "v")}
 
-    def update(carry, s, pos, value_fn):
+    def update(carry, ss, poss, value_fn):
+        """Online softmax over score blocks `ss` (positions `poss`), then acc += value_fn(probabilities)."""
         m, l, acc = carry
-        valid = (pos >= ws) & (pos < length)
-        s = jnp.where(valid[None, :], s * sm_scale, NEG)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        ss = [jnp.where(((pos >= ws) & (pos < length))[None, :], s * sm_scale, NEG) for s, pos in zip(ss, poss)]
+        m_new = m
+        for s in ss:
+            m_new = jnp.maximum(m_new, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
-        p = jnp.where(valid[None, :], jnp.exp(s - m_new[:, None]), 0.0)
-        l_new = alpha * l + jnp.sum(p, axis=1)
-        acc_new = alpha[:, None] * acc + value_fn(p)
-        return m_new, l_new, acc_new
+        ps = [jnp.where(((pos >= ws) & (pos < length))[None, :], jnp.exp(s - m_new[:, None]), 0.0)
+              for s, pos in zip(ss, poss)]
+        l_new = alpha * l
+        for p in ps:
+            l_new = l_new + jnp.sum(p, axis=1)
+        contrib = value_fn(ps)
+        return m_new, l_new, tuple(alpha[:, None] * a + c for a, c in zip(acc, contrib))
 
     # ---- quantized tiles (for passthrough: every tile)
     n_full = length // bs
@@ -184,18 +284,17 @@ def _kernel(*refs, cfg, names, has_static, has_hp, block_size, tail_len, tile_to
     chunk = pl.cdiv(n_tiles, num_splits)
     lo = t_begin + split * chunk
     hi = jnp.minimum(lo + chunk, t_end)
+    cls = jnp.arange(t_tok // kc, dtype=jnp.int32)
 
     def tile_body(t, carry):
         blk = bt_ref[b, t // tpb]
         sub = t % tpb
-        fk = {n: r[blk, sub] for n, r in pages["k"].items()}
-        fv = {n: r[blk, sub] for n, r in pages["v"].items()}
-        pos = t * t_tok + jnp.arange(t_tok, dtype=jnp.int32)
-        s = tiles.scores(q, fk, st["k"])
-        return update(carry, s, pos, lambda p: tiles.values(p, fv, st["v"]))
+        ss = plan.scores(q, q_planes, pages, st, blk, sub)
+        poss = [t * t_tok + kc * cls + j for j in range(kc)]
+        return update(carry, ss, poss, lambda ps: plan.values(ps, pages, st, blk, sub))
 
     carry = (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32),
-             jnp.zeros((gp, head_dim), jnp.float32))
+             tuple(jnp.zeros((gp, d // vp), jnp.float32) for _ in range(vp)))
     carry = lax.fori_loop(lo, jnp.maximum(lo, hi), tile_body, carry)
 
     # ---- high-precision sink and partial tail (split 0 only)
@@ -205,16 +304,16 @@ def _kernel(*refs, cfg, names, has_static, has_hp, block_size, tail_len, tile_to
         first = split == 0
 
         def hp_loop(carry, k_ref, v_ref, base, start_pos, count):
-            """Chunks of `hc` tokens from rows [base, base + count) of k_ref[sid] (positions start_pos...)."""
+            """Chunks of `hc` tokens from rows [base, base + count) of the sequence's buffer."""
             c_lo = jnp.maximum(ws - start_pos, 0) // hc
             c_hi = jnp.where(first, pl.cdiv(count, hc), 0)
 
             def body(c, carry):
                 rows = pl.ds(pl.multiple_of(base + c * hc, hc), hc)
-                kk = k_ref[sid, rows].astype(jnp.float32)
-                vv = v_ref[sid, rows].astype(jnp.float32)
+                kk = k_ref[sid, rows].astype(jnp.float32)                   # [hc, D]
                 pos = start_pos + c * hc + jnp.arange(hc, dtype=jnp.int32)
-                return update(carry, _dot_t(q, kk), pos, lambda p: _dot(p, vv))
+                vals = lambda ps: [_dot(ps[0], v_ref[sid, rows, :, n].astype(jnp.float32)) for n in range(vp)]
+                return update(carry, [_dot_t(q, kk)], [pos], vals)
             return lax.fori_loop(c_lo, jnp.maximum(c_lo, c_hi), body, carry)
 
         carry = hp_loop(carry, sink_k, sink_v, 0, 0, jnp.minimum(length, bs))
@@ -222,7 +321,8 @@ def _kernel(*refs, cfg, names, has_static, has_hp, block_size, tail_len, tile_to
         carry = hp_loop(carry, tail_k, tail_v, (n_full * bs) % tail_len, n_full * bs, tail_count)
 
     m, l, acc = carry
-    o_ref[...] = acc
+    for n in range(vp):
+        o_ref[n] = acc[n]
     m_ref[...] = m
     l_ref[...] = l
 
@@ -245,49 +345,54 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     grp = hq // hk
     gp = max(16, 1 << (grp - 1).bit_length())
     mb = block_tables.shape[1]
-    tpb = cache.tiles_per_block
     t_tok = cfg.tile_tokens if cfg.tile_tokens > 1 else min(TOKEN_CHUNK, cache.block_size)
     tiles_per_block = cache.block_size // t_tok
     splits = num_splits or default_num_splits(nbt, hk, mb * tiles_per_block)
+    plan = _Plan(cfg, d, t_tok)
 
     qg = q_rot.astype(jnp.float32).reshape(nbt, hk, grp, d)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - grp), (0, 0)))
-
     full = lambda shape: pl.BlockSpec(shape, lambda b, h, s: (0,) * len(shape))
-    operands = [qg, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32), seq_ids.astype(jnp.int32)]
-    specs = [pl.BlockSpec((None, None, gp, d), lambda b, h, s: (b, h, 0, 0)),
-             full(block_tables.shape), full(seq_lens.shape), full(seq_ids.shape)]
+    head_spec = lambda a: pl.BlockSpec((a.shape[0], None) + a.shape[2:],
+                                       lambda b, h, s, nd=a.ndim - 2: (0, h) + (0,) * nd)
+    operands = [qg]
+    specs = [pl.BlockSpec((None, None, gp, d), lambda b, h, s: (b, h, 0, 0))]
+    if plan.pk > 1:  # query split into the key channel planes: channels n, n + pk, ...
+        qp = qg.reshape(nbt, hk, gp, d // plan.pk, plan.pk).transpose(0, 1, 4, 2, 3)
+        operands.append(qp)
+        specs.append(pl.BlockSpec((None, None, plan.pk, gp, d // plan.pk), lambda b, h, s: (b, h, 0, 0, 0)))
+    operands += [block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32), seq_ids.astype(jnp.int32)]
+    specs += [full(block_tables.shape), full(seq_lens.shape), full(seq_ids.shape)]
     names = {}
     for side in ("k", "v"):
         names[side] = sorted(cache.pages[side])
         for n in names[side]:
-            a = cache.pages[side][n]
-            if cfg.tile_tokens == 1:  # per-token schemes: a kernel tile is a chunk of t_tok tokens of a block
-                a = a.reshape(a.shape[:2] + (tiles_per_block, t_tok) + a.shape[3:])
-            shape = (a.shape[0], None) + a.shape[2:]
+            a = plan.page_view(side, n, cache.pages[side][n])
             operands.append(a)
-            specs.append(pl.BlockSpec(shape, functools.partial(lambda nd, b, h, s: (0, h) + (0,) * nd, len(a.shape) - 2)))
-    has_static = {}
+            specs.append(head_spec(a))
+    static_names = {}
     for side in ("k", "v"):
-        has_static[side] = sorted(cache.static[side]) if cache.static else []
-        for n in has_static[side]:
-            a = cache.static[side][n]
-            a = a.reshape(hk, -1)  # int: [Hk, D]; fp8: [Hk] -> [Hk, 1]
+        static_names[side] = sorted(cache.static[side]) if cache.static else []
+        for n in static_names[side]:
+            a = plan.static_view(side, cache.static[side][n])
             operands.append(a)
-            specs.append(pl.BlockSpec((None, a.shape[1]), lambda b, h, s: (h, 0)))
+            specs.append(pl.BlockSpec((None,) + a.shape[1:], lambda b, h, s, nd=a.ndim - 1: (h,) + (0,) * nd))
     if cache.has_hp:
-        for a in (cache.sink["k"], cache.sink["v"], cache.tail["k"], cache.tail["v"]):
+        for side, a in (("k", cache.sink["k"]), ("v", cache.sink["v"]), ("k", cache.tail["k"]), ("v", cache.tail["v"])):
+            if side == "v":  # [.., D] -> [.., D/vp, vp]: value planes
+                a = a.reshape(a.shape[:3] + (d // plan.vp, plan.vp))
             operands.append(a)
-            specs.append(pl.BlockSpec((a.shape[0], None) + a.shape[2:], lambda b, h, s: (0, h, 0, 0)))
+            specs.append(head_spec(a))
 
     kernel = functools.partial(
-        _kernel, cfg=cfg, names=names, has_static=has_static, has_hp=cache.has_hp,
-        block_size=cache.block_size, tail_len=max(cache.tail_len, 1), tile_tokens=t_tok,
-        tiles_per_block=tiles_per_block, num_splits=splits, sm_scale=scale, window=window, head_dim=d)
-    out_shape = [jax.ShapeDtypeStruct((nbt, hk, splits, gp, d), jnp.float32),
+        _kernel, plan=plan, names=names, static_names=static_names, has_hp=cache.has_hp,
+        block_size=cache.block_size, tail_len=max(cache.tail_len, 1), tiles_per_block=tiles_per_block,
+        num_splits=splits, sm_scale=scale, window=window)
+    vp = plan.vp
+    out_shape = [jax.ShapeDtypeStruct((nbt, hk, splits, vp, gp, d // vp), jnp.float32),
                  jax.ShapeDtypeStruct((nbt, hk, splits, gp), jnp.float32),
                  jax.ShapeDtypeStruct((nbt, hk, splits, gp), jnp.float32)]
-    out_specs = [pl.BlockSpec((None, None, None, gp, d), lambda b, h, s: (b, h, s, 0, 0)),
+    out_specs = [pl.BlockSpec((None, None, None, vp, gp, d // vp), lambda b, h, s: (b, h, s, 0, 0, 0)),
                  pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0)),
                  pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0))]
     params = {}
@@ -297,10 +402,10 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     acc, m, l = pl.pallas_call(kernel, grid=(nbt, hk, splits), in_specs=specs, out_specs=out_specs,
                                out_shape=out_shape, interpret=interpret,
                                name=f"kvarn_paged_decode_{cfg.name}", **params)(*operands)
-    # merge the splits (flash-decoding)
+    # merge the splits (flash-decoding) and re-interleave the value planes: channel vp*i + n
     m_all = jnp.max(m, axis=2, keepdims=True)
     w = jnp.exp(m - m_all)
     l_all = jnp.sum(w * l, axis=2)
-    o = jnp.sum(w[..., None] * acc, axis=2) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
+    o = jnp.sum(w[..., None, :, None] * acc, axis=2) / jnp.where(l_all > 0, l_all, 1.0)[..., None, :, None]
+    o = o.transpose(0, 1, 3, 4, 2).reshape(nbt, hk, gp, d)
     return o[:, :, :grp].reshape(nbt, hq, d)
-
