@@ -235,7 +235,8 @@ def main():
                     w, st = (int(x) for x in var[1:].split("s"))
                     # the kernel itself (q in the stored frame), as paged_decode_attention calls it
                     fn = lambda q, c, t, l, ns=ns, w=w, st=st: pdp.paged_decode_pallas(
-                        q, c, t, l, sid, scale=1.0 / np.sqrt(d), window=None, num_splits=ns, num_warps=w, num_stages=st)
+                        q, c, t, l, sid, scale=1.0 / np.sqrt(d), window=None, num_splits=ns, num_warps=w, num_stages=st,
+                        interpret=jax.default_backend() == "cpu")
                     t_dev = device_time(fn, (q, cache, tables, lens))
                     variants[f"{var}_splits{ns}"] = t_dev
                     if best is None or t_dev < best["device_s"]:
