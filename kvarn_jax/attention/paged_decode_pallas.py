@@ -67,12 +67,20 @@ def _f16(x):
 
 
 def _dot(a, b):
-    """[M, K] @ [K, N] in fp16 with fp32 accumulation."""
+    """[M, K] @ [K, N] in fp16 with fp32 accumulation.
+
+    Triton's matrix instructions need every dimension >= 16; smaller products (e.g. 8-token classes
+    of a 2-bit 32-token tile) are computed as a broadcast multiply and sum instead.
+    """
+    if min(a.shape[0], a.shape[1], b.shape[1]) < 16:
+        return jnp.sum(a.astype(jnp.float32)[:, :, None] * b.astype(jnp.float32)[None, :, :], axis=1)
     return jnp.dot(_f16(a), _f16(b), preferred_element_type=jnp.float32)
 
 
 def _dot_t(a, b):
-    """[M, K] @ [N, K]^T in fp16 with fp32 accumulation."""
+    """[M, K] @ [N, K]^T in fp16 with fp32 accumulation (see `_dot` for small shapes)."""
+    if min(a.shape[0], a.shape[1], b.shape[0]) < 16:
+        return jnp.sum(a.astype(jnp.float32)[:, None, :] * b.astype(jnp.float32)[None, :, :], axis=2)
     return lax.dot_general(_f16(a), _f16(b), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
@@ -143,7 +151,7 @@ class _Plan:
             qs = _f16(qs)
             out = []
             for j in range(kc):
-                s = jnp.dot(qs, _plane(codes, cfg.k_bits, j), preferred_element_type=jnp.float32) + zq[:, None]
+                s = _dot(qs, _plane(codes, cfg.k_bits, j)) + zq[:, None]
                 if cfg.method == "kvarn":
                     s = s * f["scale_tok"][blk, sub, :, j].astype(jnp.float32)[None, :]
                 out.append(s)
@@ -190,24 +198,24 @@ class _Plan:
             for j in range(kc):
                 zp = zp + jnp.sum(ps[j] * f["zero_tok"][blk, sub, :, j].astype(jnp.float32)[None, :], axis=1)
                 p16.append(_f16(ps[j] * f["scale_tok"][blk, sub, :, j].astype(jnp.float32)[None, :]))
+            codes = [f["codes"][blk, sub, :, j] for j in range(kc)]          # [G/kc, D*b/8] each
             out = []
             for n in range(vp):
                 o = zp[:, None]
                 for j in range(kc):
-                    o = o + jnp.dot(p16[j], _plane(f["codes"][blk, sub, :, j], cfg.v_bits, n),
-                                    preferred_element_type=jnp.float32)
+                    o = o + _dot(p16[j], _plane(codes[j], cfg.v_bits, n))
                 out.append(o * f["scale_chan"][blk, sub, :, n].astype(jnp.float32)[None, :])
             return out
         if cfg.method == "kivi":
             cgp = cfg.channel_group("v", self.d) // vp
+            codes = [f["codes"][blk, sub, :, j] for j in range(kc)]
+            scs = [_expand_groups(f["scale"][blk, sub, :, j].astype(jnp.float32), cgp, self.d // vp) for j in range(kc)]
+            zrs = [_expand_groups(f["zero"][blk, sub, :, j].astype(jnp.float32), cgp, self.d // vp) for j in range(kc)]
             out = []
             for n in range(vp):
                 o = 0.0
                 for j in range(kc):
-                    sc = _expand_groups(f["scale"][blk, sub, :, j].astype(jnp.float32), cgp, self.d // vp)
-                    zr = _expand_groups(f["zero"][blk, sub, :, j].astype(jnp.float32), cgp, self.d // vp)
-                    v = _plane(f["codes"][blk, sub, :, j], cfg.v_bits, n).astype(jnp.float32) * sc + zr
-                    o = o + _dot(ps[j], v)
+                    o = o + _dot(ps[j], _plane(codes[j], cfg.v_bits, n).astype(jnp.float32) * scs[j] + zrs[j])
                 out.append(o)
             return out
         p = ps[0]
@@ -221,8 +229,7 @@ class _Plan:
             if sc.shape[1] == 1:
                 pz = jnp.sum(p * zr[:, 0][None, :], axis=1)[:, None]
                 ps16 = _f16(p * sc[:, 0][None, :])
-                return [jnp.dot(ps16, _plane(codes, cfg.v_bits, n), preferred_element_type=jnp.float32) + pz
-                        for n in range(vp)]
+                return [_dot(ps16, _plane(codes, cfg.v_bits, n)) + pz for n in range(vp)]
             cgp = cfg.channel_group("v", self.d) // vp
             return [_dot(p, _plane(codes, cfg.v_bits, n).astype(jnp.float32) * _expand_groups(sc, cgp, self.d // vp)
                          + _expand_groups(zr, cgp, self.d // vp)) for n in range(vp)]

@@ -1,0 +1,114 @@
+"""The Pallas decode kernel against the reference (interpret mode on CPU; natively on a GPU).
+
+Tolerance: the kernel feeds fp16 operands to the matrix unit (pre-scaled queries, probabilities,
+high-precision K/V) with fp32 accumulation, so outputs agree with the fp32 reference to about 1e-3
+of the output scale; we require |kernel - reference| <= 4e-3 * max|reference| elementwise. Every
+output element is compared, so an element the kernel failed to write cannot pass.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import kvarn_jax as kj
+from helpers import allocate_tables, random_kv, serve_writes
+
+INTERPRET = jax.default_backend() == "cpu"
+
+
+def build(cfg, lens, heads, dim, block_size, rng, calibration=None, max_seqs=None, seq_ids=None, tail_blocks=1):
+    nb = sum(-(-L // block_size) for L in lens) + 2
+    cache = kj.PagedKVCache.create(cfg, num_blocks=nb, block_size=block_size, num_kv_heads=heads, head_dim=dim,
+                                   max_seqs=max_seqs or len(lens), calibration=calibration, tail_blocks=tail_blocks)
+    seqs = [random_kv(rng, L, heads, dim, dtype=np.float32, outliers=2) for L in lens]
+    tables = allocate_tables(rng, lens, block_size, nb)
+    cache = serve_writes(cache, tables, seqs, rng, seq_ids=seq_ids)
+    return cache, jnp.asarray(tables), jnp.asarray(lens, jnp.int32), seqs
+
+
+def compare(q, cache, bt, sl, **kw):
+    ref = kj.paged_decode_attention(q, cache, bt, sl, impl="reference", **kw)
+    out = kj.paged_decode_attention(q, cache, bt, sl, impl="pallas", interpret=INTERPRET, **kw)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    ref, out = np.asarray(ref, np.float32), np.asarray(out, np.float32)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, rtol=0, atol=4e-3 * max(np.abs(ref).max(), 1e-6))
+    return out, ref
+
+
+SCHEMES = ["kvarn_k4v2_g32", "kvarn_k2v4_g64", "kvarn_k8v8_g32", "kivi_k2v2_g32", "kivi_k4v4_g32", "int4",
+           "int8_g16", "int_k8v2", "int2_g32", "fp8", "fp16", "bf16"]
+
+
+@settings(max_examples=10)
+@given(cfg=st.sampled_from(SCHEMES), dim=st.sampled_from([64, 128]), heads=st.sampled_from([1, 2]),
+       ratio=st.sampled_from([1, 4, 7, 8]), block_mult=st.sampled_from([1, 2]),
+       lens=st.lists(st.integers(1, 140), min_size=1, max_size=3),
+       window=st.sampled_from([None, None, 37]), seed=st.integers(0, 2 ** 16))
+def test_kernel_matches_reference(cfg, dim, heads, ratio, block_mult, lens, window, seed):
+    rng = np.random.default_rng(seed)
+    bs = max(kj.parse(cfg).tile_tokens, 16) * block_mult
+    cache, bt, sl, _ = build(cfg, lens, heads, dim, bs, rng)
+    q = jnp.asarray(rng.standard_normal((len(lens), heads * ratio, dim)), jnp.float32)
+    compare(q, cache, bt, sl, window=window)
+
+
+@pytest.mark.parametrize("cfg", ["kvarn_k4v2_g128", "kvarn_k4v4_g64", "int8", "fp8"])
+def test_head_dim_256_and_gqa_7(cfg, rng):
+    c = kj.parse(cfg)
+    bs = max(c.tile_tokens, 32)
+    cache, bt, sl, _ = build(cfg, [3 * bs + 9, bs - 3, 2 * bs], 1, 256, bs, rng)
+    q = jnp.asarray(rng.standard_normal((3, 7, 256)), jnp.float16)
+    compare(q, cache, bt, sl)
+
+
+@pytest.mark.parametrize("cfg", ["int8_static", "int_k8v4_static", "fp8_static"])
+def test_static_schemes(cfg, rng):
+    k, v = random_kv(rng, 256, 2, 64, dtype=np.float32)
+    cal = kj.calibrate((jnp.asarray(k), jnp.asarray(v)), cfg)
+    cache, bt, sl, _ = build(cfg, [100, 33], 2, 64, 32, rng, calibration=cal)
+    q = jnp.asarray(rng.standard_normal((2, 8, 64)), jnp.float32)
+    compare(q, cache, bt, sl)
+
+
+def test_seq_ids_zero_length_and_many_splits(rng):
+    # sequences live in high-precision slots 3 and 1 of 4; a zero-length row; more splits than tiles
+    cache, bt, sl, _ = build("kvarn_k4v2_g32", [150, 70], 2, 64, 32, rng, max_seqs=4, seq_ids=[3, 1])
+    bt = jnp.concatenate([bt, bt[:1]])
+    sl = jnp.concatenate([sl, jnp.zeros(1, jnp.int32)])
+    sid = jnp.array([3, 1, 0], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((3, 8, 64)), jnp.float32)
+    out, _ = compare(q, cache, bt, sl, seq_ids=sid)
+    assert (out[2] == 0).all()
+    for splits in (1, 7):
+        o = kj.paged_decode_attention(q, cache, bt, sl, seq_ids=sid, impl="pallas", interpret=INTERPRET,
+                                      num_splits=splits)
+        # other splits round the fp16 probabilities against other running maxima: same tolerance
+        np.testing.assert_allclose(np.asarray(o), out, atol=4e-3 * np.abs(out).max())
+
+
+def test_two_tail_blocks(rng):
+    cache, bt, sl, _ = build("int4", [100, 64], 2, 64, 32, rng, tail_blocks=2)
+    q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.float32)
+    compare(q, cache, bt, sl)
+
+
+def test_auto_on_cpu_is_the_reference(rng):
+    if jax.default_backend() != "cpu":
+        pytest.skip("auto picks the kernel off CPU")
+    cache, bt, sl, _ = build("int8", [40], 2, 64, 32, rng)
+    q = jnp.asarray(rng.standard_normal((1, 4, 64)), jnp.float32)
+    a = kj.paged_decode_attention(q, cache, bt, sl)
+    r = kj.paged_decode_attention_reference(q, cache, bt, sl)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+
+
+def test_pallas_refuses_what_it_cannot_run(rng):
+    cache = kj.PagedKVCache.create("int8", num_blocks=4, block_size=48, num_kv_heads=1, head_dim=64, max_seqs=1)
+    q = jnp.zeros((1, 2, 64), jnp.float32) + 1
+    with pytest.raises(ValueError, match=r"impl='pallas' cannot run this cache: block_size=48"):
+        kj.paged_decode_attention(q, cache, jnp.zeros((1, 2), jnp.int32), jnp.array([10], jnp.int32), impl="pallas")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        kj.paged_decode_attention(q, cache, jnp.zeros((1, 2), jnp.int32), jnp.array([10], jnp.int32), impl="triton")
