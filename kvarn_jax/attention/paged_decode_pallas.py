@@ -135,58 +135,38 @@ class _Plan:
             return a.reshape(a.shape[0], a.shape[1] // planes, planes)
         return a.reshape(a.shape[0], 1)
 
-    # ---------------------------------------------------------------- loads
-    def load(self, pages, blk, sub) -> dict:
-        """Every array one tile needs, read up front.
-
-        All loads of a tile are issued together, before any product: the products' layout
-        conversions put barriers in the code, and a load issued after one would wait a full
-        memory latency on its own. The kernel also issues the next tile's loads before computing
-        the current one (see `tile_body`).
-        """
-        cfg, kc, vp = self.cfg, self.kc, self.vp
-        k, v = pages["k"], pages["v"]
-        if cfg.method == "kvarn":
-            return {"k_codes": k["codes"][blk, sub], "k_sc": k["scale_chan"][blk, sub],
-                    "k_zc": k["zero_chan"][blk, sub],
-                    "k_st": [k["scale_tok"][blk, sub, :, j] for j in range(kc)],
-                    "v_codes": [v["codes"][blk, sub, :, j] for j in range(kc)],
-                    "v_st": [v["scale_tok"][blk, sub, :, j] for j in range(kc)],
-                    "v_zt": [v["zero_tok"][blk, sub, :, j] for j in range(kc)],
-                    "v_sc": [v["scale_chan"][blk, sub, :, n] for n in range(vp)]}
-        if cfg.method == "kivi":
-            return {"k_codes": k["codes"][blk, sub], "k_sc": k["scale"][blk, sub], "k_zc": k["zero"][blk, sub],
-                    "v_codes": [v["codes"][blk, sub, :, j] for j in range(kc)],
-                    "v_s": [v["scale"][blk, sub, :, j] for j in range(kc)],
-                    "v_z": [v["zero"][blk, sub, :, j] for j in range(kc)]}
-        return {"k": {n: r[blk, sub] for n, r in k.items()}, "v": {n: r[blk, sub] for n, r in v.items()}}
-
     # ---------------------------------------------------------------- keys
-    def scores(self, q, q_planes, x, st):
+    def scores(self, q, q_planes, pages, st, blk, sub):
         """List over token classes j of raw scores [Gp, T / kc] (tokens j, j + kc, ... of the tile)."""
         cfg, kc = self.cfg, self.kc
+        f = pages["k"]
         if cfg.method in ("kvarn", "kivi"):
-            qs = _f16(q * x["k_sc"].astype(jnp.float32)[None, :])
-            zq = jnp.sum(q * x["k_zc"].astype(jnp.float32)[None, :], axis=1)
+            codes = f["codes"][blk, sub]                                   # [D, G*b/8]
+            if cfg.method == "kvarn":
+                qs = q * f["scale_chan"][blk, sub].astype(jnp.float32)[None, :]
+                zq = jnp.sum(q * f["zero_chan"][blk, sub].astype(jnp.float32)[None, :], axis=1)
+            else:
+                qs = q * f["scale"][blk, sub].astype(jnp.float32)[None, :]
+                zq = jnp.sum(q * f["zero"][blk, sub].astype(jnp.float32)[None, :], axis=1)
+            qs = _f16(qs)
             out = []
             for j in range(kc):
-                s = _dot(qs, _plane(x["k_codes"], cfg.k_bits, j)) + zq[:, None]
+                s = _dot(qs, _plane(codes, cfg.k_bits, j)) + zq[:, None]
                 if cfg.method == "kvarn":
-                    s = s * x["k_st"][j].astype(jnp.float32)[None, :]
+                    s = s * f["scale_tok"][blk, sub, :, j].astype(jnp.float32)[None, :]
                 out.append(s)
             return out
-        f = x["k"]
         if cfg.method == "int":
-            codes = f["codes"]                                             # [T, D*b/8]
+            codes = f["codes"][blk, sub]                                   # [T, D*b/8]
             if cfg.static:
                 s = 0.0
                 for n in range(self.pk):
-                    kk = (_plane(codes, cfg.k_bits, n).astype(jnp.float32) * st["k"]["scale"][:, n][None, :]
-                          + st["k"]["zero"][:, n][None, :])
-                    s = s + _dot_t(q_planes[n], kk)
+                    k = (_plane(codes, cfg.k_bits, n).astype(jnp.float32) * st["k"]["scale"][:, n][None, :]
+                         + st["k"]["zero"][:, n][None, :])
+                    s = s + _dot_t(q_planes[n], k)
                 return [s]
-            sc = f["scale"].astype(jnp.float32)                            # [T, D/cg]
-            zr = f["zero"].astype(jnp.float32)
+            sc = f["scale"][blk, sub].astype(jnp.float32)                  # [T, D/cg]
+            zr = f["zero"][blk, sub].astype(jnp.float32)
             if sc.shape[1] == 1:  # one scale per token: factor it out of the product
                 raw = 0.0
                 for n in range(self.pk):
@@ -195,53 +175,57 @@ class _Plan:
             cgp = cfg.channel_group("k", self.d) // self.pk
             s = 0.0
             for n in range(self.pk):
-                kk = (_plane(codes, cfg.k_bits, n).astype(jnp.float32) * _expand_groups(sc, cgp, self.d // self.pk)
-                      + _expand_groups(zr, cgp, self.d // self.pk))
-                s = s + _dot_t(q_planes[n], kk)
+                k = (_plane(codes, cfg.k_bits, n).astype(jnp.float32) * _expand_groups(sc, cgp, self.d // self.pk)
+                     + _expand_groups(zr, cgp, self.d // self.pk))
+                s = s + _dot_t(q_planes[n], k)
             return [s]
         if cfg.method == "fp8":
-            raw = _dot_t(q, _fp8(f["codes"]))                              # [Gp, T]
+            v = _fp8(f["codes"][blk, sub])                                  # [T, D]
+            scale = st["k"]["scale"][...].astype(jnp.float32) if cfg.static else f["scale"][blk, sub].astype(jnp.float32)
             if cfg.static:
-                return [raw * st["k"]["scale"].astype(jnp.float32)[0]]
-            return [raw * f["scale"].astype(jnp.float32)[None, :]]
-        return [_dot_t(q, f["values"].astype(jnp.float32))]
+                return [_dot_t(q, v) * scale[0]]
+            return [_dot_t(q, v) * scale[None, :]]
+        return [_dot_t(q, f["values"][blk, sub].astype(jnp.float32))]
 
     # ---------------------------------------------------------------- values
-    def values(self, ps, x, st):
+    def values(self, ps, pages, st, blk, sub):
         """Token-class probabilities [Gp, T/kc] -> list over channel planes of [Gp, D / vp]."""
         cfg, kc, vp = self.cfg, self.kc, self.vp
+        f = pages["v"]
         if cfg.method == "kvarn":
             zp = 0.0
             p16 = []
             for j in range(kc):
-                zp = zp + jnp.sum(ps[j] * x["v_zt"][j].astype(jnp.float32)[None, :], axis=1)
-                p16.append(_f16(ps[j] * x["v_st"][j].astype(jnp.float32)[None, :]))
+                zp = zp + jnp.sum(ps[j] * f["zero_tok"][blk, sub, :, j].astype(jnp.float32)[None, :], axis=1)
+                p16.append(_f16(ps[j] * f["scale_tok"][blk, sub, :, j].astype(jnp.float32)[None, :]))
+            codes = [f["codes"][blk, sub, :, j] for j in range(kc)]          # [G/kc, D*b/8] each
             out = []
             for n in range(vp):
                 o = zp[:, None]
                 for j in range(kc):
-                    o = o + _dot(p16[j], _plane(x["v_codes"][j], cfg.v_bits, n))
-                out.append(o * x["v_sc"][n].astype(jnp.float32)[None, :])
+                    o = o + _dot(p16[j], _plane(codes[j], cfg.v_bits, n))
+                out.append(o * f["scale_chan"][blk, sub, :, n].astype(jnp.float32)[None, :])
             return out
         if cfg.method == "kivi":
             cgp = cfg.channel_group("v", self.d) // vp
-            scs = [_expand_groups(x["v_s"][j].astype(jnp.float32), cgp, self.d // vp) for j in range(kc)]
-            zrs = [_expand_groups(x["v_z"][j].astype(jnp.float32), cgp, self.d // vp) for j in range(kc)]
+            codes = [f["codes"][blk, sub, :, j] for j in range(kc)]
+            scs = [_expand_groups(f["scale"][blk, sub, :, j].astype(jnp.float32), cgp, self.d // vp) for j in range(kc)]
+            zrs = [_expand_groups(f["zero"][blk, sub, :, j].astype(jnp.float32), cgp, self.d // vp) for j in range(kc)]
             out = []
             for n in range(vp):
                 o = 0.0
                 for j in range(kc):
-                    o = o + _dot(ps[j], _plane(x["v_codes"][j], cfg.v_bits, n).astype(jnp.float32) * scs[j] + zrs[j])
+                    o = o + _dot(ps[j], _plane(codes[j], cfg.v_bits, n).astype(jnp.float32) * scs[j] + zrs[j])
                 out.append(o)
             return out
-        p, f = ps[0], x["v"]
+        p = ps[0]
         if cfg.method == "int":
-            codes = f["codes"]
+            codes = f["codes"][blk, sub]
             if cfg.static:
                 return [_dot(p, _plane(codes, cfg.v_bits, n).astype(jnp.float32) * st["v"]["scale"][:, n][None, :]
                              + st["v"]["zero"][:, n][None, :]) for n in range(vp)]
-            sc = f["scale"].astype(jnp.float32)
-            zr = f["zero"].astype(jnp.float32)
+            sc = f["scale"][blk, sub].astype(jnp.float32)
+            zr = f["zero"][blk, sub].astype(jnp.float32)
             if sc.shape[1] == 1:
                 pz = jnp.sum(p * zr[:, 0][None, :], axis=1)[:, None]
                 ps16 = _f16(p * sc[:, 0][None, :])
@@ -250,11 +234,11 @@ class _Plan:
             return [_dot(p, _plane(codes, cfg.v_bits, n).astype(jnp.float32) * _expand_groups(sc, cgp, self.d // vp)
                          + _expand_groups(zr, cgp, self.d // vp)) for n in range(vp)]
         if cfg.method == "fp8":
-            v = _fp8(f["codes"])
+            v = _fp8(f["codes"][blk, sub])
             if cfg.static:
-                return [_dot(p, v) * st["v"]["scale"].astype(jnp.float32)[0]]
-            return [_dot(p * f["scale"].astype(jnp.float32)[None, :], v)]
-        return [_dot(p, f["values"].astype(jnp.float32))]
+                return [_dot(p, v) * st["v"]["scale"][...].astype(jnp.float32)[0]]
+            return [_dot(p * f["scale"][blk, sub].astype(jnp.float32)[None, :], v)]
+        return [_dot(p, f["values"][blk, sub].astype(jnp.float32))]
 
 
 # ----------------------------------------------------------------------------- the kernel
@@ -308,28 +292,17 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     lo = t_begin + split * chunk
     hi = jnp.minimum(lo + chunk, t_end)
     cls = jnp.arange(t_tok // kc, dtype=jnp.int32)
-    nb, mb = pages["k"][names["k"][0]].shape[0], bt_ref.shape[1]
-    last = jnp.maximum(hi - 1, 0)
-
-    def block_of(t):
-        # clamped: the prefetch past the last tile and empty ranges must still read valid memory
-        t = jnp.minimum(t, last)
-        return jnp.clip(bt_ref[b, jnp.minimum(t // tpb, mb - 1)], 0, nb - 1), t % tpb
 
     def tile_body(t, carry):
-        state, x = carry
-        # software pipelining by hand: issue tile t+1's loads before computing tile t
-        blk_next, sub_next = block_of(t + 1)
-        x_next = plan.load(pages, blk_next, sub_next)
-        ss = plan.scores(q, q_planes, x, st)
+        blk = bt_ref[b, t // tpb]
+        sub = t % tpb
+        ss = plan.scores(q, q_planes, pages, st, blk, sub)
         poss = [t * t_tok + kc * cls + j for j in range(kc)]
-        state = update(state, ss, poss, lambda ps: plan.values(ps, x, st))
-        return state, x_next
+        return update(carry, ss, poss, lambda ps: plan.values(ps, pages, st, blk, sub))
 
     carry = (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32),
              tuple(jnp.zeros((gp, d // vp), jnp.float32) for _ in range(vp)))
-    blk0, sub0 = block_of(lo)
-    carry, _ = lax.fori_loop(lo, jnp.maximum(lo, hi), tile_body, (carry, plan.load(pages, blk0, sub0)))
+    carry = lax.fori_loop(lo, jnp.maximum(lo, hi), tile_body, carry)
 
     # ---- high-precision sink and partial tail (split 0 only)
     if has_hp:
