@@ -3,8 +3,7 @@
     python benchmarks/decode_ablation.py [--scheme kvarn_k4v2_g128] [--shape 32x32768]
 
 Variants (monkeypatched into the kernel's per-scheme plan; numbers are for diagnosis only, the
-ablated kernels compute wrong attention): full; no_values (V never read); no_scores (K never read,
-constant scores); no_unpack (codes converted to fp16 without the shift/mask); loads_only (codes
+ablated kernels compute wrong attention): full; no_values (V never read); no_unpack (codes converted to fp16 without the shift/mask); loads_only (codes
 and scales read and summed, no matrix products).
 """
 
@@ -42,9 +41,6 @@ def main():
         return [jnp.zeros((ps[0].shape[0], self.d // self.vp), jnp.float32) + jnp.sum(ps[0], axis=1)[:, None]
                 for _ in range(self.vp)]
 
-    def no_scores(self, q, q_planes, pages, st, blk, sub):
-        return [jnp.zeros((q.shape[0], self.t // self.kc), jnp.float32) + q[:, :1] for _ in range(self.kc)]
-
     def loads_only_scores(self, q, q_planes, pages, st, blk, sub):
         tot = sum(jnp.sum(r[blk, sub].astype(jnp.float32)) for r in pages["k"].values())
         return [jnp.zeros((q.shape[0], self.t // self.kc), jnp.float32) + tot for _ in range(self.kc)]
@@ -56,7 +52,6 @@ def main():
     variants = {
         "full": orig,
         "no_values": (orig[0], no_values, orig[2]),
-        "no_scores": (no_scores, orig[1], orig[2]),
         "no_unpack": (orig[0], orig[1], lambda c, bits, j: c.astype(jnp.float16)),
         "loads_only": (loads_only_scores, loads_only_values, orig[2]),
     }
