@@ -90,20 +90,15 @@ class KVQuantConfig:
             return cls("fp8", 8, 8)
         if text in ("fp8_static", "fp8_e4m3_static"):
             return cls("fp8", 8, 8, static=True)
-        m = _KVARN_RE.match(text)
-        if m:
-            kb, vb, g = map(int, m.groups())
-            _check_choice(kb, KVARN_BITS, "key bits", spec)
-            _check_choice(vb, KVARN_BITS, "value bits", spec)
-            _check_choice(g, KVARN_GROUPS, "group (tile tokens)", spec)
-            return cls("kvarn", kb, vb, group=g)
-        m = _KIVI_RE.match(text)
-        if m:
-            kb, vb, g = map(int, m.groups())
-            _check_choice(kb, KIVI_BITS, "key bits", spec)
-            _check_choice(vb, KIVI_BITS, "value bits", spec)
-            _check_choice(g, KIVI_GROUPS, "group (tile tokens)", spec)
-            return cls("kivi", kb, vb, group=g)
+        for method, regex, bits, groups in (("kvarn", _KVARN_RE, KVARN_BITS, KVARN_GROUPS),
+                                            ("kivi", _KIVI_RE, KIVI_BITS, KIVI_GROUPS)):
+            m = regex.match(text)
+            if m:
+                kb, vb, g = map(int, m.groups())
+                _check_choice(kb, bits, "key bits", spec)
+                _check_choice(vb, bits, "value bits", spec)
+                _check_choice(g, groups, "group (tile tokens)", spec)
+                return cls(method, kb, vb, group=g)
         m = _INT_RE.match(text)
         if m:
             both, kb, vb, g, static = m.groups()

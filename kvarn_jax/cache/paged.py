@@ -279,6 +279,7 @@ def gather_dense(cache: PagedKVCache, block_tables: jnp.ndarray, seq_lens: jnp.n
     the storage frame (rotated for KVarN). Full non-sink blocks come from the quantized pages, the
     sink and the partial last block from high precision.
     """
+    check_read_args(cache, block_tables, seq_lens, seq_ids)
     nbt, mb = block_tables.shape
     bs, nb = cache.block_size, cache.num_blocks
     g = cache.cfg.tile_tokens
