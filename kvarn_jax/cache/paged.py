@@ -21,6 +21,7 @@ store every token straight into its page and have no sink or tail.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence, Union
 
 import jax
@@ -125,8 +126,16 @@ def _storage_frame(cache: PagedKVCache, x: jnp.ndarray) -> jnp.ndarray:
     return rotate(x, cache.dtype) if cache.cfg.rotated else x.astype(cache.dtype)
 
 
-def _quantize_blocks(cache: PagedKVCache, side: str, blocks: jnp.ndarray) -> dict:
-    """[M, Hk, block_size, D] storage-frame values -> page fields [M, Hk, tiles_per_block, ...]."""
+def _quantize_blocks(cache: PagedKVCache, side: str, blocks: jnp.ndarray, quantizer: str = "reference") -> dict:
+    """[M, Hk, block_size, D] storage-frame values -> page fields [M, Hk, tiles_per_block, ...].
+
+    quantizer: "reference" (jnp, here) or "pallas" / "pallas_interpret" (`quantize_pallas.py`,
+    the same math inside a kernel; bit-identical).
+    """
+    if quantizer != "reference":
+        from .quantize_pallas import quantize_blocks_pallas
+        return quantize_blocks_pallas(blocks, cache.static[side] if cache.static else None, cfg=cache.cfg,
+                                      side=side, interpret=quantizer == "pallas_interpret")
     g = cache.cfg.tile_tokens
     m, h, b, d = blocks.shape
     tiles = blocks if g == 1 else blocks.reshape(m, h, b // g, g, d)
@@ -144,10 +153,14 @@ def completed_block_bound(cache: PagedKVCache, num_tokens: int) -> int:
     return max(1, min(num_tokens, num_tokens // cache.block_size + cache.max_seqs * cache.tail_blocks))
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("quantizer",))
 def write_reference(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp.ndarray,
-                    seq_ids: jnp.ndarray | None, positions: jnp.ndarray | None) -> PagedKVCache:
-    """Pure-jnp write (no checks; see `write`). Never writes outside the named slots."""
+                    seq_ids: jnp.ndarray | None, positions: jnp.ndarray | None,
+                    quantizer: str = "reference") -> PagedKVCache:
+    """The write path without checks (see `write`). Never writes outside the named slots.
+
+    Everything is jnp except the quantization of completed blocks, done by `quantizer`.
+    """
     n = k.shape[0]
     nb, bs = cache.num_blocks, cache.block_size
     slot = slot_mapping.astype(jnp.int32)
@@ -201,7 +214,7 @@ def write_reference(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_ma
     for s in schemes.SIDES:
         buf = cache.tail[s][s_m[:, None], :, ring_idx]        # [m, bs, Hk, D]
         buf = buf.at[m_t, off].set(xs[s], mode="drop")
-        fields = _quantize_blocks(cache, s, buf.transpose(0, 2, 1, 3))
+        fields = _quantize_blocks(cache, s, buf.transpose(0, 2, 1, 3), quantizer)
         pages[s] = {name: cache.pages[s][name].at[c_m].set(f.astype(cache.pages[s][name].dtype), mode="drop")
                     for name, f in fields.items()}
     return dataclasses.replace(cache, pages=pages, sink=sink, tail=tail,
@@ -249,8 +262,12 @@ def _check_write_args(cache, k, v, slot_mapping, seq_ids, positions):
     check_finite(v, "v")
 
 
+WRITE_IMPLS = ("auto", "pallas", "reference")
+
+
 def write(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp.ndarray, *,
-          seq_ids: jnp.ndarray | None = None, positions: jnp.ndarray | None = None) -> PagedKVCache:
+          seq_ids: jnp.ndarray | None = None, positions: jnp.ndarray | None = None, impl: str = "auto",
+          interpret: bool | None = None) -> PagedKVCache:
     """Store tokens and return the new cache (functional; donate `cache` under jit to update in place).
 
     k, v: [tokens, Hk, D]. slot_mapping: [tokens] int, vLLM's convention - token i goes to slot
@@ -265,9 +282,25 @@ def write(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp
     is exact as long as the rollback stays within the ring (tail_blocks=2 covers drafts that cross
     one block boundary). Reads decide by sequence length: a block is read from its page only when
     it is full and not the sink.
+
+    impl: how completed blocks are quantized - "pallas" (the kernel in `quantize_pallas.py`;
+    interpreted when `interpret` is true, the default on CPU), "reference" (jnp) or "auto" (the
+    kernel on GPU/TPU, jnp on CPU). Both give identical pages.
     """
+    if impl not in WRITE_IMPLS:
+        raise ValueError(f"impl must be one of {list(WRITE_IMPLS)}, got {impl!r}")
     _check_write_args(cache, k, v, slot_mapping, seq_ids, positions)
-    return write_reference(cache, k, v, slot_mapping, seq_ids, positions)
+    from .quantize_pallas import supports
+    backend = jax.default_backend()
+    why = supports(cache.cfg, cache.block_size, cache.head_dim)
+    if impl == "auto":
+        impl = "reference" if backend == "cpu" or why or cache.cfg.is_passthrough else "pallas"
+    if impl == "pallas" and why:
+        raise ValueError(f"impl='pallas' cannot quantize this cache: {why}; use impl='reference' or 'auto'")
+    quantizer = "reference"
+    if impl == "pallas":
+        quantizer = "pallas_interpret" if (backend == "cpu" if interpret is None else interpret) else "pallas"
+    return write_reference(cache, k, v, slot_mapping, seq_ids, positions, quantizer=quantizer)
 
 
 # ---------------------------------------------------------------------------------------- read

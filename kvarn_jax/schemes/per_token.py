@@ -12,7 +12,7 @@ from jax import lax
 
 from ..config import FP8_E4M3_MAX
 from ..packing import pack, unpack
-from .rtn import FP16_TINY, rtn_dequant, rtn_fp16
+from .rtn import FP16_TINY, round_half_even, rtn_dequant, rtn_fp16
 
 FP8 = jnp.float8_e4m3fn
 
@@ -52,7 +52,7 @@ def int_static_params(lo: jnp.ndarray, hi: jnp.ndarray, bits: int):
 
 def int_static_quantize(x: jnp.ndarray, bits: int, scale: jnp.ndarray, zero: jnp.ndarray) -> dict:
     """scale/zero broadcast against x [..., D] (per channel). Values outside the calibrated range clip."""
-    q = jnp.round((x.astype(jnp.float32) - zero.astype(jnp.float32)) / scale.astype(jnp.float32))
+    q = round_half_even((x.astype(jnp.float32) - zero.astype(jnp.float32)) / scale.astype(jnp.float32))
     return {"codes": pack(jnp.clip(q, 0, 2 ** bits - 1).astype(jnp.uint8), bits)}
 
 

@@ -8,6 +8,18 @@ import jax.numpy as jnp
 FP16_TINY = 2.0 ** -24
 
 
+def round_half_even(x: jnp.ndarray) -> jnp.ndarray:
+    """Round to nearest, ties to even (as jnp.round), from floor only.
+
+    Pallas' Triton lowering has no round primitive; using this in the reference and the kernels
+    alike keeps them bit-identical. Exact for |x| < 2**22 (codes are at most 255).
+    """
+    r = jnp.floor(x + 0.5)
+    tie = (r - x) == 0.5
+    odd = (r - 2.0 * jnp.floor(r * 0.5)) == 1.0
+    return jnp.where(tie & odd, r - 1.0, r)
+
+
 def rtn_params(x: jnp.ndarray, bits: int, floor: float = 1e-10):
     """(min, scale) of rows of `x` (fp32) over the last axis; `scale = max((max-min)/(2^b-1), floor)`."""
     mn = jnp.min(x, axis=-1)
@@ -18,7 +30,7 @@ def rtn_params(x: jnp.ndarray, bits: int, floor: float = 1e-10):
 
 def rtn_codes(x: jnp.ndarray, mn: jnp.ndarray, scale: jnp.ndarray, bits: int) -> jnp.ndarray:
     """`clip(round_half_even((x - mn) / scale), 0, 2^b - 1)` with mn/scale broadcast over the last axis."""
-    q = jnp.round((x - mn[..., None]) / scale[..., None])  # jnp.round rounds half to even
+    q = round_half_even((x - mn[..., None]) / scale[..., None])
     return jnp.clip(q, 0, 2 ** bits - 1).astype(jnp.uint8)
 
 

@@ -1,0 +1,84 @@
+"""Quantize-on-write in Pallas: the tiles of the blocks a write completes -> their page fields.
+
+Reference: `paged._quantize_blocks` (pure jnp), which calls the same scheme math
+(`kvarn_jax.schemes.quantize_side`). Here that math runs inside a Pallas kernel, one program per
+(completed block, kv head, tile), so the Hadamard-rotated tile, its Sinkhorn scales, codes and
+packed bytes stay in registers and only the stored fields are written. The write path then stores
+the fields into the (donated) cache pages, in place.
+
+On NVIDIA GPUs it lowers through Triton; `interpret=True` runs it anywhere (how CI checks it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from .. import schemes
+from ..config import KVQuantConfig
+
+TOKEN_CHUNK = 64  # tokens per program for per-token schemes
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def supports(cfg: KVQuantConfig, block_size: int, head_dim: int) -> str | None:
+    """None if the kernel can quantize this cache's blocks, else the reason."""
+    if not _pow2(block_size) or not _pow2(head_dim):
+        return f"block_size={block_size}, head_dim={head_dim} (the kernel needs powers of two)"
+    return None
+
+
+def _kernel(*refs, cfg, side, names, has_static):
+    x_ref = refs[0]
+    static = {n: r[...] for n, r in zip(has_static, refs[1:1 + len(has_static)])}
+    outs = refs[1 + len(has_static):]
+    x = x_ref[...]
+    if cfg.static:
+        static = schemes.expand_static(cfg, static, 0) if cfg.method == "int" else {
+            "scale": static["scale"].reshape(1, 1)}
+    fields = schemes.quantize_side(x, cfg, side, static if cfg.static else None)
+    for n, o in zip(names, outs):
+        o[...] = fields[n].astype(o.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "side", "interpret"))
+def quantize_blocks_pallas(blocks: jnp.ndarray, static: dict | None, *, cfg: KVQuantConfig, side: str,
+                           interpret: bool = False) -> dict:
+    """blocks [M, Hk, block_size, D] (storage frame) -> fields {name: [M, Hk, tiles_per_block, ...]}."""
+    m, hk, bs, d = blocks.shape
+    g = cfg.tile_tokens
+    tiled = g > 1
+    t = g if tiled else min(TOKEN_CHUNK, bs)
+    n_t = bs // t
+    x = blocks.reshape(m, hk, n_t, t, d)
+    fields = schemes.side_fields(cfg, side, d)
+    names = sorted(fields)
+    # per-token schemes: one program quantizes t tokens, so each field gets a token axis
+    out_tile = {n: (fields[n][0] if tiled else (t,) + fields[n][0]) for n in names}
+    out_shape = [jax.ShapeDtypeStruct((m, hk, n_t) + out_tile[n], fields[n][1]) for n in names]
+    out_specs = [pl.BlockSpec((None, None, None) + out_tile[n],
+                              lambda i, h, j, nd=len(out_tile[n]): (i, h, j) + (0,) * nd) for n in names]
+    operands = [x]
+    in_specs = [pl.BlockSpec((None, None, None, t, d), lambda i, h, j: (i, h, j, 0, 0))]
+    has_static = sorted(static) if static else []
+    for n in has_static:
+        a = static[n].reshape(hk, -1)  # int: [Hk, D]; fp8: [Hk] -> [Hk, 1]
+        operands.append(a)
+        in_specs.append(pl.BlockSpec((None, a.shape[1]), lambda i, h, j: (h, 0)))
+    params = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=1)
+    outs = pl.pallas_call(functools.partial(_kernel, cfg=cfg, side=side, names=names, has_static=has_static),
+                          grid=(m, hk, n_t), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                          interpret=interpret, name=f"kvarn_quantize_{cfg.name}_{side}", **params)(*operands)
+    res = {}
+    for n, o in zip(names, outs):
+        res[n] = o if tiled else o.reshape((m, hk, bs) + fields[n][0])
+    return res
