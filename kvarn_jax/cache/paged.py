@@ -284,8 +284,10 @@ def write(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp
     it is full and not the sink.
 
     impl: how completed blocks are quantized - "pallas" (the kernel in `quantize_pallas.py`;
-    interpreted when `interpret` is true, the default on CPU), "reference" (jnp) or "auto" (the
-    kernel on GPU/TPU, jnp on CPU). Both give identical pages.
+    interpreted when `interpret` is true, the default on CPU), "reference" (jnp, compiled by XLA) or
+    "auto". "auto" picks the jnp path on every backend for now: on the H200 the kernel is still
+    slower than XLA for every scheme but fp8 (benchmarks/results/2026-11-29_quantize_h200.md).
+    Interpreted, the kernel's pages are bit-identical to the jnp path's.
     """
     if impl not in WRITE_IMPLS:
         raise ValueError(f"impl must be one of {list(WRITE_IMPLS)}, got {impl!r}")
@@ -294,7 +296,7 @@ def write(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp
     backend = jax.default_backend()
     why = supports(cache.cfg, cache.block_size, cache.head_dim)
     if impl == "auto":
-        impl = "reference" if backend == "cpu" or why or cache.cfg.is_passthrough else "pallas"
+        impl = "reference"
     if impl == "pallas" and why:
         raise ValueError(f"impl='pallas' cannot quantize this cache: {why}; use impl='reference' or 'auto'")
     quantizer = "reference"
