@@ -79,7 +79,6 @@ def kernel_bytes(cache, batch, ctx):
 
 def device_time(fn, args, reps=20):
     """Seconds per call on the device: `reps` dependent calls inside one jitted scan."""
-    q = args[0]
 
     @jax.jit
     def many(q, *rest):
@@ -165,8 +164,6 @@ def torch_sdpa_time(batch, ctx, hq, hk, d):
             end.record()
             torch.cuda.synchronize()
             ts.append(start.elapsed_time(end) / 20 / 1e3)
-        del q, k, v
-        torch.cuda.empty_cache()
         return float(np.median(ts))
     except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
         print(f"  torch SDPA baseline failed: {type(e).__name__}: {e}")

@@ -15,7 +15,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -60,7 +59,8 @@ def main():
     for name, (sc, va, plane) in variants.items():
         pdp._Plan.scores, pdp._Plan.values, pdp._plane = sc, va, plane
         fn = lambda q, c, t, l: pdp.paged_decode_pallas(q, c, t, l, sid, scale=0.088, window=None,
-                                                        num_warps=w, num_stages=st, interpret=False)
+                                                        num_warps=w, num_stages=st,
+                                                        interpret=jax.default_backend() == "cpu")
         try:
             jax.clear_caches()
             t = device_time(fn, (q, cache, tables, lens))

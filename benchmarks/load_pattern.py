@@ -26,7 +26,6 @@ from jax.experimental import pallas as pl
 
 
 def run(kernel, operands, specs, grid, out_shape, interpret):
-    splits = grid[2]
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu

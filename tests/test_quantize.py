@@ -6,7 +6,6 @@ from hypothesis import given, strategies as st
 
 import kvarn_jax as kj
 from helpers import random_kv
-from test_config import all_scheme_strings
 
 
 def rel(a, b):

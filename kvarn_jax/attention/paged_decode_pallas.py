@@ -244,7 +244,7 @@ class _Plan:
 # ----------------------------------------------------------------------------- the kernel
 def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tiles_per_block,
             num_splits, sm_scale, window):
-    cfg, d, kc, vp, t_tok = plan.cfg, plan.d, plan.kc, plan.vp, plan.t
+    d, kc, vp, t_tok = plan.d, plan.kc, plan.vp, plan.t
     it = iter(refs)
     q_ref = next(it)
     qp_ref = next(it) if plan.pk > 1 else None
