@@ -213,8 +213,7 @@ def main():
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--splits", default="", help="comma list of num_splits to try (default: heuristic only)")
-    p.add_argument("--variants", default="w4s2",
-                   help="comma list of kernel variants wWsS[tT] (num_warps W, num_stages S, T tiles per loop step)")
+    p.add_argument("--variants", default="w4s2", help="comma list of kernel launch variants wWsS (num_warps W, num_stages S)")
     p.add_argument("--no-baselines", action="store_true")
     p.add_argument("--check", action="store_true")
     p.add_argument("--json", default="")
@@ -260,13 +259,10 @@ def main():
             sid = jnp.arange(batch, dtype=jnp.int32)
             for ns in splits:
                 for var in args.variants.split(","):
-                    w, rest = var[1:].split("s")
-                    st, tps = (rest.split("t") + ["1"])[:2]
-                    w, st, tps = int(w), int(st), int(tps)
+                    w, st = (int(x) for x in var[1:].split("s"))
                     # the kernel itself (q in the stored frame), as paged_decode_attention calls it
-                    fn = lambda q, c, t, l, ns=ns, w=w, st=st, tps=tps: pdp.paged_decode_pallas(
+                    fn = lambda q, c, t, l, ns=ns, w=w, st=st: pdp.paged_decode_pallas(
                         q, c, t, l, sid, scale=1.0 / np.sqrt(d), window=None, num_splits=ns, num_warps=w, num_stages=st,
-                        tiles_per_step=tps,
                         interpret=jax.default_backend() == "cpu")
                     t_dev = device_time(fn, (q, cache, tables, lens))
                     variants[f"{var}_splits{ns}"] = t_dev

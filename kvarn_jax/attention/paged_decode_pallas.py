@@ -243,7 +243,7 @@ class _Plan:
 
 # ----------------------------------------------------------------------------- the kernel
 def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tiles_per_block,
-            num_splits, sm_scale, window, tiles_per_step):
+            num_splits, sm_scale, window):
     d, kc, vp, t_tok = plan.d, plan.kc, plan.vp, plan.t
     it = iter(refs)
     q_ref = next(it)
@@ -293,29 +293,16 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     hi = jnp.minimum(lo + chunk, t_end)
     cls = jnp.arange(t_tok // kc, dtype=jnp.int32)
 
-    def step_body(i, carry):
-        # `tiles_per_step` tiles per iteration: more bytes in flight per program, one softmax update
-        tiles = []
-        ss, poss = [], []
-        for u in range(tiles_per_step):
-            t = lo + i * tiles_per_step + u
-            tc = jnp.minimum(t, hi - 1)  # a tile past this split's range reads a valid tile, masked out
-            blk, sub = bt_ref[b, tc // tpb], tc % tpb
-            tiles.append((blk, sub))
-            ss += plan.scores(q, q_planes, pages, st, blk, sub)
-            poss += [jnp.where(t < hi, t * t_tok + kc * cls + j, -1) for j in range(kc)]
-
-        def values(ps):
-            out = None
-            for u, (blk, sub) in enumerate(tiles):
-                c = plan.values(ps[u * kc:(u + 1) * kc], pages, st, blk, sub)
-                out = c if out is None else [a + x for a, x in zip(out, c)]
-            return out
-        return update(carry, ss, poss, values)
+    def tile_body(t, carry):
+        blk = bt_ref[b, t // tpb]
+        sub = t % tpb
+        ss = plan.scores(q, q_planes, pages, st, blk, sub)
+        poss = [t * t_tok + kc * cls + j for j in range(kc)]
+        return update(carry, ss, poss, lambda ps: plan.values(ps, pages, st, blk, sub))
 
     carry = (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32),
              tuple(jnp.zeros((gp, d // vp), jnp.float32) for _ in range(vp)))
-    carry = lax.fori_loop(0, pl.cdiv(jnp.maximum(hi - lo, 0), tiles_per_step), step_body, carry)
+    carry = lax.fori_loop(lo, jnp.maximum(lo, hi), tile_body, carry)
 
     # ---- high-precision sink and partial tail (split 0 only)
     if has_hp:
@@ -354,10 +341,10 @@ def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "num_splits", "interpret", "num_warps",
-                                             "num_stages", "tiles_per_step"))
+                                             "num_stages"))
 def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale: float, window: int | None,
                         num_splits: int | None = None, interpret: bool = False, num_warps: int = 4,
-                        num_stages: int = 2, tiles_per_step: int = 1):
+                        num_stages: int = 2):
     """Kernel entry: q_rot [B, Hq, D] in the stored frame -> output [B, Hq, D] fp32 in the stored frame."""
     cfg = cache.cfg
     nbt, hq, d = q_rot.shape
@@ -407,7 +394,7 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     kernel = functools.partial(
         _kernel, plan=plan, names=names, static_names=static_names, has_hp=cache.has_hp,
         block_size=cache.block_size, tail_len=max(cache.tail_len, 1), tiles_per_block=tiles_per_block,
-        num_splits=splits, sm_scale=scale, window=window, tiles_per_step=tiles_per_step)
+        num_splits=splits, sm_scale=scale, window=window)
     vp = plan.vp
     out_shape = [jax.ShapeDtypeStruct((nbt, hk, splits, vp, gp, d // vp), jnp.float32),
                  jax.ShapeDtypeStruct((nbt, hk, splits, gp), jnp.float32),
