@@ -334,6 +334,14 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     l_ref[...] = l
 
 
+def default_num_warps(cfg: KVQuantConfig, batch: int, num_kv_heads: int) -> int:
+    """Warps per program, from the H200 sweep in benchmarks/results/2026-11-29_decode_h200.json:
+    2 warps win for KVarN/KIVI and fp8 once there are >= 64 (sequence, kv head) pairs; 4 elsewhere."""
+    if cfg.method in ("kvarn", "kivi", "fp8") and batch * num_kv_heads >= 64:
+        return 2
+    return 4
+
+
 def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int) -> int:
     """Enough programs to fill an H100/H200-class chip (~132 SMs x 2), never more splits than tiles."""
     want = max(1, -(-264 // max(1, batch * num_kv_heads)))
@@ -343,7 +351,7 @@ def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int) -> int:
 @functools.partial(jax.jit, static_argnames=("scale", "window", "num_splits", "interpret", "num_warps",
                                              "num_stages"))
 def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale: float, window: int | None,
-                        num_splits: int | None = None, interpret: bool = False, num_warps: int = 4,
+                        num_splits: int | None = None, interpret: bool = False, num_warps: int | None = None,
                         num_stages: int = 2):
     """Kernel entry: q_rot [B, Hq, D] in the stored frame -> output [B, Hq, D] fp32 in the stored frame."""
     cfg = cache.cfg
@@ -405,7 +413,8 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
-        params["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+        warps = num_warps or default_num_warps(cfg, nbt, hk)
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=warps, num_stages=num_stages)
     acc, m, l = pl.pallas_call(kernel, grid=(nbt, hk, splits), in_specs=specs, out_specs=out_specs,
                                out_shape=out_shape, interpret=interpret,
                                name=f"kvarn_paged_decode_{cfg.name}", **params)(*operands)
