@@ -1,4 +1,5 @@
-"""`PagedKVCache`: one layer's paged, quantized KV cache, and its reference (pure jnp) write path.
+"""`PagedKVCache`: one layer's paged, quantized KV cache, and its write path (jnp; completed blocks are
+quantized by the same jnp math or by the Pallas kernel in `quantize_pallas.py`).
 
 Layout (all pytree leaves; sizes are static aux data):
 - `pages[side][field]`: [num_blocks, Hk, tiles_per_block, *field shape] - the quantized blocks. A
