@@ -15,6 +15,17 @@ import numpy as np
 FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 
 
+def is_power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def require_compiled_backend(interpret: bool, what: str) -> None:
+    """The Pallas kernels lower through Triton: compiled on NVIDIA GPUs, interpreted anywhere else."""
+    if not interpret and jax.default_backend() != "gpu":
+        raise ValueError(f"{what}: the Pallas kernel compiles for NVIDIA GPUs only (backend here: "
+                         f"{jax.default_backend()}); pass interpret=True or use impl='reference'")
+
+
 def is_concrete(*xs) -> bool:
     return not any(isinstance(x, jax.core.Tracer) for x in xs)
 

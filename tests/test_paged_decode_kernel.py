@@ -112,3 +112,8 @@ def test_pallas_refuses_what_it_cannot_run(rng):
         kj.paged_decode_attention(q, cache, jnp.zeros((1, 2), jnp.int32), jnp.array([10], jnp.int32), impl="pallas")
     with pytest.raises(ValueError, match="impl must be one of"):
         kj.paged_decode_attention(q, cache, jnp.zeros((1, 2), jnp.int32), jnp.array([10], jnp.int32), impl="triton")
+    if jax.default_backend() != "gpu":  # compiled (not interpreted) only where Triton lowers
+        ok = kj.PagedKVCache.create("int8", num_blocks=4, block_size=32, num_kv_heads=1, head_dim=64, max_seqs=1)
+        with pytest.raises(ValueError, match="compiles for NVIDIA GPUs only"):
+            kj.paged_decode_attention(q, ok, jnp.zeros((1, 2), jnp.int32), jnp.array([10], jnp.int32),
+                                      impl="pallas", interpret=False)

@@ -55,3 +55,7 @@ def test_write_impl_errors(rng):
         kj.write(cache, k, v, jnp.arange(2, dtype=jnp.int32), impl="pallas", **kw)
     with pytest.raises(ValueError, match="impl must be one of"):
         kj.write(cache, k, v, jnp.arange(2, dtype=jnp.int32), impl="cuda", **kw)
+    if jax.default_backend() != "gpu":
+        ok = kj.PagedKVCache.create("int8", num_blocks=4, block_size=32, num_kv_heads=1, head_dim=64, max_seqs=1)
+        with pytest.raises(ValueError, match="compiles for NVIDIA GPUs only"):
+            kj.write(ok, k, v, jnp.arange(2, dtype=jnp.int32), impl="pallas", interpret=False, **kw)

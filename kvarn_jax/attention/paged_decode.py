@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from ..hadamard import rotate, unrotate
 from . import paged_decode_pallas
+from ..validation import require_compiled_backend
 from .reference import _attend, _check
 
 IMPLS = ("auto", "pallas", "reference")
@@ -22,8 +23,9 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, scale: float | None
 
     Same arguments and result as `paged_decode_attention_reference` (q [B, Hq, D] -> [B, Hq, D] in
     q.dtype), plus:
-      impl: "pallas" (the fused kernel), "reference" (pure jnp) or "auto": the kernel on GPU/TPU when
-        it supports the cache, the reference on CPU (there the kernel only runs interpreted, slowly).
+      impl: "pallas" (the fused kernel), "reference" (pure jnp) or "auto": the kernel on NVIDIA GPUs
+        when it supports the cache, the reference elsewhere (the kernel lowers through Triton; on
+        other backends it only runs interpreted, slowly).
       interpret: run the Pallas kernel in interpret mode (default: True on CPU; how CI tests it).
       num_splits: programs per (sequence, kv head) along the KV length (default: enough to fill the chip).
     `impl="pallas"` raises ValueError if the kernel cannot take the cache (e.g. a block size that is
@@ -35,15 +37,17 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, scale: float | None
     backend = jax.default_backend()
     why = paged_decode_pallas.supports(cache.cfg, cache.block_size, cache.head_dim)
     if impl == "auto":
-        impl = "reference" if backend == "cpu" or why else "pallas"
+        impl = "pallas" if backend == "gpu" and not why else "reference"
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if impl == "reference":
         return _attend(q, cache, block_tables, seq_lens, sm_scale, seq_ids, window, False)
     if why is not None:
         raise ValueError(f"impl='pallas' cannot run this cache: {why}; use impl='reference' or 'auto'")
+    interpret = backend == "cpu" if interpret is None else bool(interpret)
+    require_compiled_backend(interpret, "paged_decode_attention(impl='pallas')")
     sid = jnp.arange(q.shape[0], dtype=jnp.int32) if seq_ids is None else seq_ids
     return _pallas(q, cache, block_tables, seq_lens, sid, scale=sm_scale, window=window,
-                   interpret=backend == "cpu" if interpret is None else bool(interpret), num_splits=num_splits)
+                   interpret=interpret, num_splits=num_splits)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "interpret", "num_splits"))

@@ -28,14 +28,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ..config import KVQuantConfig
+from ..validation import is_power_of_two as _pow2
 
 NEG = -1e30          # masked logit; every processed chunk holds at least one valid position
 HP_CHUNK = 64        # tokens per step through the high-precision sink/tail
 TOKEN_CHUNK = 64     # tokens per step through the pages of per-token schemes
-
-
-def _pow2(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
 
 
 def supports(cfg: KVQuantConfig, block_size: int, head_dim: int) -> str | None:
@@ -180,11 +177,10 @@ class _Plan:
                 s = s + _dot_t(q_planes[n], k)
             return [s]
         if cfg.method == "fp8":
-            v = _fp8(f["codes"][blk, sub])                                  # [T, D]
-            scale = st["k"]["scale"][...].astype(jnp.float32) if cfg.static else f["scale"][blk, sub].astype(jnp.float32)
+            raw = _dot_t(q, _fp8(f["codes"][blk, sub]))                     # [Gp, T]
             if cfg.static:
-                return [_dot_t(q, v) * scale[0]]
-            return [_dot_t(q, v) * scale[None, :]]
+                return [raw * st["k"]["scale"].astype(jnp.float32)[0]]
+            return [raw * f["scale"][blk, sub].astype(jnp.float32)[None, :]]
         return [_dot_t(q, f["values"][blk, sub].astype(jnp.float32))]
 
     # ---------------------------------------------------------------- values

@@ -11,7 +11,6 @@ import functools
 import math
 
 import jax
-
 import jax.numpy as jnp
 
 from ..cache.paged import PagedKVCache, check_read_args, gather_dense

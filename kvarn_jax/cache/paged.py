@@ -31,7 +31,8 @@ import jax.numpy as jnp
 from .. import schemes
 from ..config import KVQuantConfig
 from ..hadamard import rotate
-from ..validation import check_array, check_finite, check_range, is_concrete
+from ..validation import check_array, check_finite, check_range, is_concrete, require_compiled_backend
+from .quantize_pallas import quantize_blocks_pallas, supports as pallas_quantize_supports
 
 
 @jax.tree_util.register_dataclass
@@ -134,7 +135,6 @@ def _quantize_blocks(cache: PagedKVCache, side: str, blocks: jnp.ndarray, quanti
     the same math inside a kernel; bit-identical).
     """
     if quantizer != "reference":
-        from .quantize_pallas import quantize_blocks_pallas
         return quantize_blocks_pallas(blocks, cache.static[side] if cache.static else None, cfg=cache.cfg,
                                       side=side, interpret=quantizer == "pallas_interpret")
     g = cache.cfg.tile_tokens
@@ -293,16 +293,14 @@ def write(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp
     if impl not in WRITE_IMPLS:
         raise ValueError(f"impl must be one of {list(WRITE_IMPLS)}, got {impl!r}")
     _check_write_args(cache, k, v, slot_mapping, seq_ids, positions)
-    from .quantize_pallas import supports
-    backend = jax.default_backend()
-    why = supports(cache.cfg, cache.block_size, cache.head_dim)
-    if impl == "auto":
-        impl = "reference"
-    if impl == "pallas" and why:
-        raise ValueError(f"impl='pallas' cannot quantize this cache: {why}; use impl='reference' or 'auto'")
-    quantizer = "reference"
+    quantizer = "reference"  # also what "auto" means for now (see above)
     if impl == "pallas":
-        quantizer = "pallas_interpret" if (backend == "cpu" if interpret is None else interpret) else "pallas"
+        why = pallas_quantize_supports(cache.cfg, cache.block_size, cache.head_dim)
+        if why:
+            raise ValueError(f"impl='pallas' cannot quantize this cache: {why}; use impl='reference' or 'auto'")
+        interpret = jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+        require_compiled_backend(interpret, "write(impl='pallas')")
+        quantizer = "pallas_interpret" if interpret else "pallas"
     return write_reference(cache, k, v, slot_mapping, seq_ids, positions, quantizer=quantizer)
 
 

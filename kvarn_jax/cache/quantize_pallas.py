@@ -19,12 +19,9 @@ from jax.experimental import pallas as pl
 
 from .. import schemes
 from ..config import KVQuantConfig
+from ..validation import is_power_of_two as _pow2
 
 TOKEN_CHUNK = 64  # tokens per program for per-token schemes
-
-
-def _pow2(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
 
 
 def supports(cfg: KVQuantConfig, block_size: int, head_dim: int) -> str | None:
@@ -38,11 +35,8 @@ def _kernel(*refs, cfg, side, names, has_static):
     x_ref = refs[0]
     static = {n: r[...] for n, r in zip(has_static, refs[1:1 + len(has_static)])}
     outs = refs[1 + len(has_static):]
-    x = x_ref[...]
-    if cfg.static:
-        static = schemes.expand_static(cfg, static, 0) if cfg.method == "int" else {
-            "scale": static["scale"].reshape(1, 1)}
-    fields = schemes.quantize_side(x, cfg, side, static if cfg.static else None)
+    # the loaded per-head params ([D] int, [1] fp8) line up with the tile like canonical ones do
+    fields = schemes.quantize_side(x_ref[...], cfg, side, schemes.expand_static(cfg, static, 0) if cfg.static else None)
     for n, o in zip(names, outs):
         o[...] = fields[n].astype(o.dtype)
 
