@@ -1,0 +1,1 @@
+"""kvarn-jax as a vLLM plugin: KV-cache quantization for stock vLLM over DLPack."""
