@@ -3,8 +3,10 @@
     python benchmarks/decode_ablation.py [--scheme kvarn_k4v2_g128] [--shape 32x32768]
 
 Variants (monkeypatched into the kernel's per-scheme plan; numbers are for diagnosis only, the
-ablated kernels compute wrong attention): full; no_values (V never read); no_unpack (codes converted to fp16 without the shift/mask); loads_only (codes
-and scales read and summed, no matrix products).
+ablated kernels compute wrong attention, except convert_unpack): full; convert_unpack (codes
+turned into fp16 with an int->float conversion instead of the magic-number OR, correct, the
+kernel before 2026-11-29 evening); no_values (V never read); no_unpack (codes converted to fp16
+without the shift/mask); loads_only (codes and scales read and summed, no matrix products).
 """
 
 from __future__ import annotations
@@ -25,13 +27,24 @@ from kvarn_jax.attention import paged_decode_pallas as pdp  # noqa: E402
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--scheme", default="kvarn_k4v2_g128")
+    p.add_argument("--scheme", default="kvarn_k4v2_g128", help="comma list")
     p.add_argument("--shape", default="32x32768")
     p.add_argument("--variant", default="w2s2")
     args = p.parse_args()
-    batch, ctx = (int(x) for x in args.shape.split("x"))
-    w, st = (int(x) for x in args.variant[1:].split("s"))
-    cache, tables, lens = random_cache(args.scheme, batch, ctx, 8, 128, 128, jnp.float16)
+    for scheme in args.scheme.split(","):
+        ablate(scheme, args.shape, args.variant)
+
+
+def convert_plane(c, bits, j):
+    if bits != 8:
+        c = jnp.bitwise_and(jnp.right_shift(c, j * bits), (1 << bits) - 1)
+    return c.astype(jnp.float16)
+
+
+def ablate(scheme, shape, variant):
+    batch, ctx = (int(x) for x in shape.split("x"))
+    w, st = (int(x) for x in variant[1:].split("s"))
+    cache, tables, lens = random_cache(scheme, batch, ctx, 8, 128, 128, jnp.float16)
     q = jax.random.normal(jax.random.PRNGKey(9), (batch, 32, 128), jnp.float16)
     sid = jnp.arange(batch, dtype=jnp.int32)
     orig = (pdp._Plan.scores, pdp._Plan.values, pdp._plane)
@@ -50,12 +63,13 @@ def main():
 
     variants = {
         "full": orig,
+        "convert_unpack": (orig[0], orig[1], convert_plane),
         "no_values": (orig[0], no_values, orig[2]),
         "no_unpack": (orig[0], orig[1], lambda c, bits, j: c.astype(jnp.float16)),
         "loads_only": (loads_only_scores, loads_only_values, orig[2]),
     }
     nbytes = kernel_bytes(cache, batch, ctx)
-    print(f"{args.scheme} B={batch} L={ctx} {args.variant}: {nbytes / 1e9:.3f} GB per call")
+    print(f"{scheme} B={batch} L={ctx} {variant}: {nbytes / 1e9:.3f} GB per call")
     for name, (sc, va, plane) in variants.items():
         pdp._Plan.scores, pdp._Plan.values, pdp._plane = sc, va, plane
         fn = lambda q, c, t, l: pdp.paged_decode_pallas(q, c, t, l, sid, scale=0.088, window=None,
