@@ -40,6 +40,10 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--schemes", default="kvarn_k4v2_g128,kvarn_k4v4_g128,int8,int4,fp8")
     p.add_argument("--blocks", type=int, default=1024)
+    p.add_argument("--warps", default="", help="comma list of num_warps to sweep (default: the kernel's per-scheme default)")
+    p.add_argument("--write-seqs", type=int, default=0,
+                   help="also time kvarn_jax.write (impl auto vs reference) prefilling this many sequences")
+    p.add_argument("--write-len", type=int, default=2048, help="tokens per sequence for --write-seqs")
     p.add_argument("--json", default="")
     args = p.parse_args()
     interpret = jax.default_backend() == "cpu"
@@ -53,19 +57,62 @@ def main():
         cfg = kj.parse(s)
         cache = kj.PagedKVCache.create(cfg, num_blocks=1, block_size=bs, num_kv_heads=hk, head_dim=d, max_seqs=1)
         ref = jax.jit(lambda x: {side: paged._quantize_blocks(cache, side, x) for side in ("k", "v")})
-        ker = jax.jit(lambda x: {side: quantize_blocks_pallas(x, None, cfg=cfg, side=side, interpret=interpret)
-                                 for side in ("k", "v")})
+        t_ref = timed(ref, x)
+        by_warps = {}
+        for w in [int(v) for v in args.warps.split(",") if v] or [None]:
+            ker = jax.jit(lambda x, w=w: {side: quantize_blocks_pallas(x, None, cfg=cfg, side=side, interpret=interpret,
+                                                                       num_warps=w) for side in ("k", "v")})
+            by_warps[w] = timed(ker, x)
+            print(f"    {s} kernel num_warps={w or 'default'}: {by_warps[w] * 1e3:.3f} ms")
+        best_w = min(by_warps, key=lambda w: by_warps[w])
+        t_ker = by_warps[best_w]
+        ker = jax.jit(lambda x: {side: quantize_blocks_pallas(x, None, cfg=cfg, side=side, interpret=interpret,
+                                                              num_warps=best_w) for side in ("k", "v")})
         a, b = ref(x), ker(x)
         diff = sum(int(jnp.sum(a[sd]["codes"] != b[sd]["codes"])) for sd in ("k", "v"))
-        t_ref, t_ker = timed(ref, x), timed(ker, x)
-        row = {"scheme": s, "kernel_s": t_ker, "xla_s": t_ref, "kernel_Mtokheads_per_s": th / t_ker / 1e6,
+        row = {"scheme": s, "kernel_s": t_ker, "kernel_num_warps": best_w,
+               "kernel_s_by_warps": {str(k or "default"): v for k, v in by_warps.items()}, "xla_s": t_ref, "kernel_Mtokheads_per_s": th / t_ker / 1e6,
                "xla_Mtokheads_per_s": th / t_ref / 1e6, "differing_code_bytes": diff}
         res["rows"].append(row)
         print(f"  {s:<18s} kernel {t_ker * 1e3:8.3f} ms = {row['kernel_Mtokheads_per_s']:8.0f} M tok-heads/s | "
               f"XLA {t_ref * 1e3:8.3f} ms = {row['xla_Mtokheads_per_s']:8.0f} M/s | differing code bytes {diff}")
+    if args.write_seqs:
+        res["write"] = write_path(args, th_unit=hk)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
+
+
+def write_path(args, th_unit):
+    """Prefill through the public write path: impl="auto" vs "reference", time and differing pages."""
+    hk, bs, d, n, length = th_unit, 128, 128, args.write_seqs, args.write_len
+    blocks_per_seq = length // bs
+    rows = []
+    for s in args.schemes.split(","):
+        cache = kj.PagedKVCache.create(s, num_blocks=n * blocks_per_seq, block_size=bs, num_kv_heads=hk,
+                                       head_dim=d, max_seqs=n, dtype=jnp.float16)
+        key = jax.random.PRNGKey(1)
+        k = jax.random.normal(key, (n * length, hk, d), jnp.float16)
+        v = jax.random.normal(jax.random.fold_in(key, 1), (n * length, hk, d), jnp.float16)
+        perm = np.random.default_rng(0).permutation(n * blocks_per_seq).reshape(n, blocks_per_seq)
+        pos = np.tile(np.arange(length), n)
+        seq = np.repeat(np.arange(n), length)
+        slots = jnp.asarray(perm[seq, pos // bs] * bs + pos % bs, jnp.int32)
+        seq, pos = jnp.asarray(seq, jnp.int32), jnp.asarray(pos, jnp.int32)
+        out, times = {}, {}
+        for impl in ("auto", "reference"):
+            f = jax.jit(lambda c, impl=impl: kj.write(c, k, v, slots, seq_ids=seq, positions=pos, impl=impl))
+            out[impl] = f(cache)
+            times[impl] = timed(f, cache)
+        diff = sum(int(jnp.sum(out["auto"].pages[sd]["codes"] != out["reference"].pages[sd]["codes"]))
+                   for sd in ("k", "v") if "codes" in out["auto"].pages[sd])
+        row = {"scheme": s, "tokens": n * length, "auto_s": times["auto"], "reference_s": times["reference"],
+               "differing_code_bytes": diff}
+        rows.append(row)
+        print(f"  write {n}x{length} {s:<18s} auto {times['auto'] * 1e3:8.3f} ms | reference "
+              f"{times['reference'] * 1e3:8.3f} ms | {n * length * hk / times['auto'] / 1e6:7.0f} M tok-heads/s (auto)"
+              f" | differing code bytes {diff}")
+    return rows
 
 
 if __name__ == "__main__":

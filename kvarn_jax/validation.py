@@ -42,8 +42,13 @@ def check_array(x, name: str, ndim: int | None = None, floating: bool = False, i
 
 
 def check_finite(x, name: str):
-    if is_concrete(x) and not bool(jnp.all(jnp.isfinite(x))):
-        bad = int(jnp.sum(~jnp.isfinite(x)))
+    if not is_concrete(x):
+        return
+    ok = jnp.all(jnp.isfinite(x))  # on the device: only a scalar comes back
+    if isinstance(ok, jax.core.Tracer):  # x is concrete but closed over by a jitted caller
+        ok = bool(np.isfinite(np.asarray(x, dtype=np.float32)).all())
+    if not bool(ok):
+        bad = int(np.sum(~np.isfinite(np.asarray(x, dtype=np.float32))))
         raise ValueError(f"{name} contains {bad} non-finite value(s) (NaN or Inf); refusing to quantize them")
 
 

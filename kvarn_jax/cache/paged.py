@@ -27,6 +27,7 @@ from typing import Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import schemes
 from ..config import KVQuantConfig
@@ -249,14 +250,17 @@ def _check_write_args(cache, k, v, slot_mapping, seq_ids, positions):
             if x.shape[0] != n:
                 raise ValueError(f"{name} has {x.shape[0]} entries for {n} tokens")
         if is_concrete(slot_mapping, seq_ids, positions):
-            live = slot_mapping != -1
-            check_range(jnp.where(live, seq_ids, 0), "seq_ids", 0, cache.max_seqs,
+            # numpy, not jnp: arrays closed over by a jitted caller are concrete, but jnp ops on them
+            # inside the trace would give tracers
+            sm, sid, pos = np.asarray(slot_mapping), np.asarray(seq_ids), np.asarray(positions)
+            live = sm != -1
+            check_range(np.where(live, sid, 0), "seq_ids", 0, cache.max_seqs,
                         f"sequence ids index the high-precision storage and must be < max_seqs={cache.max_seqs}")
-            check_range(jnp.where(live, positions, 0), "positions", 0, 2 ** 31 - 1, "positions must be >= 0")
-            mism = live & (positions % cache.block_size != slot_mapping % cache.block_size)
-            if bool(jnp.any(mism)):
-                i = int(jnp.argmax(mism))
-                raise ValueError(f"positions[{i}] = {int(positions[i])} and slot_mapping[{i}] = {int(slot_mapping[i])} "
+            check_range(np.where(live, pos, 0), "positions", 0, 2 ** 31 - 1, "positions must be >= 0")
+            mism = live & (pos % cache.block_size != sm % cache.block_size)
+            if mism.any():
+                i = int(np.argmax(mism))
+                raise ValueError(f"positions[{i}] = {int(pos[i])} and slot_mapping[{i}] = {int(sm[i])} "
                                  f"disagree: a token's offset in its block (slot % block_size) must equal "
                                  f"position % block_size (block_size={cache.block_size})")
     check_finite(k, "k")
@@ -286,14 +290,17 @@ def write(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp
 
     impl: how completed blocks are quantized - "pallas" (the kernel in `quantize_pallas.py`;
     interpreted when `interpret` is true, the default on CPU), "reference" (jnp, compiled by XLA) or
-    "auto". "auto" picks the jnp path on every backend for now: on the H200 the kernel is still
-    slower than XLA for every scheme but fp8 (benchmarks/results/2026-11-29_quantize_h200.md).
-    Interpreted, the kernel's pages are bit-identical to the jnp path's.
+    "auto": the kernel on GPUs for the schemes where it beats XLA on the H200 (KVarN, KIVI, fp8:
+    benchmarks/results/2026-11-29_quantize_warps_h200.md), the jnp path otherwise (int schemes,
+    CPU, TPU). Interpreted, the kernel's pages are bit-identical to the jnp path's.
     """
     if impl not in WRITE_IMPLS:
         raise ValueError(f"impl must be one of {list(WRITE_IMPLS)}, got {impl!r}")
     _check_write_args(cache, k, v, slot_mapping, seq_ids, positions)
-    quantizer = "reference"  # also what "auto" means for now (see above)
+    quantizer = "reference"
+    if impl == "auto" and jax.default_backend() == "gpu" and cache.cfg.method in ("kvarn", "kivi", "fp8") \
+            and not pallas_quantize_supports(cache.cfg, cache.block_size, cache.head_dim):
+        quantizer = "pallas"
     if impl == "pallas":
         why = pallas_quantize_supports(cache.cfg, cache.block_size, cache.head_dim)
         if why:
@@ -355,8 +362,8 @@ def check_read_args(cache, block_tables, seq_lens, seq_ids, batch: int | None = 
     check_range(seq_lens, "seq_lens", 0, mb * bs + 1,
                 f"a sequence holds at most block_tables.shape[1] * block_size = {mb * bs} tokens")
     if is_concrete(block_tables, seq_lens):
-        used = jnp.arange(mb)[None, :] * bs < seq_lens[:, None]
-        check_range(jnp.where(used, block_tables, 0), "block_tables", 0, cache.num_blocks,
+        used = np.arange(mb)[None, :] * bs < np.asarray(seq_lens)[:, None]
+        check_range(np.where(used, np.asarray(block_tables), 0), "block_tables", 0, cache.num_blocks,
                     f"block ids must be < num_blocks={cache.num_blocks} for the blocks a sequence uses")
     if seq_ids is not None:
         check_array(seq_ids, "seq_ids", ndim=1, integer=True)

@@ -31,6 +31,12 @@ def supports(cfg: KVQuantConfig, block_size: int, head_dim: int) -> str | None:
     return None
 
 
+def default_num_warps(cfg: KVQuantConfig) -> int:
+    """Warps per program, from the H200 sweep (benchmarks/results/2026-11-29_quantize_warps_h200.md):
+    a 128x128 fp32 tile held by 4 warps spills registers; 16 warps quantize KVarN 3x faster."""
+    return 8 if cfg.method == "int" else 16
+
+
 def _kernel(*refs, cfg, side, names, has_static):
     x_ref = refs[0]
     static = {n: r[...] for n, r in zip(has_static, refs[1:1 + len(has_static)])}
@@ -41,9 +47,9 @@ def _kernel(*refs, cfg, side, names, has_static):
         o[...] = fields[n].astype(o.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "side", "interpret"))
+@functools.partial(jax.jit, static_argnames=("cfg", "side", "interpret", "num_warps"))
 def quantize_blocks_pallas(blocks: jnp.ndarray, static: dict | None, *, cfg: KVQuantConfig, side: str,
-                           interpret: bool = False) -> dict:
+                           interpret: bool = False, num_warps: int | None = None) -> dict:
     """blocks [M, Hk, block_size, D] (storage frame) -> fields {name: [M, Hk, tiles_per_block, ...]}."""
     m, hk, bs, d = blocks.shape
     g = cfg.tile_tokens
@@ -68,7 +74,7 @@ def quantize_blocks_pallas(blocks: jnp.ndarray, static: dict | None, *, cfg: KVQ
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
-        params["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=1)
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps or default_num_warps(cfg), num_stages=1)
     outs = pl.pallas_call(functools.partial(_kernel, cfg=cfg, side=side, names=names, has_static=has_static),
                           grid=(m, hk, n_t), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                           interpret=interpret, name=f"kvarn_quantize_{cfg.name}_{side}", **params)(*operands)

@@ -24,11 +24,9 @@ def _std(x: jnp.ndarray, axis: int) -> jnp.ndarray:
     return jnp.sqrt(jnp.maximum((m2 - m * m) * (n / (n - 1)), 0.0))
 
 
-def _imbalance(cur: jnp.ndarray) -> jnp.ndarray:
-    col = _std(cur, -2)
-    row = _std(cur, -1)
-    return (jnp.max(col, -1) / jnp.maximum(jnp.min(col, -1), 1e-8)
-            + jnp.max(row, -1) / jnp.maximum(jnp.min(row, -1), 1e-8))
+def _imbalance(col_std: jnp.ndarray, row_std: jnp.ndarray) -> jnp.ndarray:
+    return (jnp.max(col_std, -1) / jnp.maximum(jnp.min(col_std, -1), 1e-8)
+            + jnp.max(row_std, -1) / jnp.maximum(jnp.min(row_std, -1), 1e-8))
 
 
 def sinkhorn_log_scales(t: jnp.ndarray, iters: int):
@@ -43,14 +41,17 @@ def sinkhorn_log_scales(t: jnp.ndarray, iters: int):
     def normalized(lc, lr):
         return t / jnp.exp(lc)[..., None, :] / jnp.exp(lr)[..., :, None]
 
-    best_lc, best_lr, best_imb = lc, lr, _imbalance(t)
-    cur = t
+    # The column stds an iterate's imbalance needs are the ones the next column update starts from:
+    # computed once and carried (3 std passes per iteration instead of 4; same values).
+    col = _std(t, -2)
+    best_lc, best_lr, best_imb = lc, lr, _imbalance(col, _std(t, -1))
     for _ in range(iters):
-        lc = jnp.clip(lc + jnp.log(jnp.clip(_std(cur, -2), 1e-3, 1e3)), -0.3, 10.0)
+        lc = jnp.clip(lc + jnp.log(jnp.clip(col, 1e-3, 1e3)), -0.3, 10.0)
         cur = normalized(lc, lr)
         lr = jnp.clip(lr + jnp.log(jnp.clip(_std(cur, -1), 1e-3, 1e3)), -0.3, 10.0)
         cur = normalized(lc, lr)
-        imb = _imbalance(cur)
+        col = _std(cur, -2)
+        imb = _imbalance(col, _std(cur, -1))
         # Ties go to the later iterate. Iterates that differ by a uniform factor moved between rows
         # and columns have the same imbalance up to float rounding, so "tie" means equal within
         # TIE_RTOL; otherwise summation order (device, library) would decide which one is kept.
