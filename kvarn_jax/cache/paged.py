@@ -198,29 +198,53 @@ def write_reference(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_ma
     tail = {s: cache.tail[s].at[r_idx, :, pos % r].set(xs[s], mode="drop") for s in schemes.SIDES}
 
     # Blocks whose last slot this write fills: assemble them from the ring (tokens of earlier
-    # writes) overlaid with this write's tokens, quantize, store in their pages.
+    # writes) overlaid with this write's tokens, quantize, store in their pages. Shapes are static,
+    # so the work is sized for a bound on completions; most decode steps complete no block and
+    # few complete more than a couple, so the quantization runs in the smallest of a few sizes
+    # that holds this call's completions (none at all when nothing completes).
     completes = rest & (off == bs - 1)
     m = completed_block_bound(cache, n)
-    (ti,) = jnp.nonzero(completes, size=m, fill_value=n)
-    overflow = jnp.maximum(jnp.sum(completes, dtype=jnp.int32) - m, 0)
+    count = jnp.sum(completes, dtype=jnp.int32)
+    overflow = jnp.maximum(count - m, 0)
+    sizes = sorted({min(2, m), m})
+    ctx = (xs, blk, off, seq, seq_c, pos, rest, completes)
+
+    def store(size):
+        return lambda pages: _store_completed(cache, pages, ctx, size, quantizer)
+
+    branches = [lambda pages: pages] + [store(size) for size in sizes]
+    which = jnp.int32(0)
+    for i, size in enumerate(reversed(sizes)):  # smallest size that holds `count`
+        which = jnp.where(count <= size, len(sizes) - i, which)
+    which = jnp.where(count == 0, 0, jnp.where(count > m, len(sizes), which))
+    pages = jax.lax.switch(which, branches, cache.pages)
+    return dataclasses.replace(cache, pages=pages, sink=sink, tail=tail,
+                               dropped_tokens=cache.dropped_tokens + dropped + overflow * bs)
+
+
+def _store_completed(cache: PagedKVCache, pages: dict, ctx, size: int, quantizer: str) -> dict:
+    """Quantize up to `size` blocks this write completes (from the ring + the write's tokens) into `pages`."""
+    xs, blk, off, seq, seq_c, pos, rest, completes = ctx
+    n = blk.shape[0]
+    nb, bs, r = cache.num_blocks, cache.block_size, cache.tail_len
+    (ti,) = jnp.nonzero(completes, size=size, fill_value=n)
     ok = ti < n
     tc = jnp.minimum(ti, n - 1)
     c_m = jnp.where(ok, blk[tc], nb)                        # physical block of each completion
     s_m = seq_c[tc]
     start = (pos[tc] // bs) * bs                            # first position of the block
-    ring_idx = (start[:, None] + jnp.arange(bs)[None, :]) % r  # [m, bs]
-    blk2m = jnp.full((nb,), m, jnp.int32).at[c_m].set(jnp.arange(m, dtype=jnp.int32), mode="drop")
-    m_t = jnp.where(rest, blk2m[jnp.clip(blk, 0, nb - 1)], m)
-    m_t = jnp.where(s_m[jnp.minimum(m_t, m - 1)] == seq, m_t, m)  # a block belongs to one sequence
-    pages = {}
+    ring_idx = (start[:, None] + jnp.arange(bs)[None, :]) % r  # [size, bs]
+    blk2m = jnp.full((nb,), size, jnp.int32).at[c_m].set(jnp.arange(size, dtype=jnp.int32), mode="drop")
+    m_t = jnp.where(rest, blk2m[jnp.clip(blk, 0, nb - 1)], size)
+    m_t = jnp.where(s_m[jnp.minimum(m_t, size - 1)] == seq, m_t, size)  # a block belongs to one sequence
+    out = {}
     for s in schemes.SIDES:
-        buf = cache.tail[s][s_m[:, None], :, ring_idx]        # [m, bs, Hk, D]
+        buf = cache.tail[s][s_m[:, None], :, ring_idx]        # [size, bs, Hk, D]
         buf = buf.at[m_t, off].set(xs[s], mode="drop")
         fields = _quantize_blocks(cache, s, buf.transpose(0, 2, 1, 3), quantizer)
-        pages[s] = {name: cache.pages[s][name].at[c_m].set(f.astype(cache.pages[s][name].dtype), mode="drop")
-                    for name, f in fields.items()}
-    return dataclasses.replace(cache, pages=pages, sink=sink, tail=tail,
-                               dropped_tokens=cache.dropped_tokens + dropped + overflow * bs)
+        out[s] = {name: pages[s][name].at[c_m].set(f.astype(pages[s][name].dtype), mode="drop")
+                  for name, f in fields.items()}
+    return out
 
 
 def _check_write_args(cache, k, v, slot_mapping, seq_ids, positions):
