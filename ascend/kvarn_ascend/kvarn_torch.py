@@ -1,0 +1,180 @@
+"""KVarN and KIVI tile quantization in torch ops, for the NPU store path (no CANN op does 2-bit
+codes or Sinkhorn): Hadamard rotation as a matmul, log-domain Sinkhorn, round-to-nearest, packing.
+
+The math is kvarn_jax's (DESIGN.md §1, `kvarn_jax/schemes/kvarn.py`, `kivi.py`, `rtn.py`,
+`packing.py`, `hadamard.py`), written for torch so it runs on the NPU; fields, shapes and dtypes are
+kvarn_jax's, so pages are interchangeable. Everything is fp32 except the stored fp16 metadata. On an
+NPU keep `torch_npu.npu.matmul.allow_hf32` off (its default), or the rotation loses fp32 precision.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvarn_jax.hadamard import hadamard_matrix_np
+
+TIE_RTOL = 1e-6  # kvarn_jax's tie rule for Sinkhorn iterates (see kvarn_jax/schemes/kvarn.py)
+FP16_TINY = 2.0 ** -24
+
+
+def hadamard(n: int, dtype=torch.float32, device=None) -> torch.Tensor:
+    return torch.as_tensor(hadamard_matrix_np(n), dtype=dtype, device=device)
+
+
+def rotate(x: torch.Tensor, out_dtype=None) -> torch.Tensor:
+    """`x @ H` in fp32, rounded to out_dtype; fp16 inputs use the fp16-rounded H as the KVarN
+    reference does (`fp16(x_fp16 @ fp16(H))`), other dtypes the fp32 H (as kvarn_jax.rotate)."""
+    h_dtype = torch.float16 if x.dtype == torch.float16 else torch.float32
+    h = hadamard(x.shape[-1], h_dtype, x.device).float()
+    return (x.float() @ h).to(out_dtype or x.dtype)
+
+
+def unrotate(x: torch.Tensor, out_dtype=None) -> torch.Tensor:
+    """Inverse of `rotate` (H is symmetric and orthonormal), fp32 with the exact H."""
+    return (x.float() @ hadamard(x.shape[-1], torch.float32, x.device)).to(out_dtype or x.dtype)
+
+
+# ------------------------------------------------------------------------------------------ packing
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """[..., n] codes in [0, 2^bits) -> [..., n*bits/8] uint8, element j of a byte at bit j*bits."""
+    if bits == 8:
+        return codes.to(torch.uint8)
+    per = 8 // bits
+    c = codes.to(torch.int32).reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
+    shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
+    return (c << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == 8:
+        return packed
+    per = 8 // bits
+    shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
+    c = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
+    return c.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)
+
+
+# ------------------------------------------------------------------------------------------ RTN
+def rtn_params(x: torch.Tensor, bits: int, floor: float = 1e-10):
+    mn = x.amin(-1)
+    scale = torch.clamp((x.amax(-1) - mn) / (2 ** bits - 1), min=floor)
+    return mn, scale
+
+
+def rtn_codes(x, mn, scale, bits: int) -> torch.Tensor:
+    q = torch.round((x - mn[..., None]) / scale[..., None])  # half to even, as kvarn_jax
+    return q.clamp(0, 2 ** bits - 1).to(torch.uint8)
+
+
+def rtn_fp16(x: torch.Tensor, bits: int):
+    """Codes chosen against the fp16-rounded (min, scale) that get stored (kvarn_jax.schemes.rtn.rtn_fp16)."""
+    mn, scale = rtn_params(x, bits, floor=FP16_TINY)
+    s16, z16 = scale.half(), mn.half()
+    return rtn_codes(x, z16.float(), s16.float(), bits), s16, z16
+
+
+def rtn_dequant(codes, scale, zero) -> torch.Tensor:
+    return codes.float() * scale.float()[..., None] + zero.float()[..., None]
+
+
+# ------------------------------------------------------------------------------------------ Sinkhorn
+def _std(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Unbiased single-pass std without subtracting means first (the reference's form)."""
+    n = x.shape[dim]
+    m = x.mean(dim)
+    m2 = (x * x).mean(dim)
+    return torch.sqrt(torch.clamp((m2 - m * m) * (n / (n - 1)), min=0.0))
+
+
+def _imbalance(col_std: torch.Tensor, row_std: torch.Tensor) -> torch.Tensor:
+    return (col_std.amax(-1) / col_std.amin(-1).clamp(min=1e-8)
+            + row_std.amax(-1) / row_std.amin(-1).clamp(min=1e-8))
+
+
+def sinkhorn_log_scales(t: torch.Tensor, iters: int):
+    """Log-domain variance normalization of t [..., R, C]: (lc [..., C], lr [..., R]) of the iterate with
+    the lowest imbalance, the all-zero start included, ties (within TIE_RTOL) going to the later."""
+    lc = torch.zeros(t.shape[:-2] + t.shape[-1:], dtype=torch.float32, device=t.device)
+    lr = torch.zeros(t.shape[:-1], dtype=torch.float32, device=t.device)
+    # an iterate's column stds are also what the next column update starts from: computed once
+    col = _std(t, -2)
+    best_lc, best_lr, best_imb = lc, lr, _imbalance(col, _std(t, -1))
+    for _ in range(iters):
+        lc = torch.clamp(lc + torch.log(torch.clamp(col, 1e-3, 1e3)), -0.3, 10.0)
+        cur = t / torch.exp(lc)[..., None, :] / torch.exp(lr)[..., :, None]
+        lr = torch.clamp(lr + torch.log(torch.clamp(_std(cur, -1), 1e-3, 1e3)), -0.3, 10.0)
+        cur = t / torch.exp(lc)[..., None, :] / torch.exp(lr)[..., :, None]
+        col = _std(cur, -2)
+        imb = _imbalance(col, _std(cur, -1))
+        better = imb <= best_imb * (1.0 + TIE_RTOL)
+        best_lc = torch.where(better[..., None], lc, best_lc)
+        best_lr = torch.where(better[..., None], lr, best_lr)
+        best_imb = torch.where(better, imb, best_imb)
+    return best_lc, best_lr
+
+
+def _balanced_rtn(t: torch.Tensor, bits: int, iters: int):
+    lc, lr = sinkhorn_log_scales(t, iters)
+    s_col, s_row = torch.exp(lc), torch.exp(lr)
+    bal = t / s_col[..., None, :] / s_row[..., :, None]
+    mn, scale = rtn_params(bal, bits)
+    codes = rtn_codes(bal, mn, scale, bits)
+    return codes, (s_row * scale).half(), (s_row * mn).half(), s_col.half()
+
+
+def kvarn_quantize(x: torch.Tensor, side: str, bits: int, iters: int) -> dict:
+    """Rotated tiles [..., G, D] -> kvarn_jax's stored fields for `side` ("k" or "v")."""
+    t = x.float()
+    if side == "k":
+        codes, scale_chan, zero_chan, scale_tok = _balanced_rtn(t.transpose(-1, -2), bits, iters)
+        return {"codes": pack(codes, bits), "scale_chan": scale_chan, "zero_chan": zero_chan, "scale_tok": scale_tok}
+    codes, scale_tok, zero_tok, scale_chan = _balanced_rtn(t, bits, iters)
+    return {"codes": pack(codes, bits), "scale_chan": scale_chan, "scale_tok": scale_tok, "zero_tok": zero_tok}
+
+
+def kvarn_dequantize(f: dict, side: str, bits: int) -> torch.Tensor:
+    """Stored fields -> rotated tiles [..., G, D] in fp32."""
+    c = unpack(f["codes"], bits).float()
+    if side == "k":  # c: [..., D, G]
+        kt = (c * f["scale_chan"].float()[..., :, None] + f["zero_chan"].float()[..., :, None]) \
+            * f["scale_tok"].float()[..., None, :]
+        return kt.transpose(-1, -2)
+    return (c * f["scale_tok"].float()[..., :, None] + f["zero_tok"].float()[..., :, None]) \
+        * f["scale_chan"].float()[..., None, :]
+
+
+def kivi_quantize(x: torch.Tensor, side: str, bits: int, group: int) -> dict:
+    """Tiles [..., G, D] -> KIVI fields: keys per channel over the tile, values per token in groups."""
+    t = x.float()
+    if side == "k":
+        codes, scale, zero = rtn_fp16(t.transpose(-1, -2), bits)
+        return {"codes": pack(codes, bits), "scale": scale, "zero": zero}
+    d = t.shape[-1]
+    cg = min(group, d)
+    codes, scale, zero = rtn_fp16(t.reshape(*t.shape[:-1], d // cg, cg), bits)
+    return {"codes": pack(codes.reshape(t.shape), bits), "scale": scale, "zero": zero}
+
+
+def kivi_dequantize(f: dict, side: str, bits: int, group: int) -> torch.Tensor:
+    c = unpack(f["codes"], bits)
+    if side == "k":
+        return rtn_dequant(c, f["scale"], f["zero"]).transpose(-1, -2)
+    d = c.shape[-1]
+    cg = min(group, d)
+    rows = c.reshape(*c.shape[:-1], d // cg, cg)
+    return rtn_dequant(rows, f["scale"], f["zero"]).reshape(c.shape)
+
+
+def quantize_tiles(x: torch.Tensor, cfg, side: str) -> dict:
+    """Tiles [..., G, D] (storage frame) -> fields of `cfg` (a kvarn or kivi KVQuantConfig)."""
+    b = cfg.bits(side)
+    if cfg.method == "kvarn":
+        return kvarn_quantize(x, side, b, cfg.sinkhorn_iters)
+    return kivi_quantize(x, side, b, cfg.group)
+
+
+def dequantize_tiles(f: dict, cfg, side: str) -> torch.Tensor:
+    b = cfg.bits(side)
+    if cfg.method == "kvarn":
+        return kvarn_dequantize(f, side, b)
+    return kivi_dequantize(f, side, b, cfg.group)
