@@ -1,0 +1,121 @@
+"""The attention backends the plugin registers.
+
+- `KvarnCpuBackend` replaces vLLM's `CPU_ATTN` (the CPU platform picks it for every model and
+  ignores `--attention-backend`). It is vLLM's own CPU backend unless the engine asked for kvarn
+  (see `settings`), so installing the plugin changes nothing for other engines.
+- `KvarnBackend` is registered as `CUSTOM` for GPUs (`--attention-backend CUSTOM`).
+
+With kvarn, `customize_spec` turns the layer's KV spec into a uint8 page of exactly the bytes the
+scheme needs per block (one head slot, `block_size` states of C bytes; C rounded up so the page is
+a multiple of 64 bytes), plus - when vLLM has an explicit KV budget - this block's share of the
+high-precision sink/tail, so vLLM's own accounting hands out the extra blocks and pays for the
+high-precision storage out of the same budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import ClassVar
+
+import torch
+
+from vllm.v1.attention.backend import AttentionBackend, AttentionType, MultipleOf
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from . import runtime
+from .layout import PageLayout
+
+
+def kvarn_spec(spec: AttentionSpec) -> AttentionSpec:
+    """The layer's KV spec for kvarn (called once per layer, after the model is built)."""
+    settings = runtime.current()
+    if settings is None:
+        return spec
+    vllm_config = runtime.config()
+    layout = PageLayout(settings.cfg, block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+                        head_dim=spec.head_size, dtype=str(vllm_config.model_config.dtype).split(".")[-1],
+                        max_seqs=vllm_config.scheduler_config.max_num_seqs)
+    cache = vllm_config.cache_config
+    if cache.kv_cache_memory_bytes is None:
+        page = layout.vllm_page_bytes()  # the impl allocated the sink/tail before vLLM measured memory
+    elif cache.num_gpu_blocks_override is not None:  # vLLM allocates exactly this many blocks
+        page = layout.vllm_page_bytes(-(-layout.hp_bytes // cache.num_gpu_blocks_override))
+    else:
+        layers = runtime.num_layers()
+        if layers <= 0:
+            raise RuntimeError("kvarn: no kvarn attention layer was built before the KV cache spec")
+        page = layout.vllm_page_bytes_for_budget(cache.kv_cache_memory_bytes, layers)
+    return replace(spec, dtype=torch.uint8, num_head_slots=1, state_content_bytes=page // spec.block_size,
+                   tokens_per_state=1, page_size_padded=None)
+
+
+def _impl():
+    from .impl import KvarnAttentionImpl
+
+    return KvarnAttentionImpl
+
+
+def _builder():
+    from .metadata import KvarnMetadataBuilder
+
+    return KvarnMetadataBuilder
+
+
+class KvarnCpuBackend(CPUAttentionBackend):
+    """vLLM's CPU_ATTN, or kvarn when the engine asked for it."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"
+
+    @staticmethod
+    def get_impl_cls():
+        return _impl() if runtime.current() is not None else CPUAttentionBackend.get_impl_cls()
+
+    @staticmethod
+    def get_builder_cls():
+        return _builder() if runtime.current() is not None else CPUAttentionBackend.get_builder_cls()
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        return kvarn_spec(spec) if runtime.current() is not None else super().customize_spec(spec)
+
+
+class KvarnBackend(AttentionBackend):
+    """kvarn as vLLM's CUSTOM attention backend (GPU builds of vLLM)."""
+
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list] = []  # any: the plugin decides from its own settings
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls():
+        return _impl()
+
+    @staticmethod
+    def get_builder_cls():
+        return _builder()
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        return (KVCacheLayout.LBHNC,)  # layer-outer: one layer's pages are one run of bytes
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        if runtime.current() is None:
+            raise ValueError("kvarn: the CUSTOM attention backend is kvarn's; set --kv-cache-dtype to a kvarn "
+                             "scheme (or kvarn_kv_cache_dtype in --additional-config)")
+        return kvarn_spec(spec)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER

@@ -1,0 +1,274 @@
+"""How one layer's flat uint8 vLLM KV-cache buffer maps, without copies, onto a `kvarn_jax.PagedKVCache`.
+
+vLLM hands every attention layer a contiguous byte buffer of `num_blocks` pages (layer-outer layout,
+so one layer's pages are one run of bytes). The bridge does not keep vLLM's block-major order inside
+that run: it carves the buffer into one contiguous, 64-byte-aligned region per `PagedKVCache` leaf
+(field-major), because XLA imports a buffer through DLPack without copying only when it is dense and
+64-byte aligned. vLLM never reads the bytes itself (no zeroing, swapping or prefix-cache copies are
+enabled for this backend), so the order inside the run is ours to choose.
+
+    [pages.k.<field 0> for all blocks][pages.k.<field 1>]...[pages.v.<field n>][sink.k][sink.v][tail.k][tail.v]
+
+The page fields come from the cache's pytree structure (`jax.eval_shape` of `PagedKVCache.create`),
+never from a per-scheme table. The high-precision sink/tail regions (sized by `max_seqs`, vLLM's
+`max_num_seqs`) sit after the pages when vLLM was given an explicit KV budget, so that budget pays for
+them; `vllm_page_bytes` says how much each block must carry for that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kvarn_jax
+from kvarn_jax import KVQuantConfig
+
+ALIGN = 64  # bytes: XLA's CPU client imports DLPack buffers zero-copy only at this alignment
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _keystr(path) -> str:
+    """'pages.k.codes' from a pytree key path (attribute and dict keys only)."""
+    parts = []
+    for p in path:
+        parts.append(str(getattr(p, "name", getattr(p, "key", p))))
+    return ".".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One leaf of the cache that lives in the vLLM buffer.
+
+    key: pytree path ('pages.k.codes', 'sink.v', ...). shape: per block for pages (the leaf is
+    [num_blocks, *shape]), the whole leaf for sink/tail. nbytes: bytes per block (pages) or in all (hp).
+    """
+
+    key: str
+    shape: tuple
+    dtype: str
+    nbytes: int
+
+    @property
+    def per_block(self) -> bool:
+        return self.key.startswith("pages.")
+
+
+def _dummy_calibration(num_kv_heads: int, head_dim: int):
+    z = jnp.zeros((num_kv_heads, head_dim), jnp.float32)
+    return kvarn_jax.Calibration(z - 1, z + 1, z - 1, z + 1, tokens=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PageLayout:
+    """The byte layout of one layer's cache for given scheme and sizes (independent of num_blocks).
+
+    dtype: model dtype name, kept by the sink/tail. max_seqs: high-precision slots (vLLM's
+    max_num_seqs). tail_blocks: 1, or 2 with speculative decoding (see `PagedKVCache.create`).
+    """
+
+    cfg: KVQuantConfig
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    max_seqs: int
+    tail_blocks: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "cfg", KVQuantConfig.parse(self.cfg))
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
+        self.cfg.check_head_dim(self.head_dim)
+        self.cfg.check_block_size(self.block_size)
+        if not isinstance(self.max_seqs, int) or self.max_seqs <= 0:
+            raise ValueError(f"max_seqs must be a positive int (vLLM's max_num_seqs), got {self.max_seqs!r}")
+
+    # ------------------------------------------------------------------ structure
+    def abstract_cache(self, num_blocks: int) -> kvarn_jax.PagedKVCache:
+        """The cache's pytree with ShapeDtypeStruct leaves (nothing allocated)."""
+        cal = _dummy_calibration(self.num_kv_heads, self.head_dim) if self.cfg.static else None
+        return jax.eval_shape(lambda: kvarn_jax.PagedKVCache.create(
+            self.cfg, num_blocks=num_blocks, block_size=self.block_size, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, max_seqs=self.max_seqs, dtype=self.dtype, tail_blocks=self.tail_blocks,
+            calibration=cal))
+
+    @functools.cached_property
+    def fields(self) -> tuple:
+        """Buffer-resident leaves in buffer order: page fields (per block), then sink and tail."""
+        out = []
+        for path, leaf in jax.tree_util.tree_flatten_with_path(self.abstract_cache(1))[0]:
+            key = _keystr(path)
+            if not key.startswith(("pages.", "sink.", "tail.")):
+                continue  # static calibration params and the dropped-token counter are small and separate
+            shape = tuple(leaf.shape[1:]) if key.startswith("pages.") else tuple(leaf.shape)
+            nbytes = int(np.prod(shape, dtype=np.int64)) * jnp.dtype(leaf.dtype).itemsize
+            out.append(Field(key, shape, jnp.dtype(leaf.dtype).name, nbytes))
+        pages = [f for f in out if f.per_block]
+        hp = [f for f in out if not f.per_block]
+        return tuple(pages + hp)
+
+    @property
+    def format_page_bytes(self) -> int:
+        """Bytes the format needs per block (all page fields of K and V, metadata included)."""
+        return sum(f.nbytes for f in self.fields if f.per_block)
+
+    @property
+    def hp_bytes(self) -> int:
+        """Bytes of the high-precision sink + tail storage: max_seqs * (1 + tail_blocks) blocks in `dtype`."""
+        return sum(_round_up(f.nbytes, ALIGN) for f in self.fields if not f.per_block)
+
+    @property
+    def alignment_slack(self) -> int:
+        """Bytes per block reserved so that every page region can start 64-byte aligned.
+
+        Zero in the usual case (every field's bytes per block are a multiple of 64, e.g. block sizes
+        that are multiples of 32); otherwise one alignment unit per field.
+        """
+        pages = [f for f in self.fields if f.per_block]
+        return 0 if all(f.nbytes % ALIGN == 0 for f in pages) else ALIGN * len(pages)
+
+    # ------------------------------------------------------------------ sizing for vLLM
+    def vllm_page_bytes(self, hp_share: int = 0) -> int:
+        """The page size to declare to vLLM: format bytes + alignment slack + `hp_share`, rounded up
+        so that it is a whole number of bytes per token (vLLM's page is [1, block_size, C]) and a
+        multiple of 64 (so every layer's run of pages starts aligned)."""
+        need = self.format_page_bytes + self.alignment_slack + hp_share
+        unit = self.block_size * ALIGN // math.gcd(self.block_size, ALIGN)
+        return _round_up(need, unit)
+
+    def vllm_page_bytes_for_budget(self, budget_bytes: int, num_layers: int) -> int:
+        """Page size when the high-precision storage must come out of an explicit KV budget.
+
+        Each block then carries an equal share of this layer's sink/tail bytes. Picks the largest
+        block count N with num_layers * N * page(N) <= budget; vLLM will then find N (or more) blocks
+        and `regions` fits the sink/tail after them. Raises if even one block does not fit.
+        """
+        if budget_bytes <= 0 or num_layers <= 0:
+            raise ValueError(f"budget_bytes and num_layers must be positive, got {budget_bytes}, {num_layers}")
+        per_layer = budget_bytes // num_layers
+        base = self.vllm_page_bytes()
+        n = (per_layer - self.hp_bytes) // base
+        while n >= 1:
+            page = self.vllm_page_bytes(-(-self.hp_bytes // n))
+            if num_layers * n * page <= budget_bytes:
+                return page
+            n -= 1
+        raise ValueError(
+            f"kvarn: the KV cache budget of {budget_bytes / 2**30:.3f} GiB cannot hold the high-precision sink/tail "
+            f"storage of {self.cfg.name} ({num_layers} layers x {self.hp_bytes / 2**20:.1f} MiB for "
+            f"max_num_seqs={self.max_seqs}) plus one block per layer: lower max_num_seqs or raise the budget "
+            "(VLLM_CPU_KVCACHE_SPACE / --kv-cache-memory-bytes)")
+
+    # ------------------------------------------------------------------ placement
+    def regions(self, num_blocks: int, hp_in_buffer: bool) -> dict:
+        """{key: (byte offset, full leaf shape, dtype)} of every buffer-resident leaf, and the total
+        bytes they span, as ('__end__', total)."""
+        out = {}
+        off = 0
+        for f in self.fields:
+            if not f.per_block and not hp_in_buffer:
+                continue
+            off = _round_up(off, ALIGN)
+            shape = (num_blocks,) + f.shape if f.per_block else f.shape
+            out[f.key] = (off, shape, f.dtype)
+            off += f.nbytes * (num_blocks if f.per_block else 1)
+        out["__end__"] = off
+        return out
+
+    def capacity_report(self, num_blocks: int, hp_in_buffer: bool = True) -> dict:
+        """Exact bytes of one layer and its capacity versus a 16-bit cache of the same memory."""
+        pages = self.format_page_bytes * num_blocks
+        hp = self.hp_bytes
+        fp16 = num_blocks * self.block_size * self.num_kv_heads * self.head_dim * 2 * 2
+        return {"scheme": self.cfg.name, "num_blocks": num_blocks, "page_bytes": pages, "hp_bytes": hp,
+                "format_page_bytes_per_block": self.format_page_bytes,
+                "bytes_per_token_per_head": self.format_page_bytes / (self.block_size * self.num_kv_heads),
+                "capacity_vs_fp16": fp16 / (pages + hp), "hp_in_buffer": hp_in_buffer}
+
+
+def carve(buffer, layout: PageLayout, num_blocks: int, hp_buffers: dict | None = None) -> dict:
+    """Torch views {key: tensor} of every buffer-resident leaf of `layout` inside `buffer`.
+
+    buffer: a contiguous 1-D torch uint8 tensor (one layer's pages, as vLLM allocated them).
+    hp_buffers: {'sink.k': tensor, ...} when the sink/tail live outside the buffer (KV budget found
+      by profiling); None when they are carved from the buffer after the pages.
+    Every view shares `buffer`'s (or the hp tensor's) memory; nothing is copied.
+    """
+    import torch
+
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+        raise ValueError(f"buffer must be a contiguous 1-D uint8 tensor, got {buffer.dtype} "
+                         f"shape {tuple(buffer.shape)}")
+    if buffer.data_ptr() % ALIGN:
+        raise ValueError(f"buffer must start {ALIGN}-byte aligned for zero-copy DLPack import "
+                         f"(address % {ALIGN} = {buffer.data_ptr() % ALIGN})")
+    regions = layout.regions(num_blocks, hp_in_buffer=hp_buffers is None)
+    end = regions.pop("__end__")
+    if end > buffer.numel():
+        raise ValueError(f"the KV cache buffer has {buffer.numel()} bytes but {layout.cfg.name} with {num_blocks} "
+                         f"blocks{' and its sink/tail' if hp_buffers is None else ''} needs {end}")
+    views = {}
+    for key, (off, shape, dtype) in regions.items():
+        tdt = getattr(torch, dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * jnp.dtype(dtype).itemsize
+        views[key] = buffer[off:off + n].view(tdt).view(shape)
+    if hp_buffers is not None:
+        for f in layout.fields:
+            if f.per_block:
+                continue
+            t = hp_buffers.get(f.key)
+            if t is None or tuple(t.shape) != f.shape or str(t.dtype) != f"torch.{f.dtype}":
+                raise ValueError(f"hp_buffers[{f.key!r}] must be a {f.dtype} tensor of shape {f.shape}")
+            views[f.key] = t
+    return views
+
+
+def allocate_hp(layout: PageLayout, device) -> dict:
+    """Separate zeroed sink/tail tensors (used when vLLM's KV budget is found by profiling, which then
+    counts them as non-KV memory because they exist before it measures)."""
+    import torch
+
+    return {f.key: torch.zeros(f.shape, dtype=getattr(torch, f.dtype), device=device)
+            for f in layout.fields if not f.per_block}
+
+
+def to_jax(views: dict, layout: PageLayout, num_blocks: int, static: Any = None) -> kvarn_jax.PagedKVCache:
+    """The `PagedKVCache` whose leaves are the torch `views`, imported through DLPack without copies.
+
+    static: the calibrated parameters of a static scheme (the `static` field of a cache created with
+    the layer's `Calibration`); None otherwise.
+    """
+    abstract = layout.abstract_cache(num_blocks)
+
+    def leaf(path, sds):
+        key = _keystr(path)
+        if key in views:
+            arr = jax.dlpack.from_dlpack(views[key])
+            if arr.shape != sds.shape or arr.dtype != sds.dtype:
+                raise ValueError(f"{key}: view {arr.shape} {arr.dtype} does not match the cache leaf "
+                                 f"{sds.shape} {sds.dtype}")
+            return arr
+        if key == "dropped_tokens":
+            return jnp.zeros((), jnp.int32)
+        if key.startswith("static."):
+            if static is None:
+                raise ValueError(f"{layout.cfg.name} needs its calibrated parameters (static)")
+            val = static
+            for part in key.split(".")[1:]:
+                val = val[part]
+            return jnp.asarray(val, sds.dtype)
+        raise ValueError(f"cache leaf {key} has no storage")
+
+    return jax.tree_util.tree_map_with_path(leaf, abstract)
+
+
+def jax_pointer(x) -> int:
+    return x.unsafe_buffer_pointer()

