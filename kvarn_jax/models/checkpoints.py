@@ -56,6 +56,14 @@ def _file_key(path: Path) -> str:
     return hashlib.sha256(raw).hexdigest()[:16]
 
 
+def hf_folder_path(gguf_path: str | os.PathLike | None = None, dtype: str = "float32") -> Path:
+    """Where `hf_folder_from_gguf` puts (or has put) the converted folder of a GGUF file."""
+    gguf = Path(gguf_path) if gguf_path is not None else default_gguf_path()
+    if not gguf.is_file():
+        raise FileNotFoundError(f"gguf_path {str(gguf)!r} is not a file")
+    return cache_dir() / "hf" / f"{gguf.stem}-{dtype}-{_file_key(gguf)}"
+
+
 def hf_folder_from_gguf(gguf_path: str | os.PathLike | None = None, *,
                         out_dir: str | os.PathLike | None = None, dtype: str = "float32") -> Path:
     """Convert a GGUF checkpoint (default: SmolLM2) to a Hugging Face folder once; return its path.
@@ -70,8 +78,7 @@ def hf_folder_from_gguf(gguf_path: str | os.PathLike | None = None, *,
         raise FileNotFoundError(f"gguf_path {str(gguf)!r} is not a file")
     if dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
-    target = Path(out_dir) if out_dir is not None else (
-        cache_dir() / "hf" / f"{gguf.stem}-{dtype}-{_file_key(gguf)}")
+    target = Path(out_dir) if out_dir is not None else hf_folder_path(gguf, dtype)
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
 

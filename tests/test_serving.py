@@ -1,0 +1,375 @@
+"""The serving engine: batching, the page allocator, EOS, sampling and the run-time precision switch.
+
+Small random models (2 layers) keep compiles cheap; their weights are drawn large enough (std 0.2)
+that logits are well separated, so greedy tokens are a sharp test of equality.
+"""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvarn_jax as kj
+from kvarn_jax.models import Decoder, LlamaConfig, load_model
+from kvarn_jax.models import weights as weights_mod
+from kvarn_jax.models.llama import DecodeBatch, PrefillBatch
+from kvarn_jax.serving import BlockAllocator, Engine, ModelRunner, OutOfBlocksError, SamplingParams, sample
+from kvarn_jax.serving.runner import SamplingArrays
+
+TINY = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=32, max_position_embeddings=512, eos_token_ids=(3,))
+
+
+# One engine geometry for most tests: compiled functions are cached process-wide by model structure
+# and shapes, so tests that share it share their compiles.
+KW = dict(block_size=32, max_seqs=4, max_model_len=96, prefill_chunk=32)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return Decoder(TINY, rngs=nnx.Rngs(7), init_std=0.2)
+
+
+def _prompts(rng, lengths):
+    return [rng.integers(4, TINY.vocab_size, n).tolist() for n in lengths]
+
+
+def _poison(engine, scheme, seed=0):
+    """Fill a fresh pool's caches with large finite garbage: correct code never reads a slot it did not write."""
+    pool = engine.pool(scheme)
+    key = [jax.random.PRNGKey(seed)]
+
+    def junk(a):
+        key[0], sub = jax.random.split(key[0])
+        if a.ndim == 0:  # dropped_tokens counter
+            return a
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            return (jax.random.normal(sub, a.shape, jnp.float32) * 300).astype(a.dtype)
+        return jax.random.randint(sub, a.shape, 0, 120, jnp.int32).astype(a.dtype)
+
+    pool.caches = jax.tree.map(junk, pool.caches)
+
+
+# --------------------------------------------------------------------------------------- batching
+@pytest.mark.parametrize("scheme", ["fp16", "kvarn_k4v2_g32"])
+def test_mixed_length_batch_equals_one_by_one(tiny_model, rng, scheme):
+    # lengths cross the sink block, page boundaries and prefill chunks (chunk 32, block 32); every
+    # chunk holds more than 16 tokens, so all prefill calls share one padded length (fewer compiles)
+    prompts = _prompts(rng, [20, 85, 50, 60])
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    kw = dict(kv_cache_dtype=scheme, **KW)
+    batch_engine = Engine(tiny_model, **kw)
+    _poison(batch_engine, scheme)
+    batched = batch_engine.generate(prompts, params)
+    single_engine = Engine(tiny_model, **kw)
+    _poison(single_engine, scheme, seed=1)
+    singles = [single_engine.generate([p], params)[0] for p in prompts]
+    for b, s in zip(batched, singles):
+        assert b.output_ids == s.output_ids and len(b.output_ids) == 10
+        assert b.kv_cache_dtype == kj.parse(scheme).name and b.finish_reason == "length"
+    # every page and slot is back; no write was dropped
+    pool = batch_engine.pool(scheme)
+    assert pool.blocks.num_free == batch_engine.num_blocks and pool.slots.num_free == 4
+    assert all(int(c.dropped_tokens) == 0 for c in pool.layer_caches())
+    # the quantized run differs from fp16 only through quantization: most tokens agree
+    if scheme != "fp16":
+        fp16 = Engine(tiny_model, **{**kw, "kv_cache_dtype": "fp16"}).generate(prompts, params)
+        same = np.mean([a == b for r, f in zip(batched, fp16) for a, b in zip(r.output_ids, f.output_ids)])
+        assert same > 0.5
+
+
+def test_engine_matches_plain_model(tiny_model, rng):
+    """The engine's chunked prefill + decode produce the argmax of the model's own full-prompt logits."""
+    prompt = _prompts(rng, [50])[0]
+    out = Engine(tiny_model, kv_cache_dtype="fp32", **KW).generate(
+        [prompt], SamplingParams(max_new_tokens=4, ignore_eos=True))[0]
+    seq = prompt + list(out.output_ids[:-1])
+    n = len(seq)
+    tiny_model.attach_caches(tiny_model.create_caches("fp32", num_blocks=2, block_size=32, max_seqs=1))
+    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    batch = PrefillBatch(jnp.asarray([seq], jnp.int32), pos, pos, jnp.zeros(1, jnp.int32),
+                         jnp.arange(2, dtype=jnp.int32)[None], jnp.zeros(1, jnp.int32), jnp.array([n - 1], jnp.int32))
+    logits = np.asarray(tiny_model.prefill(batch, all_logits=True))[0]
+    tiny_model.attach_caches(None)
+    assert list(logits[len(prompt) - 1:].argmax(-1)) == list(out.output_ids)
+
+
+# --------------------------------------------------------------------------------------- allocator
+@settings(max_examples=30)
+@given(num=st.integers(1, 24), ops=st.lists(st.tuples(st.booleans(), st.integers(0, 10)), max_size=40))
+def test_allocator_never_hands_out_a_page_twice(num, ops):
+    alloc = BlockAllocator(num)
+    held = []  # lists of ids owned by live "sequences"
+    for is_alloc, n in ops:
+        if is_alloc:
+            free_before = alloc.num_free
+            if n > free_before:
+                with pytest.raises(OutOfBlocksError, match="out of KV-cache pages"):
+                    alloc.allocate(n)
+                assert alloc.num_free == free_before  # nothing taken on failure
+                continue
+            ids = alloc.allocate(n)
+            owned = {i for h in held for i in h}
+            assert len(set(ids)) == n and not owned & set(ids) and all(0 <= i < num for i in ids)
+            held.append(ids)
+        elif held:
+            alloc.free(held.pop(n % len(held)))
+        assert alloc.num_free + sum(map(len, held)) == num
+    for h in held:
+        alloc.free(h)
+    assert alloc.num_free == num and alloc.allocate(num) and alloc.num_free == 0
+
+
+def test_allocator_rejects_double_and_foreign_frees():
+    alloc = BlockAllocator(4)
+    ids = alloc.allocate(2)
+    alloc.free(ids[:1])
+    with pytest.raises(ValueError, match="not allocated"):
+        alloc.free(ids[:1])
+    with pytest.raises(ValueError, match="not allocated"):
+        alloc.free([ids[1], ids[1]])
+    with pytest.raises(ValueError, match="not allocated"):
+        alloc.free([99])
+    assert alloc.num_free == 3  # the failed frees changed nothing
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockAllocator(0)
+
+
+def test_pages_are_freed_and_waiting_requests_admitted(tiny_model, rng):
+    prompts = _prompts(rng, [30, 40, 20])
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    # each request needs 2 pages of 32; with 4 pages only two run at once, the third waits
+    eng = Engine(tiny_model, kv_cache_dtype="fp16", num_blocks=4, **KW)
+    ids = [eng.add_request(p, params) for p in prompts]
+    eng.step()
+    pool = eng.pool("fp16")
+    assert len(pool.running) == 2 and len(eng.waiting) == 1 and pool.blocks.num_free == 0
+    held = [set(s.blocks) for s in pool.running]
+    assert not held[0] & held[1]
+    results = eng.run()
+    assert pool.blocks.num_free == 4 and pool.slots.num_free == 4 and not pool.running
+    solo = Engine(tiny_model, kv_cache_dtype="fp16", **KW)
+    for i, p in zip(ids, prompts):
+        assert results[i].output_ids == solo.generate([p], params)[0].output_ids
+    # a request that could never fit is refused up front (90 + 20 - 1 cached tokens, capped at 95 = 3 pages)
+    assert eng.blocks_needed(90, 20) == 3 and eng.blocks_needed(64, 1) == 2 and eng.blocks_needed(63, 2) == 2
+    assert eng.blocks_needed(64, 2) == 3
+    small = Engine(tiny_model, kv_cache_dtype="fp16", **{**KW, "num_blocks": 2})
+    with pytest.raises(ValueError, match="num_blocks=2"):
+        small.add_request(list(range(4, 94)), params)
+    with pytest.raises(ValueError, match="max_model_len"):
+        eng.add_request(list(range(4, 100)), params)
+
+
+# --------------------------------------------------------------------------------------- EOS
+def test_stops_on_eos_and_frees_pages(tiny_model, rng):
+    prompt = _prompts(rng, [12])[0]
+    eng = Engine(tiny_model, kv_cache_dtype="fp16", **KW)
+    free = eng.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))[0].output_ids
+    stop = free[4]
+    first = free.index(stop)
+    r = eng.generate([prompt], SamplingParams(max_new_tokens=12, stop_token_ids=(stop,)))[0]
+    assert r.finish_reason == "stop" and r.output_ids == free[:first + 1]
+    assert eng.pool().blocks.num_free == eng.num_blocks and eng.pool().slots.num_free == 4
+    # the model's own EOS ids are the default stop tokens
+    eos_cfg = dataclasses.replace(TINY, eos_token_ids=(stop,))
+    model = Decoder(eos_cfg, rngs=nnx.Rngs(7), init_std=0.2)
+    r2 = Engine(model, kv_cache_dtype="fp16", **KW).generate(
+        [prompt], SamplingParams(max_new_tokens=12))[0]
+    assert r2.output_ids == r.output_ids and r2.finish_reason == "stop"
+
+
+# --------------------------------------------------------------------------------------- sampling
+def _probs(logits):
+    e = np.exp(logits - logits.max())
+    return e / e.sum()
+
+
+def test_top_p_never_samples_outside_the_nucleus(rng):
+    v, n = 32, 400
+    logits = rng.normal(size=v).astype(np.float32) * 2
+    p = _probs(logits)
+    order = np.argsort(-p)
+    top_p = 0.7
+    nucleus = set(order[: int(np.searchsorted(np.cumsum(p[order]), top_p) + 1)].tolist())
+    toks = np.asarray(sample(jnp.tile(jnp.asarray(logits), (n, 1)), jnp.ones(n), jnp.full(n, top_p),
+                             jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32)))
+    assert set(toks.tolist()) <= nucleus and len(set(toks.tolist())) >= min(3, len(nucleus))
+    # frequencies follow the renormalized nucleus probabilities (loose: 400 samples)
+    q = {t: p[t] / sum(p[list(nucleus)]) for t in nucleus}
+    for t in nucleus:
+        assert abs(np.mean(toks == t) - q[t]) < 4 * np.sqrt(q[t] * (1 - q[t]) / n) + 0.01
+
+
+def test_sampling_is_seeded_per_request_and_greedy_at_zero_temperature(rng):
+    b, v = 6, 50
+    logits = jnp.asarray(rng.normal(size=(b, v)).astype(np.float32))
+    args = (jnp.full(b, 0.8), jnp.full(b, 0.95), jnp.arange(b, dtype=jnp.uint32) + 11, jnp.full(b, 3, jnp.int32))
+    a, again = np.asarray(sample(logits, *args)), np.asarray(sample(logits, *args))
+    assert (a == again).all()
+    # a row's sample depends on its own seed and step only, not on the other rows
+    solo = np.asarray(sample(logits[2:3], args[0][2:3], args[1][2:3], args[2][2:3], args[3][2:3]))
+    assert solo[0] == a[2]
+    draws = [np.asarray(sample(logits, args[0], args[1], args[2], jnp.full(b, s, jnp.int32))) for s in range(8)]
+    assert len({tuple(d) for d in draws}) > 1  # other steps draw differently
+    greedy = np.asarray(sample(logits, jnp.zeros(b), jnp.full(b, 0.5), args[2], args[3]))
+    assert (greedy == np.asarray(logits).argmax(-1)).all()
+    # top_p tiny -> always the most likely token even when sampling
+    top1 = np.asarray(sample(logits, jnp.full(b, 5.0), jnp.full(b, 1e-6), args[2], args[3]))
+    assert (top1 == np.asarray(logits).argmax(-1)).all()
+
+
+def test_sampled_generation_is_reproducible_and_batch_independent(tiny_model, rng):
+    prompts = _prompts(rng, [9, 30])
+    kw = dict(kv_cache_dtype="fp16", **KW)
+    ps = [SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=s) for s in (5, 6)]
+    a = Engine(tiny_model, **kw).generate(prompts, ps)
+    b = Engine(tiny_model, **kw).generate(prompts[1:], ps[1:])
+    assert a[1].output_ids == b[0].output_ids
+    c = Engine(tiny_model, **kw).generate(prompts, [dataclasses.replace(p, seed=p.seed + 100) for p in ps])
+    assert [r.output_ids for r in c] != [r.output_ids for r in a]
+
+
+def test_bad_arguments_are_clear_errors(tiny_model):
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="not a known scheme"):
+        Engine(tiny_model, kv_cache_dtype="nf4")
+    with pytest.raises(ValueError, match="block_size"):
+        Engine(tiny_model, kv_cache_dtype="kvarn_k4v2_g128", block_size=64)
+    with pytest.raises(ValueError, match="calibration"):
+        Engine(tiny_model, kv_cache_dtype="int8_static")
+    eng = Engine(tiny_model, kv_cache_dtype="fp16", **KW)
+    with pytest.raises(ValueError, match="not a known scheme"):
+        eng.default_kv_cache_dtype = "q3"
+    with pytest.raises(ValueError, match="vocabulary"):
+        eng.add_request([TINY.vocab_size])
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request([])
+    with pytest.raises(ValueError, match="layers_per_call"):
+        Engine(tiny_model, layers_per_call=3)
+    with pytest.raises(ValueError, match="impl"):
+        Engine(tiny_model, impl="cuda")
+
+
+def test_layers_per_call_does_not_change_results(tiny_model, rng):
+    prompts = _prompts(rng, [20, 35])
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    kw = dict(kv_cache_dtype="fp16", **KW)
+    one = Engine(tiny_model, layers_per_call=1, **kw)
+    both = Engine(tiny_model, layers_per_call=None, **kw)
+    outputs = [[r.output_ids for r in e.generate(prompts, params)] for e in (one, both)]
+    assert outputs[0] == outputs[1]
+    # compiled once per shape: repeating the same batch compiles nothing new
+    n = one.runner.stats.compiles
+    one.generate(prompts, params)
+    assert one.runner.stats.compiles == n
+
+
+def test_pallas_decode_matches_reference_in_the_model(rng):
+    """The model's decode through the Pallas kernel (interpreted on CPU) vs the reference, bf16 weights.
+
+    70 tokens at block 32 in high-precision slot 1 of 2: the sink, one quantized page and a partial
+    tail are all read, from the slot the batch names.
+    """
+    model = Decoder(TINY, dtype="bfloat16", rngs=nnx.Rngs(3), init_std=0.2)
+    seq = np.asarray(_prompts(rng, [70])[0], np.int32)
+    n = len(seq)
+    samp = SamplingArrays(np.zeros(1, np.float32), np.ones(1, np.float32), np.zeros(1, np.uint32),
+                          np.zeros(1, np.int32))
+    table, slot = np.arange(3, dtype=np.int32)[None], np.ones(1, np.int32)
+    logits = {}
+    for impl in ("reference", "pallas"):
+        runner = ModelRunner(model, impl=impl)
+        caches = runner.new_caches("int8", num_blocks=3, block_size=32, max_seqs=2)
+        pos = np.arange(n - 1, dtype=np.int32)[None]
+        _, _, caches = runner.prefill(caches, PrefillBatch(seq[None, :-1], pos, pos, slot, table,
+                                                           np.zeros(1, np.int32), np.array([n - 2], np.int32)), samp)
+        last = np.array([n - 1], np.int32)
+        _, logits[impl], _ = runner.decode(caches, DecodeBatch(seq[-1:], last, last, slot, table), samp)
+    ref, ker = np.asarray(logits["reference"]), np.asarray(logits["pallas"])
+    assert np.abs(ker - ref).max() <= 2e-2 * np.abs(ref).max()
+    assert ker.argmax() == ref.argmax()
+
+
+# --------------------------------------------------------------------------------------- precision switch
+def _write_tiny_checkpoint(folder, rng):
+    """A Llama checkpoint folder in HF format (safetensors + config.json), written without torch."""
+    from safetensors.numpy import save_file
+    c = TINY
+
+    def w(*shape):
+        return (rng.standard_normal(shape) * 0.2).astype(np.float32)
+
+    t = {"model.embed_tokens.weight": w(c.vocab_size, c.hidden_size), "model.norm.weight": 1 + w(c.hidden_size),
+         "lm_head.weight": w(c.vocab_size, c.hidden_size)}
+    for i in range(c.num_layers):
+        pre = f"model.layers.{i}."
+        t[pre + "input_layernorm.weight"] = 1 + w(c.hidden_size)
+        t[pre + "post_attention_layernorm.weight"] = 1 + w(c.hidden_size)
+        for n, rows in (("q", c.num_heads), ("k", c.num_kv_heads), ("v", c.num_kv_heads)):
+            t[pre + f"self_attn.{n}_proj.weight"] = w(rows * c.head_dim, c.hidden_size)
+        t[pre + "self_attn.o_proj.weight"] = w(c.hidden_size, c.num_heads * c.head_dim)
+        t[pre + "mlp.gate_proj.weight"] = w(c.intermediate_size, c.hidden_size)
+        t[pre + "mlp.up_proj.weight"] = w(c.intermediate_size, c.hidden_size)
+        t[pre + "mlp.down_proj.weight"] = w(c.hidden_size, c.intermediate_size)
+    folder.mkdir()
+    save_file(t, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+        "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "eos_token_id": 3}))
+    return t
+
+
+def test_precision_switch_reloads_nothing_and_equals_a_fresh_run(tmp_path, monkeypatch, rng):
+    monkeypatch.setenv("KVARN_JAX_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "tiny-llama"
+    tensors = _write_tiny_checkpoint(folder, rng)
+    before = weights_mod.stats()
+    model, _ = load_model(folder, progress=False)
+    assert weights_mod.stats()["conversions"] == before["conversions"] + 1
+    np.testing.assert_array_equal(np.asarray(model.layers[1].attn.q_proj.kernel[...]),
+                                  tensors["model.layers.1.self_attn.q_proj.weight"].T)
+    prompts = _prompts(rng, [30, 60, 20])
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    kw = KW
+    eng = Engine(model, kv_cache_dtype="fp16", **kw)
+    weights_before = [jax.tree.leaves(p) for p in eng.runner.params]
+    stats = weights_mod.stats()
+
+    r_fp16 = eng.add_request(prompts[0], params)           # starts under fp16
+    eng.step()
+    eng.step()
+    eng.default_kv_cache_dtype = "int8"                    # switch while it runs
+    r_int8 = eng.add_request(prompts[1], params)
+    r_int4 = eng.add_request(prompts[2], params, kv_cache_dtype="int4")  # explicit per request
+    results = eng.run()
+
+    assert weights_mod.stats() == stats                     # no conversion, no load
+    after = [jax.tree.leaves(p) for p in eng.runner.params]
+    assert all(a is b for x, y in zip(weights_before, after) for a, b in zip(x, y))  # the same weight buffers
+    assert set(eng.pools) == {kj.parse(s) for s in ("fp16", "int8", "int4")}
+    assert results[r_fp16].kv_cache_dtype == "fp16"         # kept the scheme it started with
+    assert results[r_int8].kv_cache_dtype == "int8" and results[r_int4].kv_cache_dtype == "int4"
+
+    fresh_model, _ = load_model(folder, progress=False)     # cached conversion: a load, not a conversion
+    assert weights_mod.stats()["conversions"] == stats["conversions"]
+    for rid, prompt, scheme in ((r_fp16, prompts[0], "fp16"), (r_int8, prompts[1], "int8"),
+                                (r_int4, prompts[2], "int4")):
+        fresh = Engine(fresh_model, kv_cache_dtype=scheme, **kw).generate([prompt], params)[0]
+        assert fresh.output_ids == results[rid].output_ids, scheme
+    eng.release_pool("int4")
+    assert kj.parse("int4") not in eng.pools
