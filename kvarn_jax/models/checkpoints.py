@@ -10,6 +10,7 @@ reused; every consumer (the JAX model, the evaluation tools, vLLM) loads that fo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -29,6 +30,28 @@ def cache_dir() -> Path:
         return Path(os.environ["KVARN_JAX_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "kvarn_jax"
+
+
+@contextlib.contextmanager
+def publishing(target: Path, marker: str):
+    """Build a folder in a temporary sibling and rename it to `target` when the block succeeds.
+
+    Concurrent builders (test workers, vLLM processes) never see a partial folder: a rename that
+    loses the race is fine if the winner's `marker` file exists; the temporary folder is always
+    removed.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        yield tmp
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / marker).is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def default_gguf_path() -> Path:
@@ -93,17 +116,7 @@ def hf_folder_from_gguf(gguf_path: str | os.PathLike | None = None, *,
     model.load_state_dict(loaded.state_dict())
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-    try:
+    with publishing(target, "config.json") as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():  # lost a race only if the winner finished
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return target

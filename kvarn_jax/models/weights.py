@@ -19,10 +19,8 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import struct
 import sys
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -151,9 +149,7 @@ def convert(folder: str | os.PathLike, *, progress: bool = True) -> Path:
     if (target / "manifest.json").is_file():
         return target
     cfg = LlamaConfig.from_folder(folder)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-    try:
+    with checkpoints.publishing(target, "manifest.json") as tmp:
         gen = folder / "generation_config.json"
         manifest = {"config": json.loads((folder / "config.json").read_text()),
                     "generation_config": json.loads(gen.read_text()) if gen.is_file() else None,
@@ -174,14 +170,6 @@ def convert(folder: str | os.PathLike, *, progress: bool = True) -> Path:
             out.tofile(tmp / fname)
             manifest["tensors"][name] = {"file": fname, "dtype": out.dtype.name, "shape": list(out.shape)}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "manifest.json").is_file():  # lost a race only if the winner finished
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     _COUNTS["conversions"] += 1
     return target
 
