@@ -19,6 +19,8 @@ import sys
 
 import numpy as np
 
+from .evaluation import cli as evaluation_cli
+
 DEFAULT_SCHEMES = ("fp16,fp8,int8,int4,int4_g32,int2_g32,kivi_k4v4_g64,kivi_k2v2_g32,"
                    "kvarn_k4v4_g128,kvarn_k4v2_g128,kvarn_k4v2_g64,kvarn_k2v2_g32")
 
@@ -197,7 +199,10 @@ def main(argv=None) -> int:
     s.add_argument("--tokens", type=int, default=1024, help="multiple of 256")
     s.add_argument("--json", help="also write the table as JSON to this file")
     _add_generate_parser(sub)
+    evaluation_cli.register(sub)  # eval, report-errors, capacity, tune
     args = p.parse_args(argv)
+    if args.cmd not in ("schemes", "generate"):
+        return evaluation_cli.run(args)
     try:
         return _schemes_table(args) if args.cmd == "schemes" else _generate(args)
     except (ValueError, TypeError, FileNotFoundError) as e:

@@ -1,0 +1,136 @@
+"""Teacher-forced perplexity, KL to the unquantized model and top-1 agreement, per KV-cache scheme.
+
+Windowing (the issue's bar): the text from `start_char` on is tokenized without special tokens and cut
+into `num_windows` consecutive, independent windows of `window` tokens; each window is one sequence
+starting at position 0 (so its first block is the attention sink). Every window predicts its tokens
+1..window-1 from the ones before. The reference is the same model with exact attention (no cache
+quantization); each scheme runs with serving semantics (`serving_attention`). Windows are the outer
+loop so only one window's reference distribution is held in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping, Optional, Sequence, Union
+
+import torch
+
+from .serving_attention import serving_semantics
+
+REFERENCE = "reference"
+
+
+@dataclasses.dataclass(frozen=True)
+class PerplexityResult:
+    """Metrics of one scheme over all windows (predicted tokens counted once each).
+
+    ppl: exp(mean NLL); kl_mean: mean over predicted positions of KL(p_reference || p_scheme) in nats;
+    top1_agreement: fraction of positions whose argmax equals the reference's.
+    """
+
+    name: str
+    tokens: int
+    nll: float
+    ppl: float
+    kl_mean: float
+    top1_agreement: float
+
+
+def token_windows(token_ids: Sequence[int], window: int, num_windows: int) -> torch.Tensor:
+    """[num_windows, window] consecutive, non-overlapping windows from the start of `token_ids`."""
+    if not isinstance(window, int) or window < 2:
+        raise ValueError(f"window must be an int >= 2, got {window!r}")
+    if not isinstance(num_windows, int) or num_windows < 1:
+        raise ValueError(f"num_windows must be a positive int, got {num_windows!r}")
+    need = window * num_windows
+    if len(token_ids) < need:
+        raise ValueError(f"the text has {len(token_ids)} tokens but {num_windows} windows of {window} need {need}; "
+                         "use fewer tokens or a longer text")
+    return torch.tensor(list(token_ids[:need]), dtype=torch.long).reshape(num_windows, window)
+
+
+def text_token_ids(tokenizer, text: str, start_char: int = 5000) -> list[int]:
+    """Token ids of text[start_char:], without special tokens (BOS/EOS)."""
+    if not isinstance(start_char, int) or not 0 <= start_char < len(text):
+        raise ValueError(f"start_char must be an int in [0, {len(text)}), got {start_char!r}")
+    return tokenizer(text[start_char:], add_special_tokens=False)["input_ids"]
+
+
+class _Accumulator:
+    # Positions per step: [rows, vocab] fp32 temporaries stay ~150 MB at a 150K vocabulary.
+    ROWS = 256
+
+    def __init__(self):
+        self.nll = self.kl = 0.0
+        self.agree = self.n = 0
+
+    def add(self, logits: torch.Tensor, targets: torch.Tensor, ref_lp: torch.Tensor, ref_top: torch.Tensor):
+        for a in range(0, targets.shape[0], self.ROWS):
+            sl = slice(a, a + self.ROWS)
+            lp = torch.log_softmax(logits[sl].float(), dim=-1)
+            r = ref_lp[sl]
+            self.nll += float(-lp.gather(1, targets[sl, None]).double().sum())
+            self.kl += float((r.exp() * (r - lp)).sum(-1).double().sum())
+            self.agree += int((lp.argmax(-1) == ref_top[sl]).sum())
+        self.n += targets.shape[0]
+
+    def result(self, name: str) -> PerplexityResult:
+        nll = self.nll / self.n
+        return PerplexityResult(name, self.n, nll, math.exp(nll), self.kl / self.n, self.agree / self.n)
+
+
+def evaluate_perplexity(model, windows: torch.Tensor,
+                        schemes: Mapping[str, Union[str, Sequence[str], None]], *, block_size: int = 128,
+                        quantize_own_full_block: bool = False, progress: bool = True,
+                        ) -> dict[str, PerplexityResult]:
+    """Perplexity of `model` on `windows` [N, T] under each named scheme, plus the exact REFERENCE.
+
+    schemes: {display name: scheme string, per-layer list of strings, or None (exact)}.
+    Returns {REFERENCE: ..., name: ...} in that order.
+    """
+    if not isinstance(windows, torch.Tensor) or windows.ndim != 2 or windows.dtype != torch.long:
+        raise ValueError("windows must be a LongTensor [num_windows, window] (see token_windows)")
+    if REFERENCE in schemes:
+        raise ValueError(f"{REFERENCE!r} is reserved for the unquantized model; rename that scheme")
+    from tqdm.auto import tqdm
+
+    accs = {REFERENCE: _Accumulator(), **{name: _Accumulator() for name in schemes}}
+    bar = tqdm(total=len(windows) * (1 + len(schemes)), desc="perplexity", unit="fwd", disable=not progress)
+    with torch.no_grad():
+        for row in windows:
+            x = row[None]
+            targets = row[1:]
+            with serving_semantics(model, None, block_size=block_size):
+                ref_lp = torch.log_softmax(model(x, use_cache=False).logits[0, :-1].float(), dim=-1)
+            ref_top = ref_lp.argmax(-1)
+            accs[REFERENCE].add(ref_lp, targets, ref_lp, ref_top)
+            bar.update(1)
+            for name, scheme in schemes.items():
+                bar.set_postfix_str(name)
+                with serving_semantics(model, scheme, block_size=block_size,
+                                       quantize_own_full_block=quantize_own_full_block):
+                    logits = model(x, use_cache=False).logits[0, :-1]
+                accs[name].add(logits, targets, ref_lp, ref_top)
+                del logits
+                bar.update(1)
+            del ref_lp
+    bar.close()
+    return {name: acc.result(name) for name, acc in accs.items()}
+
+
+def relative_increase(result: PerplexityResult, reference: PerplexityResult) -> float:
+    """(ppl - ppl_ref) / ppl_ref."""
+    return result.ppl / reference.ppl - 1.0
+
+
+def results_table(results: Mapping[str, PerplexityResult], reference: Optional[str] = REFERENCE) -> list[dict]:
+    """JSON-ready rows with the perplexity increase over `reference`."""
+    ref = results[reference] if reference else None
+    rows = []
+    for r in results.values():
+        row = dataclasses.asdict(r)
+        if ref is not None:
+            row["ppl_increase"] = relative_increase(r, ref)
+        rows.append(row)
+    return rows

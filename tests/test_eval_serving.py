@@ -1,0 +1,180 @@
+"""Serving-semantics attention for teacher forcing: masks, an independent float64 oracle, and equality
+with kvarn_jax's own paged cache + reference decode attention."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvarn_jax as kj
+from kvarn_jax.evaluation.serving_attention import serving_attention, serving_masks, serving_semantics
+from test_eval_support import one_torch_thread, tiny_llama
+
+BS = 32
+
+_one_thread = pytest.fixture(autouse=True)(one_torch_thread)
+
+
+@given(t=st.integers(1, 200), bs=st.sampled_from([1, 4, 16, 32]), own=st.booleans())
+def test_masks_partition_the_causal_past(t, bs, own):
+    exact, quant = serving_masks(t, bs, own)
+    n_quant = quant.shape[1]
+    assert n_quant == max(t // bs - 1, 0) * bs
+    # Place the quantized columns at their token positions: every query sees each key j <= i once.
+    seen = exact.int().clone()
+    seen[:, bs:bs + n_quant] += quant.int()
+    causal = torch.ones(t, t, dtype=torch.int32).tril()
+    assert torch.equal(seen, causal)
+    i = torch.arange(t)[:, None]
+    jq = torch.arange(n_quant)[None, :] + bs
+    # Quantized keys are never in the sink, always in full blocks, and never in the query's own
+    # block unless own=True and the query is that block's last slot.
+    assert not (quant & (jq // bs == 0)).any()
+    own_block = jq // bs == i // bs
+    if own:
+        assert torch.equal(quant & own_block, own_block & ((i + 1) % bs == 0) & (i // bs >= 1) & (jq <= i))
+    else:
+        assert not (quant & own_block).any()
+        # every earlier full block except the sink is read quantized
+        assert torch.equal(quant, (jq // bs >= 1) & (jq // bs < i // bs))
+
+
+def _roundtrip_block(k, v, scheme):
+    """Independent per-block round trip: one sequence's block [bs, Hk, D] through kj directly."""
+    kh, vh = kj.dequantize(kj.quantize((jnp.asarray(k), jnp.asarray(v)), scheme))
+    return np.asarray(kh, np.float64), np.asarray(vh, np.float64)
+
+
+def _oracle(q, k, v, scheme, bs, own_quantized_at_last_slot):
+    """float64 attention of every query over the cache as stored when it is decoded."""
+    b, hq, t, d = q.shape
+    hk = k.shape[1]
+    kq = np.array(k, np.float64)
+    vq = np.array(v, np.float64)
+    for bi in range(b):
+        for blk in range(1, t // bs):
+            sl = slice(blk * bs, (blk + 1) * bs)
+            kh, vh = _roundtrip_block(k[bi, :, sl].transpose(1, 0, 2), v[bi, :, sl].transpose(1, 0, 2), scheme)
+            kq[bi, :, sl] = kh.transpose(1, 0, 2)
+            vq[bi, :, sl] = vh.transpose(1, 0, 2)
+    out = np.zeros((b, hq, t, d))
+    for i in range(t):
+        ob = i // bs
+        last = own_quantized_at_last_slot and (i + 1) % bs == 0 and ob >= 1
+        use_q = np.array([(j // bs >= 1) and (j // bs < ob or (last and j // bs == ob)) for j in range(i + 1)])
+        keys = np.where(use_q[None, None, :, None], kq[:, :, :i + 1], k[:, :, :i + 1])
+        vals = np.where(use_q[None, None, :, None], vq[:, :, :i + 1], v[:, :, :i + 1])
+        keys = np.repeat(keys, hq // hk, axis=1)
+        vals = np.repeat(vals, hq // hk, axis=1)
+        s = np.einsum("bhd,bhjd->bhj", q[:, :, i].astype(np.float64), keys) / np.sqrt(d)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out[:, :, i] = np.einsum("bhj,bhjd->bhd", p, vals)
+    return out
+
+
+def _qkv(rng, b=2, hq=4, hk=2, t=4 * BS + 7, d=32):
+    q = rng.standard_normal((b, hq, t, d)).astype(np.float32)
+    k = rng.standard_normal((b, hk, t, d)).astype(np.float32)
+    k[:, :, :, 3] = k[:, :, :, 3] * 12 + 6   # an outlier key channel, as in real models
+    v = rng.standard_normal((b, hk, t, d)).astype(np.float32)
+    return q, k, v
+
+
+@pytest.mark.parametrize("scheme", ["kvarn_k4v2_g32", "int2_g32"])
+def test_serving_attention_matches_float64_oracle(rng, scheme):
+    q, k, v = _qkv(rng)
+    tq, tk, tv = map(torch.from_numpy, (q, k, v))
+    for own in (False, True):
+        got = serving_attention(tq, tk, tv, scheme, block_size=BS, quantize_own_full_block=own).numpy()
+        want = _oracle(q, k, v, scheme, BS, own)
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+    # The two timings differ exactly at the last slot of blocks >= 1 (a token never sees its own block
+    # quantized in the default mode), by far more than the tolerance: the oracle can tell them apart.
+    default = serving_attention(tq, tk, tv, scheme, block_size=BS).numpy()
+    own_q = serving_attention(tq, tk, tv, scheme, block_size=BS, quantize_own_full_block=True).numpy()
+    diff = np.abs(default - own_q).max(axis=(0, 1, 3))
+    last_slots = [i for i in range(q.shape[2]) if (i + 1) % BS == 0 and i >= BS]
+    others = [i for i in range(q.shape[2]) if i not in last_slots]
+    assert diff[others].max() == 0.0
+    assert diff[last_slots].min() > 1e-3
+    # Queries in the sink and the first block after it see no quantized key at all.
+    exact = serving_attention(tq, tk, tv, None, block_size=BS).numpy()
+    np.testing.assert_array_equal(default[:, :, :2 * BS], exact[:, :, :2 * BS])
+    assert np.abs(default[:, :, 2 * BS:] - exact[:, :, 2 * BS:]).max() > 1e-3
+
+
+@pytest.mark.parametrize("scheme", ["kvarn_k4v2_g32", "int4"])
+def test_equals_paged_cache_decode(rng, scheme):
+    """Row p of the teacher-forced output == paged_decode_attention_reference at seq_len p + 1 on a
+    PagedKVCache filled by kvarn_jax.write (quantize_own_full_block=True is that cache's timing)."""
+    q, k, v = _qkv(rng, b=1, t=4 * BS)
+    t = q.shape[2]
+    nb = t // BS
+    cache = kj.PagedKVCache.create(scheme, num_blocks=nb + 2, block_size=BS, num_kv_heads=2, head_dim=32,
+                                   max_seqs=1, dtype=jnp.float32)
+    table = rng.permutation(nb + 2)[:nb].astype(np.int32)
+    paged = np.full((1, 4, t, 32), np.nan, np.float32)  # poisoned: every row must be written below
+    for m in range(nb):
+        pos = np.arange(m * BS, (m + 1) * BS)
+        slots = table[pos // BS] * BS + pos % BS
+        k_new, v_new = (jnp.asarray(x[0][:, pos].transpose(1, 0, 2)) for x in (k, v))
+        cache = kj.write(cache, k_new, v_new, jnp.asarray(slots, jnp.int32), seq_ids=jnp.zeros(BS, jnp.int32),
+                         positions=jnp.asarray(pos, jnp.int32))
+        # Every position of block m, decoded against the cache as it stands after block m is written.
+        out = kj.paged_decode_attention_reference(
+            jnp.asarray(q[0][:, pos].transpose(1, 0, 2)), cache, jnp.asarray(np.tile(table, (BS, 1))),
+            jnp.asarray(pos + 1, jnp.int32), seq_ids=jnp.zeros(BS, jnp.int32))
+        paged[0][:, pos] = np.asarray(out).transpose(1, 0, 2)
+    tq, tk, tv = map(torch.from_numpy, (q, k, v))
+    same_timing = serving_attention(tq, tk, tv, scheme, block_size=BS, quantize_own_full_block=True).numpy()
+    np.testing.assert_allclose(same_timing, paged, atol=3e-5, rtol=1e-4)
+    default = serving_attention(tq, tk, tv, scheme, block_size=BS).numpy()
+    not_last = [i for i in range(t) if (i + 1) % BS != 0]
+    np.testing.assert_allclose(default[:, :, not_last], paged[:, :, not_last], atol=3e-5, rtol=1e-4)
+
+
+def test_model_context_exact_path_and_restore():
+    model = tiny_llama(num_layers=2)
+    x = torch.randint(0, 97, (2, 3 * BS + 5))
+    before = model.config._attn_implementation
+    with torch.no_grad():
+        ref = model(x, use_cache=False).logits
+        with serving_semantics(model, None, block_size=BS):
+            got = model(x, use_cache=False).logits
+        with serving_semantics(model, "int2_g32", block_size=BS):
+            quant = model(x, use_cache=False).logits
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert (quant - ref).abs().max() > 1e-3
+    assert model.config._attn_implementation == before
+    assert not any(hasattr(m, "kvarn_serving") for m in model.modules())
+    with pytest.raises(RuntimeError), serving_semantics(model, "int8", block_size=BS):
+        raise RuntimeError("boom")
+    assert model.config._attn_implementation == before
+
+
+def test_bad_input_is_rejected():
+    model = tiny_llama(num_layers=2)
+    q = torch.randn(1, 4, 64, 32)
+    k = torch.randn(1, 2, 64, 32)
+    with pytest.raises(ValueError, match="query"):
+        serving_attention(q[0], k, k, "int8")
+    with pytest.raises(ValueError, match="key/value"):
+        serving_attention(q, k[:, :, :32], k[:, :, :32], "int8")
+    with pytest.raises(ValueError, match="block_size"):
+        serving_attention(q, k, k, "kvarn_k4v2_g32", block_size=48)
+    with pytest.raises(ValueError, match="attention_mask"):
+        serving_attention(q, k, k, "int8", block_size=BS, attention_mask=torch.ones(1, 1, 64, 64))
+    with pytest.raises(ValueError, match="int3"):
+        serving_attention(q, k, k, "int3")
+    with pytest.raises(ValueError, match="3 entries but the model has 2 layers"):
+        with serving_semantics(model, ["int8"] * 3, block_size=BS):
+            pass
+    with pytest.raises(ValueError, match="calibration"):
+        with serving_semantics(model, "int8_static", block_size=BS):
+            pass
+    with pytest.raises(ValueError, match="block_size"):
+        with serving_semantics(model, "kvarn_k4v2_g32", block_size=48):
+            pass
