@@ -15,7 +15,7 @@ from kvarn_jax.evaluation.agreement import greedy_continuation
 from kvarn_jax.evaluation.layer_config import write_layer_config
 from kvarn_jax.evaluation.serving_attention import serving_semantics
 from kvarn_jax.integrations.dlpack import dequantize_bhtd, quantize_bhtd, to_jax
-from kvarn_jax.integrations.transformers import KVarNCache, KVarNLayer
+from kvarn_jax.integrations.transformers import KVarNCache, KVarNLayer, cache_kwargs
 from test_eval_support import one_torch_thread, tiny_llama
 
 BS = 32
@@ -125,9 +125,9 @@ def test_decode_equals_teacher_forced_serving():
             with serving_semantics(model, scheme, block_size=BS):
                 tf = model(x, use_cache=False).logits
             cache = KVarNCache(scheme, block_size=BS)
-            steps = [model(x[:, :2 * BS], cache=cache, use_cache=True).logits]   # exact prefill (sink + block 1)
+            steps = [model(x[:, :2 * BS], use_cache=True, **cache_kwargs(model, cache)).logits]   # exact prefill (sink + block 1)
             for t in range(2 * BS, x.shape[1]):
-                steps.append(model(x[:, t:t + 1], cache=cache, use_cache=True).logits)
+                steps.append(model(x[:, t:t + 1], use_cache=True, **cache_kwargs(model, cache)).logits)
         dec = torch.cat(steps, dim=1)
         torch.testing.assert_close(dec, tf, atol=2e-5, rtol=1e-4)
         exact = model(x, use_cache=False).logits.detach()
@@ -171,13 +171,13 @@ def test_per_layer_schemes_and_file(tmp_path):
     for spec in (["int8", "int4"], str(path), path):
         cache = KVarNCache(spec, block_size=BS)
         with torch.no_grad():
-            model(x, cache=cache, use_cache=True)
+            model(x, use_cache=True, **cache_kwargs(model, cache))
         assert [layer.cfg.name for layer in cache.layers] == ["int8", "int4"]
         assert cache.get_seq_length() == 70
     cache = KVarNCache(["int8"], block_size=BS)
     with pytest.raises(ValueError, match="per-layer schemes cover 1 layers"):
         with torch.no_grad():
-            model(x, cache=cache, use_cache=True)
+            model(x, use_cache=True, **cache_kwargs(model, cache))
 
 
 def test_bad_input_is_rejected():

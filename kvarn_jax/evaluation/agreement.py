@@ -14,7 +14,7 @@ from typing import Mapping, Sequence, Union
 
 import torch
 
-from kvarn_jax.integrations.transformers import KVarNCache
+from kvarn_jax.integrations.transformers import KVarNCache, cache_kwargs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,14 +42,14 @@ def greedy_continuation(model, prompts: torch.Tensor, scheme: Union[str, Sequenc
     cache = KVarNCache(scheme, block_size=block_size)
     out = []
     with torch.no_grad():
-        logits = model(prompts, cache=cache, use_cache=True).logits[:, -1]
+        logits = model(prompts, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
         for step in range(new_tokens):
             nxt = logits.argmax(-1)
             out.append(nxt)
             if progress is not None:
                 progress.update(1)
             if step + 1 < new_tokens:
-                logits = model(nxt[:, None], cache=cache, use_cache=True).logits[:, -1]
+                logits = model(nxt[:, None], use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
     return torch.stack(out, dim=1)
 
 

@@ -42,6 +42,14 @@ from .dlpack import check_bhtd, quantize_bhtd, to_torch, tokens_to_bhtd
 Scheme = Union[str, KVQuantConfig]
 
 
+def cache_kwargs(model, cache) -> dict:
+    """Keyword arguments that pass `cache` to `model(...)`: transformers 5.20+ names the forward
+    argument `cache`, earlier 5.x `past_key_values` (an unknown name would be silently ignored)."""
+    import inspect
+    params = inspect.signature(model.forward).parameters
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
+
+
 def _check_scheme(scheme: Scheme, block_size: int, arg: str = "scheme") -> KVQuantConfig:
     cfg = kj.parse(scheme)
     if cfg.static:
