@@ -19,11 +19,13 @@ def is_power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def require_compiled_backend(interpret: bool, what: str) -> None:
-    """The Pallas kernels lower through Triton: compiled on NVIDIA GPUs, interpreted anywhere else."""
-    if not interpret and jax.default_backend() != "gpu":
-        raise ValueError(f"{what}: the Pallas kernel compiles for NVIDIA GPUs only (backend here: "
-                         f"{jax.default_backend()}); pass interpret=True or use impl='reference'")
+def require_compiled_backend(interpret: bool, what: str, platform: str = "gpu") -> None:
+    """A Pallas kernel compiles for its platform only (the GPU kernels lower through Triton, the TPU
+    kernels through Mosaic) and runs interpreted anywhere else."""
+    if not interpret and jax.default_backend() != platform:
+        names = {"gpu": "NVIDIA GPUs", "tpu": "TPUs"}
+        raise ValueError(f"{what}: this Pallas kernel compiles for {names.get(platform, platform)} only (backend "
+                         f"here: {jax.default_backend()}); pass interpret=True or use impl='reference'")
 
 
 def is_concrete(*xs) -> bool:

@@ -70,7 +70,8 @@ def serve_writes(cache, tables, seqs, rng, seq_ids=None, max_chunk=None, write=k
 
 def expected_kv(cfg, seq_k, seq_v, block_size, dtype):
     """What attention must see for one sequence (float64, storage frame), computed independently of
-    the cache: sink and partial tail = the written values in `dtype`; full blocks = quantize/dequantize."""
+    the cache: sink and last block (partial, or completed by the last token: a token never sees its own
+    block quantized) = the written values in `dtype`; the full blocks between = quantize/dequantize."""
     cfg = kj.parse(cfg)
     L, h, d = seq_k.shape
     out = []
@@ -82,7 +83,7 @@ def expected_kv(cfg, seq_k, seq_v, block_size, dtype):
         out.append(np.asarray(x.astype(jnp.float32)).astype(np.float64))
     if cfg.is_passthrough:
         return out
-    full = (L // block_size) * block_size
+    full = ((L - 1) // block_size) * block_size  # blocks before the one holding position L - 1
     if full > block_size:
         # the stored values in fp32 (exact), so the dequantized result is not rounded back to `dtype`
         kq, vq = kj.dequantize(kj.quantize((jnp.asarray(out[0][block_size:full], jnp.float32),

@@ -1,9 +1,11 @@
-"""The Pallas decode kernel against the reference (interpret mode on CPU; natively on a GPU).
+"""The Pallas decode kernels against the reference (interpret mode on CPU; natively on a GPU).
 
-Tolerance: the kernel feeds fp16 operands to the matrix unit (pre-scaled queries, probabilities,
+Tolerance: the GPU kernel feeds fp16 operands to the matrix unit (pre-scaled queries, probabilities,
 high-precision K/V) with fp32 accumulation, so outputs agree with the fp32 reference to about 1e-3
-of the output scale; we require |kernel - reference| <= 4e-3 * max|reference| elementwise. Every
-output element is compared, so an element the kernel failed to write cannot pass.
+of the output scale; we require |kernel - reference| <= 4e-3 * max|reference| elementwise. The TPU
+kernel multiplies in fp32 at HIGHEST precision (its 0/1 plane-selection products must be exact):
+<= 1e-4 * max|reference|. Every output element is compared, so an element a kernel failed to write
+cannot pass.
 """
 
 import jax
@@ -28,13 +30,17 @@ def build(cfg, lens, heads, dim, block_size, rng, calibration=None, max_seqs=Non
     return cache, jnp.asarray(tables), jnp.asarray(lens, jnp.int32), seqs
 
 
-def compare(q, cache, bt, sl, **kw):
+def compare(q, cache, bt, sl, kernel="gpu", **kw):
     ref = kj.paged_decode_attention(q, cache, bt, sl, impl="reference", **kw)
-    out = kj.paged_decode_attention(q, cache, bt, sl, impl="pallas", interpret=INTERPRET, **kw)
+    interpret = jax.default_backend() != {"gpu": "gpu", "tpu": "tpu"}[kernel]
+    out = kj.paged_decode_attention(q, cache, bt, sl, impl="pallas", interpret=interpret, kernel=kernel, **kw)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     ref, out = np.asarray(ref, np.float32), np.asarray(out, np.float32)
     assert np.isfinite(out).all()
-    np.testing.assert_allclose(out, ref, rtol=0, atol=4e-3 * max(np.abs(ref).max(), 1e-6))
+    tol = 4e-3 if kernel == "gpu" else 1e-4
+    # a kernel output in fp16/bf16 carries that rounding on top
+    tol = max(tol, float(jnp.finfo(q.dtype).eps))
+    np.testing.assert_allclose(out, ref, rtol=0, atol=tol * max(np.abs(ref).max(), 1e-6))
     return out, ref
 
 
@@ -108,7 +114,7 @@ def test_auto_on_cpu_is_the_reference(rng):
 def test_pallas_refuses_what_it_cannot_run(rng):
     cache = kj.PagedKVCache.create("int8", num_blocks=4, block_size=48, num_kv_heads=1, head_dim=64, max_seqs=1)
     q = jnp.zeros((1, 2, 64), jnp.float32) + 1
-    with pytest.raises(ValueError, match=r"impl='pallas' cannot run this cache: block_size=48"):
+    with pytest.raises(ValueError, match=r"impl='pallas' cannot run this cache on the gpu kernel: block_size=48"):
         kj.paged_decode_attention(q, cache, jnp.zeros((1, 2), jnp.int32), jnp.array([10], jnp.int32), impl="pallas")
     with pytest.raises(ValueError, match="impl must be one of"):
         kj.paged_decode_attention(q, cache, jnp.zeros((1, 2), jnp.int32), jnp.array([10], jnp.int32), impl="triton")
@@ -117,3 +123,91 @@ def test_pallas_refuses_what_it_cannot_run(rng):
         with pytest.raises(ValueError, match="compiles for NVIDIA GPUs only"):
             kj.paged_decode_attention(q, ok, jnp.zeros((1, 2), jnp.int32), jnp.array([10], jnp.int32),
                                       impl="pallas", interpret=False)
+
+
+# ----------------------------------------------------------------------------- the TPU kernel
+TPU_SCHEMES = SCHEMES + ["kivi_k2v2_g128", "int4_g32"]
+
+
+@settings(max_examples=6)
+@given(cfg=st.sampled_from(TPU_SCHEMES), dim=st.sampled_from([64, 128]), heads=st.sampled_from([1, 2]),
+       ratio=st.sampled_from([1, 4, 7, 8]), block_mult=st.sampled_from([1, 2]),
+       lens=st.lists(st.integers(1, 140), min_size=1, max_size=3),
+       window=st.sampled_from([None, None, 37]), seed=st.integers(0, 2 ** 16))
+def test_tpu_kernel_matches_reference(cfg, dim, heads, ratio, block_mult, lens, window, seed):
+    rng = np.random.default_rng(seed)
+    bs = max(kj.parse(cfg).tile_tokens, 16) * block_mult
+    cache, bt, sl, _ = build(cfg, lens, heads, dim, bs, rng)
+    q = jnp.asarray(rng.standard_normal((len(lens), heads * ratio, dim)), jnp.float32)
+    compare(q, cache, bt, sl, kernel="tpu", window=window)
+
+
+@pytest.mark.parametrize("cfg", ["kvarn_k4v2_g128", "int8"])
+def test_tpu_head_dim_256_gqa_7_block_ends(cfg, rng):
+    # lengths: mid-block, shorter than a block, exactly full (the query's own full block is read from
+    # the high-precision ring), one past a block boundary
+    c = kj.parse(cfg)
+    bs = max(c.tile_tokens, 32)
+    cache, bt, sl, _ = build(cfg, [2 * bs + 9, bs - 3, 2 * bs, bs + 1], 1, 256, bs, rng)
+    q = jnp.asarray(rng.standard_normal((4, 7, 256)), jnp.float32)
+    compare(q, cache, bt, sl, kernel="tpu")
+
+
+@pytest.mark.parametrize("cfg", ["int8_static", "int_k8v4_static", "fp8_static"])
+def test_tpu_static_schemes(cfg, rng):
+    k, v = random_kv(rng, 256, 2, 64, dtype=np.float32)
+    cal = kj.calibrate((jnp.asarray(k), jnp.asarray(v)), cfg)
+    cache, bt, sl, _ = build(cfg, [100, 33], 2, 64, 32, rng, calibration=cal)
+    q = jnp.asarray(rng.standard_normal((2, 8, 64)), jnp.float32)
+    compare(q, cache, bt, sl, kernel="tpu")
+
+
+def test_tpu_seq_ids_zero_length_two_tail_blocks_and_bad_table_entries(rng):
+    # slots 3 and 1 of 4; a zero-length row; a ring of two blocks; table entries past each sequence
+    # hold ids far outside the pool (vLLM leaves them unspecified): the kernel must not read them
+    cache, bt, sl, _ = build("kvarn_k4v2_g32", [150, 64], 2, 64, 32, rng, max_seqs=4, seq_ids=[3, 1],
+                             tail_blocks=2)
+    bt = np.asarray(bt).copy()
+    bt[1, 2:] = 10 ** 6
+    bt = jnp.asarray(np.concatenate([bt, np.full((1, bt.shape[1]), -7, np.int32)]))
+    sl = jnp.concatenate([sl, jnp.zeros(1, jnp.int32)])
+    sid = jnp.array([3, 1, 0], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((3, 8, 64)), jnp.float32)
+    out, _ = compare(q, cache, bt, sl, kernel="tpu", seq_ids=sid)
+    assert (out[2] == 0).all()
+
+
+@pytest.mark.parametrize("cfg", ["kvarn_k4v2_g128", "kivi_k2v2_g32", "int4_g32", "int8_static", "fp8", "bf16"])
+def test_tpu_kernel_lowers_for_tpu(cfg):
+    """The kernel lowers to a Mosaic custom call for an abstract TPU (jax lowers without the device).
+    This checks Pallas -> Mosaic emission (shapes, scalar prefetch, every op has a TPU rule); Mosaic's
+    own compilation needs a TPU and is not run here."""
+    from kvarn_jax.attention.paged_decode_tpu import paged_decode_tpu
+    c = kj.parse(cfg)
+    cal = None
+    if c.static:
+        x = jnp.asarray(np.random.default_rng(0).standard_normal((256, 8, 128)), jnp.float32)
+        cal = kj.calibrate((x, x), cfg)
+    cache = kj.PagedKVCache.create(cfg, num_blocks=64, block_size=128, num_kv_heads=8, head_dim=128, max_seqs=4,
+                                   dtype=jnp.bfloat16, calibration=cal)
+    args = (jnp.zeros((4, 32, 128), jnp.bfloat16), cache, jnp.zeros((4, 16), jnp.int32),
+            jnp.full((4,), 1000, jnp.int32), jnp.arange(4, dtype=jnp.int32))
+    fn = lambda *a: paged_decode_tpu(*a, scale=0.1, window=None, interpret=False)  # noqa: E731
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text and f"kvarn_paged_decode_tpu_{c.name}" in text
+
+
+def test_tpu_kernel_argument_errors(rng):
+    cache, bt, sl, _ = build("int8", [40], 1, 64, 32, rng)
+    q = jnp.asarray(rng.standard_normal((1, 2, 64)), jnp.float32)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        kj.paged_decode_attention(q, cache, bt, sl, impl="pallas", kernel="cuda")
+    with pytest.raises(ValueError, match="num_splits applies to the GPU kernel only"):
+        kj.paged_decode_attention(q, cache, bt, sl, impl="pallas", kernel="tpu", interpret=True, num_splits=2)
+    odd = kj.PagedKVCache.create("int8", num_blocks=4, block_size=12, num_kv_heads=1, head_dim=64, max_seqs=1)
+    with pytest.raises(ValueError, match="on the tpu kernel: block_size=12"):
+        kj.paged_decode_attention(q, odd, jnp.zeros((1, 4), jnp.int32), jnp.array([10], jnp.int32), impl="pallas",
+                                  kernel="tpu", interpret=True)
+    if jax.default_backend() != "tpu":
+        with pytest.raises(ValueError, match="compiles for TPUs only"):
+            kj.paged_decode_attention(q, cache, bt, sl, impl="pallas", kernel="tpu", interpret=False)

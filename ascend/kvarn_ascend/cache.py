@@ -5,7 +5,7 @@ Semantics are kvarn_jax's (README "The paged cache"): token i goes to slot
 `slot_mapping[i] = block_id * block_size + offset` (-1 = padding); the first block of every sequence
 (the attention sink) and its partial last block stay in high precision (the model dtype); a block is
 quantized into its page when its last slot is written; reads take a block from its page only when
-it is full and not the sink. What runs natively and what does not:
+it is full, not the sink and not the block of the query (position seq_len - 1). What runs natively and what does not:
 
 - int8, int4 (per token and head, asymmetric): store npu_dynamic_quant_asymmetric +
   npu_scatter_pa_kv_cache; decode by the fused attention with per-token antiquant (int8 paged,
@@ -359,7 +359,8 @@ class AscendPagedKVCache:
                 base = self._sink_block(sid)
                 pos = torch.arange(mb * bs, device=dev)
                 ring = self.hp[s][base[:, None] + 1 + (pos % self.ring_len)[None, :] // bs, pos % bs]
-                full = (pos[None, :] // bs + 1) * bs <= lens.to(dev)[:, None]
+                # full, not the sink, and not the block of the query (position len - 1)
+                full = (pos[None, :] // bs + 1) * bs <= lens.to(dev)[:, None] - 1
                 from_page = (pos[None, :] >= bs) & full
                 x = torch.where(from_page[:, None, :, None], x, ring.float().permute(0, 2, 1, 3))
                 x[:, :, :bs] = self.hp[s][base].float().permute(0, 2, 1, 3)
@@ -402,10 +403,12 @@ class AscendPagedKVCache:
         b, hq, _, d = q4.shape
         bs, hk, dev, tb = self.block_size, self.num_kv_heads, self._device, self.tail_blocks
         lens_d = lens.to(dev)
-        nfull = lens_d // bs
-        # high-precision part: the sink block, then the ring block holding the partial last block
+        # blocks before the query's own (position len - 1); the query's block is read from the ring
+        # even when it is full, so a token never sees a quantized version of its own block
+        nfull = (lens_d - 1).clamp(min=0) // bs
+        # high-precision part: the sink block, then the ring block holding the last block
         sid = torch.arange(b, device=dev) if seq_ids is None else seq_ids.to(dev).long()
-        hp_len = torch.where(lens_d <= bs, lens_d, bs + lens_d % bs)
+        hp_len = torch.where(lens_d <= bs, lens_d, bs + lens_d - nfull * bs)
         hp_tab = torch.stack([self._sink_block(sid), self._sink_block(sid) + 1 + nfull % tb], 1).to(torch.int32)
         o_hp, lse_hp = self._call(FIA, q4, self._bnbsh(self.hp["k"]), self._bnbsh(self.hp["v"]),
                                   block_table=hp_tab.contiguous(), actual_seq_lengths_kv=hp_len.cpu().tolist(),

@@ -9,53 +9,68 @@ import jax
 import jax.numpy as jnp
 
 from ..hadamard import rotate, unrotate
-from . import paged_decode_pallas
+from . import paged_decode_pallas, paged_decode_tpu
 from ..validation import require_compiled_backend
 from .reference import _attend, _check
 
 IMPLS = ("auto", "pallas", "reference")
+KERNELS = ("gpu", "tpu")
+_SUPPORTS = {"gpu": paged_decode_pallas.supports, "tpu": paged_decode_tpu.supports}
 
 
 def paged_decode_attention(q, cache, block_tables, seq_lens, scale: float | None = None, *, seq_ids=None,
                            window: int | None = None, impl: str = "auto", interpret: bool | None = None,
-                           num_splits: int | None = None):
+                           num_splits: int | None = None, kernel: str | None = None):
     """Decode attention of one query token per sequence over a `PagedKVCache`.
 
     Same arguments and result as `paged_decode_attention_reference` (q [B, Hq, D] -> [B, Hq, D] in
     q.dtype), plus:
-      impl: "pallas" (the fused kernel), "reference" (pure jnp) or "auto": the kernel on NVIDIA GPUs
-        when it supports the cache, the reference elsewhere (the kernel lowers through Triton; on
-        other backends it only runs interpreted, slowly).
+      impl: "pallas" (a fused kernel), "reference" (pure jnp) or "auto": the platform's kernel on
+        NVIDIA GPUs and TPUs when it supports the cache, the reference elsewhere (CPU).
+      kernel: which Pallas kernel `impl="pallas"` runs: "gpu" (`paged_decode_pallas.py`, Triton
+        lowering) or "tpu" (`paged_decode_tpu.py`, Mosaic, scalar-prefetched block tables). Default:
+        the platform's - "tpu" on TPUs, "gpu" elsewhere (on CPU both run only interpreted).
       interpret: run the Pallas kernel in interpret mode (default: True on CPU; how CI tests it).
-      num_splits: programs per (sequence, kv head) along the KV length (default: enough to fill the chip).
+      num_splits: GPU kernel: programs per (sequence, kv head) along the KV length (default: enough
+        to fill the chip). The TPU kernel walks a sequence's blocks in one program.
     `impl="pallas"` raises ValueError if the kernel cannot take the cache (e.g. a block size that is
     not a power of two); nothing falls back silently.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {list(KERNELS)} or None, got {kernel!r}")
     _check(q, cache, block_tables, seq_lens, seq_ids, window)
     backend = jax.default_backend()
-    why = paged_decode_pallas.supports(cache.cfg, cache.block_size, cache.head_dim)
+    kernel = kernel or ("tpu" if backend == "tpu" else "gpu")
+    why = _SUPPORTS[kernel](cache.cfg, cache.block_size, cache.head_dim)
     if impl == "auto":
-        impl = "pallas" if backend == "gpu" and not why else "reference"
+        impl = "pallas" if backend in ("gpu", "tpu") and not why else "reference"
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if impl == "reference":
         return _attend(q, cache, block_tables, seq_lens, sm_scale, seq_ids, window, False)
     if why is not None:
-        raise ValueError(f"impl='pallas' cannot run this cache: {why}; use impl='reference' or 'auto'")
+        raise ValueError(f"impl='pallas' cannot run this cache on the {kernel} kernel: {why}; "
+                         "use impl='reference' or 'auto'")
+    if kernel == "tpu" and num_splits is not None:
+        raise ValueError("num_splits applies to the GPU kernel only (the TPU kernel walks a sequence in one program)")
     interpret = backend == "cpu" if interpret is None else bool(interpret)
-    require_compiled_backend(interpret, "paged_decode_attention(impl='pallas')")
+    require_compiled_backend(interpret, f"paged_decode_attention(impl='pallas', kernel={kernel!r})", kernel)
     sid = jnp.arange(q.shape[0], dtype=jnp.int32) if seq_ids is None else seq_ids
     return _pallas(q, cache, block_tables, seq_lens, sid, scale=sm_scale, window=window,
-                   interpret=interpret, num_splits=num_splits)
+                   interpret=interpret, num_splits=num_splits, kernel=kernel)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "window", "interpret", "num_splits"))
-def _pallas(q, cache, block_tables, seq_lens, seq_ids, *, scale, window, interpret, num_splits):
-    # rotate once before and un-rotate once after: the kernel works in the stored frame
+@functools.partial(jax.jit, static_argnames=("scale", "window", "interpret", "num_splits", "kernel"))
+def _pallas(q, cache, block_tables, seq_lens, seq_ids, *, scale, window, interpret, num_splits, kernel):
+    # rotate once before and un-rotate once after: the kernels work in the stored frame
     qr = rotate(q.astype(jnp.float32)) if cache.cfg.rotated else q
-    o = paged_decode_pallas.paged_decode_pallas(qr, cache, block_tables, seq_lens, seq_ids, scale=scale,
-                                                window=window, num_splits=num_splits, interpret=interpret)
+    if kernel == "tpu":
+        o = paged_decode_tpu.paged_decode_tpu(qr, cache, block_tables, seq_lens, seq_ids, scale=scale,
+                                              window=window, interpret=interpret)
+    else:
+        o = paged_decode_pallas.paged_decode_pallas(qr, cache, block_tables, seq_lens, seq_ids, scale=scale,
+                                                    window=window, num_splits=num_splits, interpret=interpret)
     if cache.cfg.rotated:
         o = unrotate(o)
     return o.astype(q.dtype)

@@ -284,7 +284,8 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
         return m_new, l_new, tuple(alpha[:, None] * a + c for a, c in zip(acc, contrib))
 
     # ---- quantized tiles (for passthrough: every tile)
-    n_full = length // bs
+    # blocks read from pages: full, not the sink, and not the query's own block (position length - 1)
+    n_full = jnp.maximum(length - 1, 0) // bs if has_hp else length // bs
     if has_hp:
         t_begin, t_end = tpb, n_full * tpb
     else:

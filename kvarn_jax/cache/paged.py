@@ -310,7 +310,8 @@ def write(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp
     token; if that re-fills a block's last slot the block is quantized again from the ring, which
     is exact as long as the rollback stays within the ring (tail_blocks=2 covers drafts that cross
     one block boundary). Reads decide by sequence length: a block is read from its page only when
-    it is full and not the sink.
+    it is full, not the sink, and not the block of the query (position seq_len - 1) - so a token
+    never sees a quantized version of its own block; the ring still holds a just-completed block.
 
     impl: how completed blocks are quantized - "pallas" (the kernel in `quantize_pallas.py`;
     interpreted when `interpret` is true, the default on CPU), "reference" (jnp, compiled by XLA) or
@@ -341,8 +342,9 @@ def gather_dense(cache: PagedKVCache, block_tables: jnp.ndarray, seq_lens: jnp.n
     """Dense fp32 K and V of each sequence as attention sees them: ([B, Hk, L, D], [B, Hk, L, D]).
 
     L = max_blocks * block_size; positions >= seq_lens hold garbage and must be masked. Values are in
-    the storage frame (rotated for KVarN). Full non-sink blocks come from the quantized pages, the
-    sink and the partial last block from high precision.
+    the storage frame (rotated for KVarN). Full non-sink blocks before the one holding position
+    seq_len - 1 come from the quantized pages; the sink and the last (partial or just-completed)
+    block from high precision.
     """
     check_read_args(cache, block_tables, seq_lens, seq_ids)
     nbt, mb = block_tables.shape
@@ -364,8 +366,9 @@ def gather_dense(cache: PagedKVCache, block_tables: jnp.ndarray, seq_lens: jnp.n
             sink = cache.sink[side][sid].astype(jnp.float32)                   # [B, Hk, bs, D]
             ring = cache.tail[side][sid][:, :, pos % cache.tail_len].astype(jnp.float32)
             j = pos // bs
-            full = (j[None, :] + 1) * bs <= seq_lens[:, None]
-            from_page = (j[None, :] >= 1) & full
+            # a block is served quantized once it is full and the query (position seq_len - 1) is past
+            # it: the token that completes a block still reads that block from the ring, exactly
+            from_page = (j[None, :] >= 1) & ((j[None, :] + 1) * bs <= seq_lens[:, None] - 1)
             x = jnp.where(from_page[:, None, :, None], x, ring)
             x = x.at[:, :, :bs].set(sink)
         out.append(x)

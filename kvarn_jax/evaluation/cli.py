@@ -370,7 +370,7 @@ def register(subparsers) -> None:
     _model_args(p)
     p.add_argument("--tokens", type=int, default=4096, help="tokens evaluated (a multiple of --window)")
     p.add_argument("--quantize-own-full-block", action="store_true",
-                   help="the query at a block's last slot reads its own block quantized (kvarn_jax.write timing)")
+                   help="ablation: the query at a block's last slot reads its own block quantized (serving never does)")
     p.add_argument("--greedy-prompts", type=int, default=4, help="prompts for greedy agreement (0: skip)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="tokens per greedy prompt")
     p.add_argument("--new-tokens", type=int, default=512, help="greedy continuation length (0: skip)")

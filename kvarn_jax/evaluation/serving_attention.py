@@ -9,11 +9,11 @@ given its own view of the cache. For a query at position i (block b = i // block
     key blocks 1 .. b-1 (full, not sink)    dequantize(quantize(block)), kvarn_jax's scheme
     key block b (the query's own block)     exact, causal (j <= i)
 
-`quantize_own_full_block=True` switches to the timing of `kvarn_jax.write` + `paged_decode_attention`:
-there a block is quantized in the same call that writes its last slot, so the query at that last slot
-(seq_len = (b+1)*block_size) reads its own, now full, block quantized. The default keeps a token's own
-block exact, which is how the accuracy bar in the issue was measured; the difference is confined to
-one position in every block (see the recorded results).
+This is exactly what `kvarn_jax.write` + `paged_decode_attention` serve: the block completed by the
+query's own token is already quantized in its page, but reads take it from the high-precision ring
+until the next token. `quantize_own_full_block=True` is an ablation in which the query at a block's
+last slot (seq_len = (b+1)*block_size) reads its own, now full, block quantized; the difference is
+confined to one position in every block (see the recorded results).
 
 The attention itself is one masked SDPA over [exact K ; quantized K] (T + quantized tokens keys), so a
 window costs one quantize/dequantize per layer, not one per query block.
