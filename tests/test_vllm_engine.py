@@ -360,6 +360,71 @@ def test_unsupported_combinations_fail_at_engine_start(model, tmp_path, runs):
         gc.collect()
 
 
+def test_layer_config_gives_each_attention_layer_its_scheme(model, tmp_path):
+    """kvarn_layer_config (a `kvarn-jax tune` file): each layer's impl and cache take the file's scheme
+    for that layer, every page is padded to the largest scheme's (one page size for all layers), and
+    generation through the mixed cache works. A file that does not fit the model fails at start."""
+    from kvarn_jax.evaluation.layer_config import write_layer_config
+    from kvarn_vllm.layout import shared_page_bytes_for_budget
+
+    layers = ["int8" if i % 3 == 0 else "kvarn_k4v2_g128" for i in range(30)]
+    path = str(tmp_path / "layers.json")
+    write_layer_config(path, layers, model={"num_layers": 30})
+    torch_ops.reset_counters()
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(KV_SPACE_GIB)
+    llm = vllm.LLM(model=model, **ENGINE, additional_config={"kvarn_layer_config": path})
+    gen = llm.generate(PROMPTS[:2], vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    cfg = llm.llm_engine.vllm_config
+    named = [(name, layer) for name, layer in cfg.compilation_config.static_forward_context.items()
+             if hasattr(layer, "impl")]
+    assert [layer.impl.layout.cfg.name for _, layer in named] == layers
+    assert [layer.impl.bound.layout.cfg.name for _, layer in named] == layers  # the bound JAX caches too
+    assert all(f"layers.{layer.impl.layer_index}." in name for name, layer in named)
+    assert all(b.buffer.data_ptr() == layer.kv_cache.data_ptr() for _, layer in named for b in [layer.impl.bound])
+    # one page size: the largest layer's need (int8 here), so the blocks are int8's
+    lays = [PageLayout(s, block_size=128, num_kv_heads=3, head_dim=64, dtype="float32",
+                       max_seqs=ENGINE["max_num_seqs"]) for s in layers]
+    page = shared_page_bytes_for_budget(lays, KV_SPACE_GIB * 2 ** 30)
+    assert cfg.cache_config.num_gpu_blocks == KV_SPACE_GIB * 2 ** 30 // (30 * page)
+    assert page == shared_page_bytes_for_budget([lays[0]] * 30, KV_SPACE_GIB * 2 ** 30)
+    c = torch_ops.counters()
+    assert c["blocks_quantized"] > 0 and c["decode_calls"] > 0 and c["prefill_calls"] > 0
+    text = [g.outputs[0].text for g in gen]
+    print(f"\nlayer config (10 x int8, 20 x kvarn_k4v2_g128): {cfg.cache_config.num_gpu_blocks} blocks; {text}")
+    assert "Bingley" in text[0] and "Paris" in text[1]
+    _close(llm)
+
+    write_layer_config(path, layers[:2], model={"num_layers": 2})
+    with pytest.raises(ValueError, match=r"kvarn_layer_config: layer config .* has 2 layers but the model has "
+                                         r"num_layers=30"):
+        vllm.LLM(model=model, **ENGINE, additional_config={"kvarn_layer_config": path})
+    gc.collect()
+
+
+def test_layers_built_out_of_order_are_refused(tmp_path):
+    """The i-th impl built takes layer i's scheme; the builder refuses an engine whose names disagree."""
+    from kvarn_jax.evaluation.layer_config import write_layer_config
+    from kvarn_vllm import impl
+
+    path = str(tmp_path / "layers.json")
+    write_layer_config(path, ["int8", "int4"], model={"num_layers": 2})
+
+    def fake(index):
+        obj = object.__new__(impl.KvarnAttentionImpl)
+        obj.layer_index = index
+        return types.SimpleNamespace(impl=obj)
+
+    names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    cfg = types.SimpleNamespace(additional_config={"kvarn_layer_config": path},
+                                cache_config=types.SimpleNamespace(cache_dtype="auto"),
+                                compilation_config=types.SimpleNamespace(
+                                    static_forward_context={names[0]: fake(0), names[1]: fake(1)}))
+    impl.check_layer_order(cfg, names)
+    cfg.compilation_config.static_forward_context = {names[0]: fake(1), names[1]: fake(0)}
+    with pytest.raises(ValueError, match="built as attention layer 1"):
+        impl.check_layer_order(cfg, names)
+
+
 def test_report(runs, capsys):
     """Print (and with KVARN_VLLM_REPORT=path, save) what the engine runs measured."""
     rows = {}

@@ -18,7 +18,7 @@ def _config(additional=None, cache_dtype="auto"):
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for key in ("KVARN_KV_CACHE_DTYPE", "KVARN_CALIBRATION", "KVARN_DECODE_IMPL"):
+    for key in ("KVARN_KV_CACHE_DTYPE", "KVARN_LAYER_CONFIG", "KVARN_CALIBRATION", "KVARN_DECODE_IMPL"):
         monkeypatch.delenv(key, raising=False)
 
 
@@ -93,3 +93,90 @@ def test_version_range(monkeypatch):
     monkeypatch.delenv("KVARN_KV_CACHE_DTYPE")
     plugin.register()
     assert plugin._DONE["registered"] and plugin.registered_dtype_names() == []
+
+
+# ------------------------------------------------------------------------------ per-layer schemes
+def _layer_file(path, layers):
+    from kvarn_jax.evaluation.layer_config import write_layer_config
+    write_layer_config(path, layers, model={"num_layers": len(layers)})
+    return str(path)
+
+
+def _engine_config(additional, num_layers, pp=1):
+    """A config with a model of num_layers layers (vLLM's ModelConfig.get_num_layers)."""
+    cfg = _config(additional)
+    cfg.model_config = types.SimpleNamespace(get_num_layers=lambda parallel_config: num_layers)
+    cfg.parallel_config = types.SimpleNamespace(pipeline_parallel_size=pp)
+    return cfg
+
+
+def test_layer_config_from_additional_config_or_environment(tmp_path, monkeypatch):
+    path = _layer_file(tmp_path / "layers.json", ["kvarn_k4v2_g128", "int8", "kvarn_k4v4_g128", "int8"])
+    s = resolve(_engine_config({"kvarn_layer_config": path}, 4))
+    assert s.cfg is None and s.layer_config == path
+    assert [s.scheme(i) for i in range(4)] == [kj.parse(n) for n in ("kvarn_k4v2_g128", "int8", "kvarn_k4v4_g128",
+                                                                        "int8")]
+    assert s.schemes == [kj.parse("kvarn_k4v2_g128"), kj.parse("int8"), kj.parse("kvarn_k4v4_g128")]
+    with pytest.raises(ValueError, match="builds attention layer 4 but kvarn_layer_config .* has 4 layers"):
+        s.scheme(4)
+    monkeypatch.setenv("KVARN_LAYER_CONFIG", path)
+    assert resolve(_engine_config({}, 4)) == s
+    # a single scheme answers every layer, as before
+    monkeypatch.delenv("KVARN_LAYER_CONFIG")
+    one = resolve(_config({"kvarn_kv_cache_dtype": "int4"}))
+    assert one.layers is None and one.scheme(17) == kj.parse("int4") and one.schemes == [kj.parse("int4")]
+
+
+def test_layer_config_errors(tmp_path, monkeypatch):
+    path = _layer_file(tmp_path / "layers.json", ["int8", "int4"])
+    with pytest.raises(ValueError, match=r"kvarn_layer_config: layer config .*layers\.json' has 2 layers but the "
+                                         r"model has num_layers=30"):
+        resolve(_engine_config({"kvarn_layer_config": path}, 30))
+    # with a scheme as well: refused, not one of them silently ignored
+    with pytest.raises(ValueError, match="both set"):
+        resolve(_engine_config({"kvarn_layer_config": path, "kvarn_kv_cache_dtype": "int8"}, 2))
+    with pytest.raises(ValueError, match="--kv-cache-dtype kvarn_int8 are both set"):
+        cfg = _engine_config({"kvarn_layer_config": path}, 2)
+        cfg.cache_config.cache_dtype = "kvarn_int8"
+        resolve(cfg)
+    with pytest.raises(ValueError, match="dynamically"):
+        resolve(_engine_config({"kvarn_layer_config": path, "kvarn_calibration": "c.npz"}, 2))
+    with pytest.raises(ValueError, match="no such file"):
+        resolve(_engine_config({"kvarn_layer_config": str(tmp_path / "none.json")}, 2))
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        resolve(_engine_config({"kvarn_layer_config": path}, 2, pp=2))
+    (tmp_path / "bad.json").write_text('{"format": "something else"}')
+    with pytest.raises(ValueError, match="kvarn_layer_config: .*format"):
+        resolve(_engine_config({"kvarn_layer_config": str(tmp_path / "bad.json")}, 2))
+    monkeypatch.setenv("KVARN_LAYER_CONFIG", str(tmp_path / "other.json"))
+    with pytest.raises(ValueError, match="set twice"):
+        resolve(_engine_config({"kvarn_layer_config": path}, 2))
+    with pytest.raises(ValueError, match="exactly one"):
+        BridgeSettings(kj.parse("int8"), layers=(kj.parse("int8"),))
+
+
+def test_shared_page_is_the_largest_layers_need():
+    """Every layer declares one page size (vLLM's customize_spec does not say which layer it sizes): the
+    largest layer's need, with each layer's sink/tail share when the budget pays for them."""
+    from kvarn_vllm.layout import PageLayout, shared_page_bytes, shared_page_bytes_for_budget
+
+    kw = dict(block_size=128, num_kv_heads=3, head_dim=64, dtype="float32", max_seqs=8)
+    small, big = PageLayout("kvarn_k4v2_g128", **kw), PageLayout("int8", **kw)
+    assert small.format_page_bytes < big.format_page_bytes
+    assert shared_page_bytes([small, big, small]) == big.vllm_page_bytes()
+    assert shared_page_bytes([small, big], 10) == max(small.vllm_page_bytes(-(-small.hp_bytes // 10)),
+                                                      big.vllm_page_bytes(-(-big.hp_bytes // 10)))
+    budget, layers = 2 ** 30, [small] * 20 + [big] * 10
+    # one scheme everywhere: the single-layout rule, unchanged
+    assert shared_page_bytes_for_budget([small] * 30, budget) == small.vllm_page_bytes_for_budget(budget, 30)
+    page = shared_page_bytes_for_budget(layers, budget)
+    n = budget // (30 * page)  # the blocks vLLM hands out
+    assert page >= big.vllm_page_bytes() and n * page * 30 <= budget
+    for lay in (small, big):  # every layer's pages and its sink/tail fit its buffer of n pages
+        assert n * lay.format_page_bytes + lay.alignment_slack + lay.hp_bytes <= n * page
+    # the largest N: one more block would not fit
+    assert 30 * (n + 1) * shared_page_bytes(layers, n + 1) > budget
+    # a mix holds as many blocks as its largest scheme alone (the padding's cost)
+    assert page == shared_page_bytes_for_budget([big] * 30, budget)
+    with pytest.raises(ValueError, match="int8, kvarn_k4v2_g128"):
+        shared_page_bytes_for_budget(layers, 2 ** 20)

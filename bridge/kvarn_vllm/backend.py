@@ -10,6 +10,13 @@ scheme needs per block (one head slot, `block_size` states of C bytes; C rounded
 a multiple of 64 bytes), plus - when vLLM has an explicit KV budget - this block's share of the
 high-precision sink/tail, so vLLM's own accounting hands out the extra blocks and pays for the
 high-precision storage out of the same budget.
+
+With per-layer schemes (`kvarn_layer_config`) every layer declares one page size, that of the layer
+needing the most (see `layout.shared_page_bytes`): vLLM 0.32 could hold layers of different page
+sizes in one KV-cache group, but `customize_spec` is not told which layer it customizes, so a
+per-layer size could only be matched to its layer by call order. The cost: a layer of a smaller
+scheme leaves the rest of each page unused, i.e. the cache holds as many blocks as if every layer
+used the largest scheme (logged once at engine start).
 """
 
 from __future__ import annotations
@@ -19,12 +26,15 @@ from typing import ClassVar
 
 import torch
 
+from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionBackend, AttentionType, MultipleOf
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from . import runtime
-from .layout import PageLayout
+from .layout import PageLayout, padding_report, shared_page_bytes, shared_page_bytes_for_budget
+
+logger = init_logger("vllm.kvarn_vllm")
 
 
 def kvarn_spec(spec: AttentionSpec) -> AttentionSpec:
@@ -33,19 +43,30 @@ def kvarn_spec(spec: AttentionSpec) -> AttentionSpec:
     if settings is None:
         return spec
     vllm_config = runtime.config()
-    layout = PageLayout(settings.cfg, block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
-                        head_dim=spec.head_size, dtype=str(vllm_config.model_config.dtype).split(".")[-1],
-                        max_seqs=vllm_config.scheduler_config.max_num_seqs)
+    made = {cfg: PageLayout(cfg, block_size=spec.block_size, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
+                            dtype=str(vllm_config.model_config.dtype).split(".")[-1],
+                            max_seqs=vllm_config.scheduler_config.max_num_seqs)
+            for cfg in settings.schemes}
     cache = vllm_config.cache_config
     if cache.kv_cache_memory_bytes is None:
-        page = layout.vllm_page_bytes()  # the impl allocated the sink/tail before vLLM measured memory
+        page = shared_page_bytes(made.values())  # the impls allocated the sink/tail before vLLM measured memory
     elif cache.num_gpu_blocks_override is not None:  # vLLM allocates exactly this many blocks
-        page = layout.vllm_page_bytes(-(-layout.hp_bytes // cache.num_gpu_blocks_override))
+        page = shared_page_bytes(made.values(), cache.num_gpu_blocks_override)
     else:
         layers = runtime.num_layers()
         if layers <= 0:
             raise RuntimeError("kvarn: no kvarn attention layer was built before the KV cache spec")
-        page = layout.vllm_page_bytes_for_budget(cache.kv_cache_memory_bytes, layers)
+        if settings.layers is not None and layers != len(settings.layers):
+            raise ValueError(f"kvarn: the model built {layers} attention layers but kvarn_layer_config "
+                             f"{settings.layer_config!r} has {len(settings.layers)}")
+        page = shared_page_bytes_for_budget([made[settings.scheme(i)] for i in range(layers)],
+                                            cache.kv_cache_memory_bytes)
+    if settings.layers is not None:
+        logger.info_once(
+            "kvarn: layer config %s: every layer's page is padded to %d B per block (the largest layer's need); "
+            "format bytes per block and unused share of the page by scheme: %s", settings.layer_config, page,
+            ", ".join(f"{n} x {name}: {b} B, {unused:.0%} unused"
+                      for name, (n, b, unused) in padding_report([made[c] for c in settings.layers], page).items()))
     return replace(spec, dtype=torch.uint8, num_head_slots=1, state_content_bytes=page // spec.block_size,
                    tokens_per_state=1, page_size_padded=None)
 

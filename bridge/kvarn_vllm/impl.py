@@ -5,6 +5,12 @@ Every unsupported combination raises at construction, which vLLM does while it b
 then decode rows go through `kvarn_jax.paged_decode_attention` and prefill rows (several query
 tokens, e.g. chunks of a long prompt) through the causal prefill path, both reading the cache in
 place.
+
+Per-layer schemes (`kvarn_layer_config`): vLLM does not tell an attention impl which layer it
+belongs to when it builds it, and the scheme must be known then (it sizes the sink/tail). vLLM
+builds a decoder's attention layers in order, so the i-th impl built for an engine is layer i;
+`check_layer_order` confirms that against the layer names once they are known (when vLLM builds the
+metadata builder, at engine start) and refuses the engine otherwise.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ def _layer_index(name: str) -> int:
         if part.isdigit():
             return int(part)
     raise ValueError(f"kvarn: cannot find a layer index in the layer name {name!r} (needed to pick the "
-                     "layer's calibration)")
+                     "layer's calibration, or its scheme from a layer config)")
 
 
 def check_engine(vllm_config) -> None:
@@ -62,6 +68,27 @@ def check_engine(vllm_config) -> None:
         _refuse(f"model dtype {model.dtype}", "use float16, bfloat16 or float32")
 
 
+def check_layer_order(vllm_config, layer_names) -> None:
+    """With a layer config, each named layer's impl must hold the scheme of that layer's index.
+
+    Raises ValueError when a layer was built out of order (its impl would use another layer's scheme).
+    """
+    settings = runtime.settings_for(vllm_config)
+    if settings is None or settings.layers is None:
+        return
+    layers = vllm_config.compilation_config.static_forward_context
+    for name in layer_names:
+        impl = getattr(layers.get(name), "impl", None)
+        if not isinstance(impl, KvarnAttentionImpl):
+            continue
+        index = _layer_index(name)
+        if impl.layer_index != index:
+            raise ValueError(f"kvarn: layer {name!r} was built as attention layer {impl.layer_index}, so it would "
+                             f"use that layer's scheme from kvarn_layer_config {settings.layer_config!r} instead of "
+                             f"layer {index}'s; this model does not build its layers in order, which per-layer "
+                             "schemes need")
+
+
 class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  alibi_slopes=None, sliding_window: int | None = None, kv_cache_dtype: str = "auto",
@@ -72,8 +99,11 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         if settings is None:
             raise ValueError("kvarn: KvarnAttentionImpl was built for an engine that did not ask for kvarn")
         self.settings = settings
-        cfg = settings.cfg
         check_engine(vllm_config)
+        # the build order is the layer index (module docstring); counted before any refusal below,
+        # which aborts the engine anyway
+        self.layer_index = runtime.add_layer(vllm_config) - 1
+        cfg = settings.scheme(self.layer_index)
         if attn_type != AttentionType.DECODER:
             _refuse(f"attention type {attn_type!r} (encoder, encoder-only or cross attention)",
                     "only decoder self-attention uses the cache")
@@ -97,7 +127,9 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
             cfg.check_head_dim(head_size, "head_size")
             cfg.check_block_size(vllm_config.cache_config.block_size, "block_size (--block-size)")
         except ValueError as e:
-            raise ValueError(f"kvarn: {e}") from None
+            where = (f" (layer {self.layer_index} of kvarn_layer_config {settings.layer_config!r})"
+                     if settings.layers is not None else "")
+            raise ValueError(f"kvarn: {e}{where}") from None
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.scale = float(scale)
         self.kv_cache_dtype = kv_cache_dtype
@@ -112,7 +144,6 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         self.hp_buffers = None
         if vllm_config.cache_config.kv_cache_memory_bytes is None:
             self.hp_buffers = allocate_hp(self.layout, vllm_config.device_config.device)
-        runtime.add_layer(vllm_config)
         self._calibration = kvarn_jax.Calibration.load(settings.calibration) if cfg.static else None
         self.bound: torch_ops.BoundCache | None = None
 

@@ -151,21 +151,9 @@ class PageLayout:
         block count N with num_layers * N * page(N) <= budget; vLLM will then find N (or more) blocks
         and `regions` fits the sink/tail after them. Raises if even one block does not fit.
         """
-        if budget_bytes <= 0 or num_layers <= 0:
+        if num_layers <= 0:
             raise ValueError(f"budget_bytes and num_layers must be positive, got {budget_bytes}, {num_layers}")
-        per_layer = budget_bytes // num_layers
-        base = self.vllm_page_bytes()
-        n = (per_layer - self.hp_bytes) // base
-        while n >= 1:
-            page = self.vllm_page_bytes(-(-self.hp_bytes // n))
-            if num_layers * n * page <= budget_bytes:
-                return page
-            n -= 1
-        raise ValueError(
-            f"kvarn: the KV cache budget of {budget_bytes / 2**30:.3f} GiB cannot hold the high-precision sink/tail "
-            f"storage of {self.cfg.name} ({num_layers} layers x {self.hp_bytes / 2**20:.1f} MiB for "
-            f"max_num_seqs={self.max_seqs}) plus one block per layer: lower max_num_seqs or raise the budget "
-            "(VLLM_CPU_KVCACHE_SPACE / --kv-cache-memory-bytes)")
+        return shared_page_bytes_for_budget([self] * num_layers, budget_bytes)
 
     # ------------------------------------------------------------------ placement
     def regions(self, num_blocks: int, hp_in_buffer: bool) -> dict:
@@ -192,6 +180,60 @@ class PageLayout:
                 "format_page_bytes_per_block": self.format_page_bytes,
                 "bytes_per_token_per_head": self.format_page_bytes / (self.block_size * self.num_kv_heads),
                 "capacity_vs_fp16": fp16 / (pages + hp), "hp_in_buffer": hp_in_buffer}
+
+
+# ---------------------------------------------------------------------- one page size for several schemes
+# With per-layer schemes (a layer config) every layer still declares the same page size to vLLM: its
+# `customize_spec` hook is told the spec, not which layer it belongs to, so a per-layer size could
+# only be matched to its layer by call order. Every page is therefore padded to the largest layer's
+# need; a layer of a smaller scheme leaves the rest of each page unused (`padding_report`).
+def shared_page_bytes(layouts, num_blocks: int | None = None) -> int:
+    """The page size every layer declares: the largest of the layers' `vllm_page_bytes`, each with
+    its share ceil(hp_bytes / num_blocks) of its own sink/tail when num_blocks is given."""
+    return max(lay.vllm_page_bytes(0 if num_blocks is None else -(-lay.hp_bytes // num_blocks))
+               for lay in set(layouts))
+
+
+def shared_page_bytes_for_budget(layouts, budget_bytes: int) -> int:
+    """The page size when the sink/tail storage of every layer comes out of an explicit KV budget.
+
+    layouts: one `PageLayout` per attention layer. Picks the largest block count N with
+    len(layouts) * N * shared_page_bytes(layouts, N) <= budget (vLLM gives every layer the same
+    number of blocks of the declared page), so each layer's pages and sink/tail fit its buffer.
+    Raises if even one block does not fit.
+    """
+    layouts = list(layouts)
+    num_layers = len(layouts)
+    if budget_bytes <= 0 or num_layers <= 0:
+        raise ValueError(f"budget_bytes and num_layers must be positive, got {budget_bytes}, {num_layers}")
+    distinct = set(layouts)
+    per_layer = budget_bytes // num_layers
+    # every layer needs N * base + hp <= its share of the budget: an upper bound on N
+    n = min((per_layer - lay.hp_bytes) // lay.vllm_page_bytes() for lay in distinct)
+    while n >= 1:
+        page = shared_page_bytes(distinct, n)
+        if num_layers * n * page <= budget_bytes:
+            return page
+        n -= 1
+    names = sorted({lay.cfg.name for lay in distinct})
+    hp = max(lay.hp_bytes for lay in distinct)
+    max_seqs = max(lay.max_seqs for lay in distinct)
+    raise ValueError(
+        f"kvarn: the KV cache budget of {budget_bytes / 2**30:.3f} GiB cannot hold the high-precision sink/tail "
+        f"storage of {', '.join(names)} ({num_layers} layers x {hp / 2**20:.1f} MiB for "
+        f"max_num_seqs={max_seqs}) plus one block per layer: lower max_num_seqs or raise the budget "
+        "(VLLM_CPU_KVCACHE_SPACE / --kv-cache-memory-bytes)")
+
+
+def padding_report(layouts, page_bytes: int) -> dict:
+    """How much of a shared page each scheme's layers use: {scheme: (layers, format bytes per block,
+    fraction of the page unused by the format)}; the unused part still holds that layer's share of
+    its sink/tail when they live in the buffer."""
+    out = {}
+    for lay in layouts:
+        n = out.get(lay.cfg.name, (0,))[0] + 1
+        out[lay.cfg.name] = (n, lay.format_page_bytes, 1 - lay.format_page_bytes / page_bytes)
+    return out
 
 
 def carve(buffer, layout: PageLayout, num_blocks: int, hp_buffers: dict | None = None) -> dict:

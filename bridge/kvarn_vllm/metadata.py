@@ -94,6 +94,9 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        from .impl import check_layer_order
+
+        check_layer_order(vllm_config, layer_names)  # per-layer schemes: each layer got its own (engine start)
         self._init_reorder_batch_threshold(1)  # decodes first
         self.max_seqs = vllm_config.scheduler_config.max_num_seqs
         self.table = SlotTable(self.max_seqs)

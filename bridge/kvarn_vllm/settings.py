@@ -9,6 +9,11 @@ Where the scheme string comes from (the same strings as everywhere in kvarn-jax)
 Two sources that disagree are an error. Further keys (additional-config, or the upper-case
 environment variable of the same name): `kvarn_calibration` (a `Calibration` file, required by
 `*_static` schemes), `kvarn_decode_impl` (`auto` | `pallas` | `reference`).
+
+Per-layer schemes: `kvarn_layer_config` / `KVARN_LAYER_CONFIG` is the path of a layer-scheme file
+written by `kvarn-jax tune` (one scheme per decoder layer; its layer count must match the model's).
+It replaces the scheme: giving it together with a scheme (`kvarn_kv_cache_dtype`, or a kvarn
+`--kv-cache-dtype`) is an error rather than a silent choice of one of them.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any
 
 from kvarn_jax import KVQuantConfig
 
-KEYS = ("kvarn_kv_cache_dtype", "kvarn_calibration", "kvarn_decode_impl")
+KEYS = ("kvarn_kv_cache_dtype", "kvarn_layer_config", "kvarn_calibration", "kvarn_decode_impl")
 DECODE_IMPLS = ("auto", "pallas", "reference")
 VLLM_OWNED = ("fp8", "fp8_e4m3", "fp8_e5m2", "float16", "bfloat16", "float32", "auto")
 PREFIX = "kvarn_"
@@ -27,20 +32,52 @@ PREFIX = "kvarn_"
 
 @dataclasses.dataclass(frozen=True)
 class BridgeSettings:
-    """What the bridge does for one engine: the scheme, its calibration file and the decode kernel."""
+    """What the bridge does for one engine: the scheme (or one per layer), its calibration file and
+    the decode kernel.
 
-    cfg: KVQuantConfig
+    cfg: the scheme of every layer; None when `layers` gives one per decoder layer (from the file
+    `layer_config`, kept for messages). `scheme(i)` is layer i's either way.
+    """
+
+    cfg: KVQuantConfig | None
     calibration: str | None = None
     decode_impl: str = "auto"
+    layers: tuple | None = None
+    layer_config: str | None = None
 
     def __post_init__(self):
         if self.decode_impl not in DECODE_IMPLS:
             raise ValueError(f"kvarn_decode_impl must be one of {list(DECODE_IMPLS)}, got {self.decode_impl!r}")
-        if self.cfg.static and not self.calibration:
-            raise ValueError(f"{self.cfg.name} has fixed scales: set kvarn_calibration (additional-config or "
+        if (self.cfg is None) == (self.layers is None):
+            raise ValueError("give exactly one of a scheme (cfg) and per-layer schemes (layers)")
+        if self.layers is not None:
+            layers = tuple(KVQuantConfig.parse(c) for c in self.layers)
+            if not layers:
+                raise ValueError("layers must name at least one layer's scheme")
+            object.__setattr__(self, "layers", layers)
+        static = [c for c in self.schemes if c.static]
+        if static and not self.calibration:
+            raise ValueError(f"{static[0].name} has fixed scales: set kvarn_calibration (additional-config or "
                              "KVARN_CALIBRATION) to a file written by kvarn_jax.Calibration.save")
-        if self.calibration and not self.cfg.static:
-            raise ValueError(f"kvarn_calibration was given but {self.cfg.name} computes its scales dynamically")
+        if self.calibration and not static:
+            what = self.cfg.name if self.cfg is not None else "every scheme of the layer config"
+            raise ValueError(f"kvarn_calibration was given but {what} computes its scales dynamically")
+
+    @property
+    def schemes(self) -> list:
+        """The distinct schemes, in layer order."""
+        if self.layers is None:
+            return [self.cfg]
+        return sorted(set(self.layers), key=self.layers.index)
+
+    def scheme(self, layer: int) -> KVQuantConfig:
+        """Layer `layer`'s scheme (ValueError when a layer config has no such layer)."""
+        if self.layers is None:
+            return self.cfg
+        if not 0 <= layer < len(self.layers):
+            raise ValueError(f"kvarn: the model builds attention layer {layer} but kvarn_layer_config "
+                             f"{self.layer_config!r} has {len(self.layers)} layers")
+        return self.layers[layer]
 
 
 def scheme_from_vllm_name(name: str) -> KVQuantConfig | None:
@@ -83,10 +120,36 @@ def _from_additional(additional: Any, key: str):
     return getattr(additional, key, None)
 
 
+def _model_layers(vllm_config) -> int | None:
+    """The engine's decoder layer count, or None when the config has no model (unit tests)."""
+    model = getattr(vllm_config, "model_config", None)
+    if model is None or not hasattr(model, "get_num_layers"):
+        return None
+    par = getattr(vllm_config, "parallel_config", None)
+    if getattr(par, "pipeline_parallel_size", 1) > 1:
+        # Each pipeline stage builds a slice of the layers; the bridge maps layer files by build order.
+        raise ValueError("kvarn: kvarn_layer_config with pipeline parallelism is not supported by the kvarn-jax "
+                         "vLLM bridge; use one scheme for all layers (kvarn_kv_cache_dtype)")
+    return model.get_num_layers(par)
+
+
+def _load_layers(path: str, vllm_config) -> tuple:
+    from kvarn_jax.evaluation.layer_config import load_layer_config
+
+    num_layers = _model_layers(vllm_config)
+    try:
+        return tuple(KVQuantConfig.parse(s) for s in load_layer_config(path, num_layers=num_layers))
+    except FileNotFoundError:
+        raise ValueError(f"kvarn_layer_config: no such file: {path!r}") from None
+    except ValueError as e:
+        raise ValueError(f"kvarn_layer_config: {e}") from None
+
+
 def resolve(vllm_config) -> BridgeSettings | None:
     """The bridge's settings for an engine, or None when it did not ask for kvarn.
 
-    Raises ValueError naming the source when a value is invalid or two sources disagree.
+    Raises ValueError naming the source when a value is invalid or two sources disagree, and when
+    a layer config does not have the model's number of layers.
     """
     additional = getattr(vllm_config, "additional_config", None)
     values = {}
@@ -110,9 +173,19 @@ def resolve(vllm_config) -> BridgeSettings | None:
         if cfg is not None and cfg != from_flag:
             raise ValueError(f"--kv-cache-dtype {cache_dtype} and kvarn_kv_cache_dtype={text!r} disagree")
         cfg = from_flag
+    path = values["kvarn_layer_config"]
+    if path is not None:
+        if cfg is not None:  # one of them would be ignored
+            given = f"--kv-cache-dtype {cache_dtype}" if from_flag is not None else f"kvarn_kv_cache_dtype={text!r}"
+            raise ValueError(f"kvarn_layer_config={str(path)!r} and {given} are both set: the layer config names "
+                             "every layer's scheme; give one of them")
+        layers = _load_layers(str(path), vllm_config)
+        return BridgeSettings(None, values["kvarn_calibration"], values["kvarn_decode_impl"] or "auto",
+                              layers=layers, layer_config=str(path))
     if cfg is None:
         for key in ("kvarn_calibration", "kvarn_decode_impl"):
             if values[key] is not None:
-                raise ValueError(f"{key} is set but no kvarn scheme is: set kvarn_kv_cache_dtype too")
+                raise ValueError(f"{key} is set but no kvarn scheme is: set kvarn_kv_cache_dtype or "
+                                 "kvarn_layer_config too")
         return None
     return BridgeSettings(cfg, values["kvarn_calibration"], values["kvarn_decode_impl"] or "auto")

@@ -5,6 +5,12 @@
 - **Pools**: one per scheme, created lazily the first time a request uses it, each with its own
   per-layer `PagedKVCache`s, a page allocator and a sequence-slot allocator (the slot indexes the
   cache's high-precision sink/tail storage). The weights are loaded once and shared by all pools.
+- **Per-layer schemes**: a `kv_cache_dtype` may also name a scheme per decoder layer - a sequence
+  of scheme strings, or the path of a layer-scheme file written by `kvarn-jax tune` (`.json` or an
+  `os.PathLike`). Its pool is keyed by the tuple of per-layer schemes and gives each layer a
+  `PagedKVCache` of its own scheme. Every layer of a pool has the same number of pages (one page
+  table serves all layers), so a page's bytes differ per layer and the memory report sums the
+  layers. A per-layer sequence whose layers all have one scheme is that scheme (the same pool).
 - **Precision switch semantics**: a sequence keeps the scheme it started with until it finishes
   (its cache is never re-quantized); requests added after a switch use the new scheme. Pools of
   schemes no longer used stay allocated until `release_pool`.
@@ -21,6 +27,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Sequence
 
@@ -47,13 +54,13 @@ def blocks_needed(prompt_len: int, max_new_tokens: int, block_size: int, max_mod
 @dataclasses.dataclass(frozen=True)
 class Result:
     """A finished request. finish_reason: "stop" (a stop token, kept as the last output token) or
-    "length" (max_new_tokens or max_model_len reached)."""
+    "length" (max_new_tokens or max_model_len reached). kv_cache_dtype: see `scheme_name`."""
 
     request_id: int
     prompt_ids: tuple
     output_ids: tuple
     finish_reason: str
-    kv_cache_dtype: str
+    kv_cache_dtype: "str | tuple"  # the scheme's name, or a tuple of per-layer names for per-layer schemes
 
 
 @dataclasses.dataclass
@@ -74,7 +81,7 @@ class _Seq:
     request_id: int
     prompt: list
     params: SamplingParams
-    cfg: KVQuantConfig
+    cfg: "KVQuantConfig | tuple"  # the pool key (see Engine._parse)
     stop_ids: frozenset
     output: list = dataclasses.field(default_factory=list)
     blocks: list = dataclasses.field(default_factory=list)
@@ -86,12 +93,20 @@ class _Seq:
         return len(self.prompt) + len(self.output)
 
 
-class CachePool:
-    """The paged caches of one scheme (every layer), their page allocator and sequence slots."""
+def scheme_name(key) -> "str | tuple":
+    """A pool key as reported: the scheme's name, or the tuple of per-layer scheme names."""
+    return key.name if isinstance(key, KVQuantConfig) else tuple(c.name for c in key)
 
-    def __init__(self, runner: ModelRunner, cfg: KVQuantConfig, *, num_blocks: int, block_size: int,
+
+class CachePool:
+    """The paged caches of one scheme (every layer) or of per-layer schemes, their page allocator and
+    sequence slots. cfg: a `KVQuantConfig`, or a tuple of one per layer; `layer_schemes` lists them
+    per layer either way."""
+
+    def __init__(self, runner: ModelRunner, cfg, *, num_blocks: int, block_size: int,
                  max_seqs: int, max_blocks_per_seq: int, calibration=None):
         self.cfg = cfg
+        self.layer_schemes = ([cfg] * runner.config.num_layers if isinstance(cfg, KVQuantConfig) else list(cfg))
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.caches = runner.new_caches(cfg, num_blocks=num_blocks, block_size=block_size, max_seqs=max_seqs,
@@ -107,7 +122,10 @@ class CachePool:
 class Engine:
     """Serve a `Decoder` with kvarn-jax paged caches.
 
-    kv_cache_dtype: the default scheme of new requests (any `KVQuantConfig` string).
+    kv_cache_dtype: the default scheme of new requests: any `KVQuantConfig` string, or per-layer
+      schemes (a sequence with one scheme per decoder layer, or a layer-scheme file from
+      `kvarn-jax tune`: a `.json` path or `os.PathLike`). The same forms work wherever a
+      kv_cache_dtype is taken (`add_request`, `generate`, `pool`, `memory_report`, ...).
     block_size: tokens per page (a multiple of the scheme's tile: 128 for *_g128).
     max_seqs: sequences served at once per pool (sizes each pool's high-precision sink/tail).
     max_model_len: prompt + generated tokens per sequence at most (default: the model's
@@ -143,24 +161,61 @@ class Engine:
         self.prefill_chunk, self.prefill_batch = prefill_chunk, prefill_batch
         self.calibration = calibration
         self._default = self._parse(kv_cache_dtype)
-        self.pools: dict[KVQuantConfig, CachePool] = {}
+        self.pools: dict = {}  # pool key (KVQuantConfig, or a tuple of one per layer) -> CachePool
         self.waiting: list[_Seq] = []
         self._next_id = 0
         self._finished: dict[int, Result] = {}
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ schemes and pools
-    def _parse(self, kv_cache_dtype) -> KVQuantConfig:
-        cfg = KVQuantConfig.parse(kv_cache_dtype)
-        cfg.check_head_dim(self.config.head_dim, "the model's head_dim")
-        cfg.check_block_size(self.block_size)
-        if cfg.static and self.calibration is None:
-            raise ValueError(f"kv_cache_dtype {cfg.name} needs static scales: create the Engine with calibration=")
-        return cfg
+    def _check(self, cfg: KVQuantConfig, where: str = "") -> None:
+        try:
+            cfg.check_head_dim(self.config.head_dim, "the model's head_dim")
+            cfg.check_block_size(self.block_size)
+            if cfg.static and self.calibration is None:
+                raise ValueError(f"kv_cache_dtype {cfg.name} needs static scales: create the Engine with calibration=")
+        except ValueError as e:
+            raise ValueError(f"{where}{e}") from None
+
+    def _parse(self, kv_cache_dtype):
+        """The pool key of a kv_cache_dtype: a `KVQuantConfig`, or a tuple of one per layer when the
+        layers' schemes differ. ValueError naming the file / layer for anything invalid."""
+        n = self.config.num_layers
+        if isinstance(kv_cache_dtype, os.PathLike) or (
+                isinstance(kv_cache_dtype, str) and kv_cache_dtype.lower().endswith(".json")):
+            from ..evaluation.layer_config import load_layer_config
+            where = f"layer config {os.fspath(kv_cache_dtype)!r}: "
+            try:
+                layers = load_layer_config(kv_cache_dtype, num_layers=n)
+            except FileNotFoundError:
+                raise ValueError(f"{where}no such file") from None
+        elif isinstance(kv_cache_dtype, (str, KVQuantConfig)):
+            cfg = KVQuantConfig.parse(kv_cache_dtype)
+            self._check(cfg)
+            return cfg
+        elif isinstance(kv_cache_dtype, Sequence) and not isinstance(kv_cache_dtype, (bytes, bytearray)):
+            layers, where = list(kv_cache_dtype), "kv_cache_dtype "
+            if len(layers) != n:
+                raise ValueError(f"kv_cache_dtype has {len(layers)} per-layer schemes but the model has "
+                                 f"num_layers={n}")
+        else:
+            raise TypeError("kv_cache_dtype must be a scheme string, a KVQuantConfig, a sequence of one scheme "
+                            f"per layer or the path of a layer-scheme file, got {type(kv_cache_dtype).__name__}")
+        cfgs = []
+        for i, s in enumerate(layers):
+            try:
+                cfg = KVQuantConfig.parse(s)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{where}layer {i}: {e}") from None
+            self._check(cfg, f"{where}layer {i}: ")
+            cfgs.append(cfg)
+        # one scheme everywhere is that scheme: the same pool (and tokens) as asking for it directly
+        return cfgs[0] if len(set(cfgs)) == 1 else tuple(cfgs)
 
     @property
-    def default_kv_cache_dtype(self) -> str:
-        return self._default.name
+    def default_kv_cache_dtype(self) -> "str | tuple":
+        """The default scheme's name (a tuple of per-layer names for per-layer schemes)."""
+        return scheme_name(self._default)
 
     @default_kv_cache_dtype.setter
     def default_kv_cache_dtype(self, value) -> None:
@@ -183,18 +238,31 @@ class Engine:
         if pool is None:
             return
         if pool.running or any(s.cfg == cfg for s in self.waiting):
-            raise ValueError(f"the {cfg.name} pool still has requests; release it when they have finished")
+            raise ValueError(f"the {scheme_name(cfg)} pool still has requests; release it when they have finished")
         del self.pools[cfg]
 
     def memory_report(self, kv_cache_dtype=None) -> dict:
-        """`kvarn_jax.memory_report` of a pool, summed over layers (creates the pool if needed)."""
-        layers = [layer_memory_report(c) for c in self.pool(kv_cache_dtype).layer_caches()]
+        """`kvarn_jax.memory_report` of a pool, summed over layers (creates the pool if needed).
+
+        With per-layer schemes, "scheme" summarizes them ("per-layer: 16 x a, 14 x b") and
+        "layer_schemes" lists them; every byte count is the sum of the layers' own.
+        """
+        pool = self.pool(kv_cache_dtype)
+        caches = pool.layer_caches()
+        layers = [layer_memory_report(c) for c in caches]
         out = dict(layers[0])
         for key in ("code_bytes", "metadata_bytes", "page_bytes", "sink_bytes", "tail_bytes", "static_bytes",
                     "total_bytes", "fp16_bytes"):
             out[key] = sum(r[key] for r in layers)
         out["layers"] = len(layers)
+        out["bytes_per_token_per_head"] = out["page_bytes"] / (len(layers) * out["tokens"] * caches[0].num_kv_heads)
         out["capacity_vs_fp16"] = out["fp16_bytes"] / out["total_bytes"]
+        out["layer_schemes"] = [c.name for c in pool.layer_schemes]
+        if not isinstance(pool.cfg, KVQuantConfig):
+            counts = {}
+            for c in pool.layer_schemes:
+                counts[c.name] = counts.get(c.name, 0) + 1
+            out["scheme"] = "per-layer: " + ", ".join(f"{n} x {name}" for name, n in counts.items())
         return out
 
     # ------------------------------------------------------------------ requests
@@ -251,7 +319,7 @@ class Engine:
         seq.blocks, seq.slot = [], -1
         pool.running.remove(seq)
         self._finished[seq.request_id] = Result(seq.request_id, tuple(seq.prompt), tuple(seq.output), reason,
-                                                seq.cfg.name)
+                                                scheme_name(seq.cfg))
 
     def _accept(self, pool: CachePool, seq: _Seq, token: int) -> None:
         seq.output.append(token)

@@ -8,6 +8,12 @@ function serves every group of layers (all layers have the same structure), so c
 with `layers_per_call`, not with depth; the price is one dispatch per group and step (negligible
 next to a CPU step; on a GPU, small batches gain from more layers per call).
 
+Per-layer schemes (a pool whose layers have different cache schemes): a group's layers run one after
+the other inside its compiled function (unrolled, not a `lax.scan`), so layers of different schemes
+can share a group. The cache schemes are part of the function's key, so each distinct sequence of
+schemes in a group compiles once: with `layers_per_call=1`, one function per scheme; with larger
+groups, one per distinct combination that occurs.
+
 Compiled functions are compiled ahead of time (so `stats` reports compile time apart from run
 time) and cached process-wide by the model's structure, `impl` and the argument shapes: engines
 over models of the same architecture (e.g. the same weights under several engines) share them.
@@ -24,6 +30,8 @@ import numpy as np
 from flax import nnx
 
 from ..attention.paged_decode import IMPLS
+from ..cache import PagedKVCache
+from ..config import KVQuantConfig
 from ..models.llama import Decoder, DecodeBatch, KVCache, PrefillBatch
 from .sampling import sample
 
@@ -91,9 +99,26 @@ class ModelRunner:
     # ------------------------------------------------------------------ caches
     def new_caches(self, kv_cache_dtype, *, num_blocks: int, block_size: int, max_seqs: int,
                    calibration=None) -> list:
-        """Fresh per-layer KVCache states of one scheme."""
-        caches = self._model.create_caches(kv_cache_dtype, num_blocks=num_blocks, block_size=block_size,
-                                           max_seqs=max_seqs, calibration=calibration)
+        """Fresh per-layer KVCache states: of one scheme, or of a per-layer sequence of schemes (one
+        entry per decoder layer; every layer gets the same num_blocks, block_size and max_seqs)."""
+        if isinstance(kv_cache_dtype, (str, KVQuantConfig)):
+            caches = self._model.create_caches(kv_cache_dtype, num_blocks=num_blocks, block_size=block_size,
+                                               max_seqs=max_seqs, calibration=calibration)
+        else:
+            schemes = [KVQuantConfig.parse(s) for s in kv_cache_dtype]
+            n = self.config.num_layers
+            if len(schemes) != n:
+                raise ValueError(f"kv_cache_dtype has {len(schemes)} per-layer schemes but the model has "
+                                 f"num_layers={n}")
+            # One layer at a time, with the arguments Decoder.create_caches passes for every layer.
+            caches = []
+            for i, cfg in enumerate(schemes):
+                if cfg.static and calibration is None:
+                    raise ValueError(f"kv_cache_dtype layer {i}: {cfg.name} needs a calibration (static scales)")
+                caches.append(PagedKVCache.create(
+                    cfg, num_blocks=num_blocks, block_size=block_size, num_kv_heads=self.config.num_kv_heads,
+                    head_dim=self.config.head_dim, max_seqs=max_seqs, dtype=self.dtype,
+                    calibration=None if calibration is None else calibration.layer(i)))
         self._model.attach_caches(caches)
         # tree_map rebuilds the Variables, so detaching the model's own ones below leaves these intact
         states = jax.tree.map(lambda a: a, [nnx.state(layer, KVCache) for layer in self._model.layers])
@@ -150,11 +175,16 @@ class ModelRunner:
         args = (self._embed, batch.tokens)
         x = self._executable("embed", self._embed_fn, args)(*args)
         k = self.layers_per_call
-        new, exe = [], None
+        new, exes = [], {}
         for i in range(0, len(self._layers), k):
-            args = (tuple(self._layers[i:i + k]), tuple(caches[i:i + k]), self._inv_freq, x, batch)
-            if exe is None or len(args[0]) != k:  # every full group has the same shapes: look up once
-                exe = self._executable(f"{kind}_layers", self._layers_fn(kind), args, donate=(1,))
+            group = tuple(caches[i:i + k])
+            args = (tuple(self._layers[i:i + k]), group, self._inv_freq, x, batch)
+            # Groups with the same cache structure (schemes are static in it) and shapes share one
+            # executable: look it up once per distinct group, not per group (the full key flattens the weights).
+            sig = (jax.tree.structure(group), tuple((a.shape, a.dtype) for a in jax.tree.leaves(group)))
+            exe = exes.get(sig)
+            if exe is None:
+                exe = exes[sig] = self._executable(f"{kind}_layers", self._layers_fn(kind), args, donate=(1,))
             x, c = exe(*args)
             new.extend(c)
         args = (self._embed, self._norm, self._head, x, last, samp)
