@@ -213,7 +213,8 @@ def main():
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--splits", default="", help="comma list of num_splits to try (default: heuristic only)")
-    p.add_argument("--variants", default="w4s2", help="comma list of kernel launch variants wWsS (num_warps W, num_stages S)")
+    p.add_argument("--variants", default="w4s2", help="comma list of kernel launch variants wWsS[a] (num_warps W, num_stages S; "
+                   "a suffix a: the PTX unpack, `_plane_asm`)")
     p.add_argument("--no-baselines", action="store_true")
     p.add_argument("--check", action="store_true")
     p.add_argument("--json", default="")
@@ -259,11 +260,12 @@ def main():
             sid = jnp.arange(batch, dtype=jnp.int32)
             for ns in splits:
                 for var in args.variants.split(","):
-                    w, st = (int(x) for x in var[1:].split("s"))
+                    unpack = "asm" if var.endswith("a") else "magic"
+                    w, st = (int(x) for x in var[1:].rstrip("a").split("s"))
                     # the kernel itself (q in the stored frame), as paged_decode_attention calls it
-                    fn = lambda q, c, t, l, ns=ns, w=w, st=st: pdp.paged_decode_pallas(
+                    fn = lambda q, c, t, l, ns=ns, w=w, st=st, u=unpack: pdp.paged_decode_pallas(
                         q, c, t, l, sid, scale=1.0 / np.sqrt(d), window=None, num_splits=ns, num_warps=w, num_stages=st,
-                        interpret=jax.default_backend() == "cpu")
+                        interpret=jax.default_backend() == "cpu", unpack=u)
                     t_dev = device_time(fn, (q, cache, tables, lens))
                     variants[f"{var}_splits{ns}"] = t_dev
                     if best is None or t_dev < best["device_s"]:

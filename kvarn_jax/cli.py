@@ -44,14 +44,17 @@ def _schemes_table(args) -> int:
     import kvarn_jax as kj
     from kvarn_jax.hadamard import rotate
 
-    d, tokens, heads = args.head_dim, args.tokens, 2
+    d, heads = args.head_dim, 2
+    # one token past the last full block: a sequence's last block (here a single token) is read in
+    # high precision, so every full block but the sink is served quantized
+    tokens = args.tokens + 1
     k, v, q = _synthetic_kv(tokens, heads, d)
     rows = []
     for name in [s for s in args.kv_cache_dtype.split(",") if s]:
         cfg = kj.parse(name)
         cfg.check_head_dim(d)
         bs = max(128, cfg.tile_tokens)
-        nb = tokens // bs
+        nb = -(-tokens // bs)
         cache = kj.PagedKVCache.create(cfg, num_blocks=nb, block_size=bs, num_kv_heads=heads, head_dim=d,
                                        max_seqs=1)
         cache = kj.write(cache, jnp.asarray(k), jnp.asarray(v), jnp.arange(tokens, dtype=jnp.int32),
@@ -61,8 +64,8 @@ def _schemes_table(args) -> int:
         kref = rotate(jnp.asarray(k), jnp.float32) if cfg.rotated else jnp.asarray(k, jnp.float32)
         vref = rotate(jnp.asarray(v), jnp.float32) if cfg.rotated else jnp.asarray(v, jnp.float32)
         err = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
-        ek = err(kd[0].transpose(1, 0, 2), kref)
-        ev = err(vd[0].transpose(1, 0, 2), vref)
+        ek = err(kd[0, :, :tokens].transpose(1, 0, 2), kref)
+        ev = err(vd[0, :, :tokens].transpose(1, 0, 2), vref)
         out = kj.paged_decode_attention_reference(jnp.asarray(q), cache, table, lens)
         exact = kj.paged_decode_attention_reference(jnp.asarray(q), _fp32_cache(kj, k, v, nb, bs, heads, d), table, lens)
         bpt = kj.bytes_per_token(cfg, d)
