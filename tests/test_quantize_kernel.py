@@ -1,7 +1,11 @@
-"""The Pallas quantize-on-write kernel against the jnp write path: identical pages (bit for bit).
+"""The Pallas quantize-on-write kernel against the jnp write path.
 
 Both run the same scheme math (`kvarn_jax.schemes`); on a GPU the kernel is compiled, here it is
 interpreted. Pages are poisoned first, so a field the kernel failed to write cannot match.
+Tolerance: everything bit for bit, except the pages of KVarN tiles, whose Sinkhorn sums are
+reduced in a shape-dependent order (one tile in the kernel, a batch of tiles in XLA): there, as in
+the golden tests, codes may flip at near-ties (<= 16 per 128 tokens of a tile) and the fp16 scales
+may differ in their last bits (<= 1e-3 relative).
 """
 
 import jax
@@ -10,6 +14,7 @@ import numpy as np
 import pytest
 
 import kvarn_jax as kj
+from kvarn_jax.packing import unpack
 from helpers import allocate_tables, random_kv, serve_writes
 
 INTERPRET = jax.default_backend() == "cpu"
@@ -38,7 +43,21 @@ def test_kernel_write_equals_reference_write(cfg, rng):
         write = lambda *a, impl=impl, **k: kj.write(*a, impl=impl, interpret=INTERPRET, **k)
         poisoned = _poisoned(cfg, np.random.default_rng(seed), **kw)
         caches.append(serve_writes(poisoned, tables, seqs, np.random.default_rng(seed), write=write))
-    for a, b in zip(jax.tree_util.tree_leaves(caches[0]), jax.tree_util.tree_leaves(caches[1])):
+    ref_pages, ker_pages = caches[0].pages, caches[1].pages
+    for side in ("k", "v"):
+        for name in ref_pages[side]:
+            a, b = np.asarray(ref_pages[side][name]), np.asarray(ker_pages[side][name])
+            if c.method != "kvarn":
+                np.testing.assert_array_equal(a, b, err_msg=f"{side}/{name}")
+            elif name == "codes":
+                ua = np.asarray(unpack(jnp.asarray(a), c.bits(side))).reshape(a.shape[:3] + (-1,))
+                ub = np.asarray(unpack(jnp.asarray(b), c.bits(side))).reshape(a.shape[:3] + (-1,))
+                assert (ua != ub).sum(-1).max() <= 16 * c.group // 128, f"{side} code flips per tile"
+            else:
+                np.testing.assert_allclose(b.astype(np.float32), a.astype(np.float32), rtol=1e-3,
+                                           atol=1e-6, err_msg=f"{side}/{name}")
+    for a, b in zip(jax.tree_util.tree_leaves((caches[0].sink, caches[0].tail, caches[0].dropped_tokens)),
+                    jax.tree_util.tree_leaves((caches[1].sink, caches[1].tail, caches[1].dropped_tokens))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # and the quantized pages really were written (they differ from the poison)
     full_block = int(tables[0, 1])

@@ -91,21 +91,34 @@ def _imbalance(col_std: torch.Tensor, row_std: torch.Tensor) -> torch.Tensor:
             + row_std.amax(-1) / row_std.amin(-1).clamp(min=1e-8))
 
 
+def _moments_std(t, t2, w, w2, scale, dim: int) -> torch.Tensor:
+    """`_std` over `dim` of t·w·scale, from t and t² (w: weight of the summed axis, broadcast against t;
+    scale: weight of the other axis). kvarn_jax's form: no per-element division, exp on vectors only."""
+    n = t.shape[dim]
+    m = (t * w).sum(dim) / n * scale
+    m2 = (t2 * w2).sum(dim) / n * (scale * scale)
+    return torch.sqrt(torch.clamp((m2 - m * m) * (n / (n - 1)), min=0.0))
+
+
 def sinkhorn_log_scales(t: torch.Tensor, iters: int):
     """Log-domain variance normalization of t [..., R, C]: (lc [..., C], lr [..., R]) of the iterate with
-    the lowest imbalance, the all-zero start included, ties (within TIE_RTOL) going to the later."""
+    the lowest imbalance, the all-zero start included, ties (within TIE_RTOL) going to the later. The
+    iterate t / exp(lc) / exp(lr) = t·a·b is never formed: its stds come from t and t² weighted by a, b."""
     lc = torch.zeros(t.shape[:-2] + t.shape[-1:], dtype=torch.float32, device=t.device)
     lr = torch.zeros(t.shape[:-1], dtype=torch.float32, device=t.device)
+    t2 = t * t
+    row_std = lambda a, b: _moments_std(t, t2, a[..., None, :], (a * a)[..., None, :], b, -1)  # noqa: E731
+    col_std = lambda a, b: _moments_std(t, t2, b[..., :, None], (b * b)[..., :, None], a, -2)  # noqa: E731
     # an iterate's column stds are also what the next column update starts from: computed once
     col = _std(t, -2)
     best_lc, best_lr, best_imb = lc, lr, _imbalance(col, _std(t, -1))
     for _ in range(iters):
         lc = torch.clamp(lc + torch.log(torch.clamp(col, 1e-3, 1e3)), -0.3, 10.0)
-        cur = t / torch.exp(lc)[..., None, :] / torch.exp(lr)[..., :, None]
-        lr = torch.clamp(lr + torch.log(torch.clamp(_std(cur, -1), 1e-3, 1e3)), -0.3, 10.0)
-        cur = t / torch.exp(lc)[..., None, :] / torch.exp(lr)[..., :, None]
-        col = _std(cur, -2)
-        imb = _imbalance(col, _std(cur, -1))
+        a = torch.exp(-lc)
+        lr = torch.clamp(lr + torch.log(torch.clamp(row_std(a, torch.exp(-lr)), 1e-3, 1e3)), -0.3, 10.0)
+        b = torch.exp(-lr)
+        col = col_std(a, b)
+        imb = _imbalance(col, row_std(a, b))
         better = imb <= best_imb * (1.0 + TIE_RTOL)
         best_lc = torch.where(better[..., None], lc, best_lc)
         best_lr = torch.where(better[..., None], lr, best_lr)
@@ -116,7 +129,7 @@ def sinkhorn_log_scales(t: torch.Tensor, iters: int):
 def _balanced_rtn(t: torch.Tensor, bits: int, iters: int):
     lc, lr = sinkhorn_log_scales(t, iters)
     s_col, s_row = torch.exp(lc), torch.exp(lr)
-    bal = t / s_col[..., None, :] / s_row[..., :, None]
+    bal = t * torch.exp(-lc)[..., None, :] * torch.exp(-lr)[..., :, None]
     mn, scale = rtn_params(bal, bits)
     codes = rtn_codes(bal, mn, scale, bits)
     return codes, (s_row * scale).half(), (s_row * mn).half(), s_col.half()

@@ -133,7 +133,7 @@ def _quantize_blocks(cache: PagedKVCache, side: str, blocks: jnp.ndarray, quanti
     """[M, Hk, block_size, D] storage-frame values -> page fields [M, Hk, tiles_per_block, ...].
 
     quantizer: "reference" (jnp, here) or "pallas" / "pallas_interpret" (`quantize_pallas.py`,
-    the same math inside a kernel; bit-identical).
+    the same math inside a kernel; bit-identical except KVarN near-ties, see `write`).
     """
     if quantizer != "reference":
         return quantize_blocks_pallas(blocks, cache.static[side] if cache.static else None, cfg=cache.cfg,
@@ -317,7 +317,9 @@ def write(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp
     interpreted when `interpret` is true, the default on CPU), "reference" (jnp, compiled by XLA) or
     "auto": the kernel on GPUs for the schemes where it beats XLA on the H200 (KVarN, KIVI, fp8:
     benchmarks/results/2026-11-29_quantize_warps_h200.md), the jnp path otherwise (int schemes,
-    CPU, TPU). Interpreted, the kernel's pages are bit-identical to the jnp path's.
+    CPU, TPU). Interpreted, the kernel's pages equal the jnp path's bit for bit, except that KVarN's
+    Sinkhorn sums reduce in a shape-dependent order, so a few codes may flip at near-ties (within
+    the golden-tile tolerance) and fp16 scales may differ in their last bits.
     """
     if impl not in WRITE_IMPLS:
         raise ValueError(f"impl must be one of {list(WRITE_IMPLS)}, got {impl!r}")
