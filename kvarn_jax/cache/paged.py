@@ -237,10 +237,15 @@ def _store_completed(cache: PagedKVCache, pages: dict, ctx, size: int, quantizer
     blk2m = jnp.full((nb,), size, jnp.int32).at[c_m].set(jnp.arange(size, dtype=jnp.int32), mode="drop")
     m_t = jnp.where(rest, blk2m[jnp.clip(blk, 0, nb - 1)], size)
     m_t = jnp.where(s_m[jnp.minimum(m_t, size - 1)] == seq, m_t, size)  # a block belongs to one sequence
+    # Which token of this write fills each (completion, offset), -1 where the ring holds it: an int32
+    # scatter, then row gathers (scattering whole K/V rows is much slower than gathering them on GPUs).
+    src = jnp.full((size + 1, bs), -1, jnp.int32).at[m_t, off].set(jnp.arange(n, dtype=jnp.int32))[:size]
+    from_write = (src >= 0)[..., None, None]
+    src = jnp.clip(src, 0, n - 1)
     out = {}
     for s in schemes.SIDES:
-        buf = cache.tail[s][s_m[:, None], :, ring_idx]        # [size, bs, Hk, D]
-        buf = buf.at[m_t, off].set(xs[s], mode="drop")
+        ring = cache.tail[s][s_m[:, None], :, ring_idx]       # [size, bs, Hk, D]
+        buf = jnp.where(from_write, xs[s][src], ring)
         fields = _quantize_blocks(cache, s, buf.transpose(0, 2, 1, 3), quantizer)
         out[s] = {name: pages[s][name].at[c_m].set(f.astype(pages[s][name].dtype), mode="drop")
                   for name, f in fields.items()}
