@@ -1,3 +1,4 @@
+import gc
 import os
 import pathlib
 import zlib
@@ -27,6 +28,16 @@ def _golden_path():
         if c.exists():
             return c
     raise FileNotFoundError(f"golden tiles not found in {cands}")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_code():
+    """Drop JAX's compiled executables after each test module. Interpret-mode kernels compile many
+    programs per shape; kept for the whole session they grew each xdist worker to ~9 GB here, and
+    two such workers fill a 24 GB CI machine."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -120,6 +120,19 @@ def _dot_t(a, b):
     return lax.dot_general(_f16(a), _f16(b), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+def _token_order(classes, rows: int):
+    """Key scores per token class (class j holds tokens j, j + kc, ... of a tile: bit plane j of the
+    packed key codes) -> one [rows, T] block in token order, by Triton's join (an interleave):
+    token i*kc + j is element i of class j. Joining the scores once lets the softmax and the value
+    products work on whole tiles (4 value products per tile for 2-bit values instead of 8) - 13-16%
+    faster on the H200 (benchmarks/results/2026-11-29_decode_join_h200.json)."""
+    def interleave(cs):  # [rows, n, 2, ..., 2]: index (i, bits of j) holds element i of class j
+        if len(cs) == 1:
+            return cs[0]
+        return jnp.stack([interleave(cs[0::2]), interleave(cs[1::2])], axis=-1)
+    return interleave(classes).reshape(rows, classes[0].shape[1] * len(classes))
+
+
 def _expand_groups(x, cg: int, d: int):
     """Per-group values [T, D/cg] -> per-channel [T, D]."""
     t, n = x.shape
@@ -138,7 +151,8 @@ class _Plan:
     """Static facts of one scheme's inner loop.
 
     kc: token classes of a tile - keys of tiled schemes are packed along tokens, so bit plane j of
-        the key codes holds tokens j, j + kc, ...; values' rows are split the same way.
+        the key codes holds tokens j, j + kc, ...; the scores are put back in token order once per
+        tile (`_token_order`), so values and softmax see whole tiles.
     pk: channel planes of per-token keys (packed along channels); the query is split to match.
     vp: channel planes of values (packed along channels); the accumulator and output are kept as
         vp planes [Gp, D / vp] and re-interleaved outside the kernel.
@@ -147,8 +161,8 @@ class _Plan:
     def __init__(self, cfg: KVQuantConfig, head_dim: int, tile_tokens: int, unpack: str = "magic"):
         self.cfg, self.d, self.t = cfg, head_dim, tile_tokens
         self.plane = _plane_asm if unpack == "asm" else _plane
-        tiled = cfg.method in ("kvarn", "kivi")
-        self.kc = 8 // cfg.k_bits if tiled else 1
+        self.tiled = cfg.method in ("kvarn", "kivi")
+        self.kc = 8 // cfg.k_bits if self.tiled else 1
         self.pk = 8 // cfg.k_bits if cfg.method == "int" else 1
         self.vp = 8 // cfg.v_bits if cfg.method in ("kvarn", "kivi", "int") else 1
 
@@ -159,8 +173,6 @@ class _Plan:
         if cfg.method in ("kvarn", "kivi"):
             if side == "k" and name == "scale_tok":                        # [G] -> [G/kc, kc]
                 return a.reshape(lead + (a.shape[3] // kc, kc))
-            if side == "v" and name in ("codes", "scale_tok", "zero_tok", "scale", "zero"):
-                return a.reshape(lead + (a.shape[3] // kc, kc) + a.shape[4:])
             if side == "v" and name == "scale_chan":                       # [D] -> [D/vp, vp]
                 return a.reshape(lead + (a.shape[3] // vp, vp))
             return a
@@ -226,36 +238,21 @@ class _Plan:
 
     # ---------------------------------------------------------------- values
     def values(self, ps, pages, st, blk, sub):
-        """Token-class probabilities [Gp, T/kc] -> list over channel planes of [Gp, D / vp]."""
-        cfg, kc, vp = self.cfg, self.kc, self.vp
+        """[probabilities [Gp, T]] of a tile in token order -> list over channel planes of [Gp, D / vp]."""
+        cfg, vp = self.cfg, self.vp
         f = pages["v"]
-        if cfg.method == "kvarn":
-            zp = 0.0
-            p16 = []
-            for j in range(kc):
-                zp = zp + jnp.sum(ps[j] * f["zero_tok"][blk, sub, :, j].astype(jnp.float32)[None, :], axis=1)
-                p16.append(_f16(ps[j] * f["scale_tok"][blk, sub, :, j].astype(jnp.float32)[None, :]))
-            codes = [f["codes"][blk, sub, :, j] for j in range(kc)]          # [G/kc, D*b/8] each
-            out = []
-            for n in range(vp):
-                o = zp[:, None]
-                for j in range(kc):
-                    o = o + _dot(p16[j], self.plane(codes[j], cfg.v_bits, n))
-                out.append(o * f["scale_chan"][blk, sub, :, n].astype(jnp.float32)[None, :])
-            return out
-        if cfg.method == "kivi":
-            cgp = cfg.channel_group("v", self.d) // vp
-            codes = [f["codes"][blk, sub, :, j] for j in range(kc)]
-            scs = [_expand_groups(f["scale"][blk, sub, :, j].astype(jnp.float32), cgp, self.d // vp) for j in range(kc)]
-            zrs = [_expand_groups(f["zero"][blk, sub, :, j].astype(jnp.float32), cgp, self.d // vp) for j in range(kc)]
-            out = []
-            for n in range(vp):
-                o = 0.0
-                for j in range(kc):
-                    o = o + _dot(ps[j], self.plane(codes[j], cfg.v_bits, n).astype(jnp.float32) * scs[j] + zrs[j])
-                out.append(o)
-            return out
         p = ps[0]
+        if self.tiled:  # probabilities of a whole tile in token order (see `_token_order`)
+            codes = f["codes"][blk, sub]                                    # [G, D*b/8]
+            if cfg.method == "kvarn":
+                zp = jnp.sum(p * f["zero_tok"][blk, sub].astype(jnp.float32)[None, :], axis=1)
+                p16 = _f16(p * f["scale_tok"][blk, sub].astype(jnp.float32)[None, :])
+                return [(_dot(p16, self.plane(codes, cfg.v_bits, n)) + zp[:, None])
+                        * f["scale_chan"][blk, sub, :, n].astype(jnp.float32)[None, :] for n in range(vp)]
+            cgp = cfg.channel_group("v", self.d) // vp
+            sc = _expand_groups(f["scale"][blk, sub].astype(jnp.float32), cgp, self.d // vp)
+            zr = _expand_groups(f["zero"][blk, sub].astype(jnp.float32), cgp, self.d // vp)
+            return [_dot(p, self.plane(codes, cfg.v_bits, n).astype(jnp.float32) * sc + zr) for n in range(vp)]
         if cfg.method == "int":
             codes = f["codes"][blk, sub]
             if cfg.static:
@@ -281,7 +278,7 @@ class _Plan:
 # ----------------------------------------------------------------------------- the kernel
 def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tiles_per_block,
             num_splits, sm_scale, window):
-    d, kc, vp, t_tok = plan.d, plan.kc, plan.vp, plan.t
+    d, vp, t_tok = plan.d, plan.vp, plan.t
     it = iter(refs)
     q_ref = next(it)
     qp_ref = next(it) if plan.pk > 1 else None
@@ -329,13 +326,14 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     chunk = pl.cdiv(n_tiles, num_splits)
     lo = t_begin + split * chunk
     hi = jnp.minimum(lo + chunk, t_end)
-    cls = jnp.arange(t_tok // kc, dtype=jnp.int32)
+
+    tok = jnp.arange(t_tok, dtype=jnp.int32)
 
     def tile_body(t, carry):
         blk = bt_ref[b, t // tpb]
         sub = t % tpb
-        ss = plan.scores(q, q_planes, pages, st, blk, sub)
-        poss = [t * t_tok + kc * cls + j for j in range(kc)]
+        ss = [_token_order(plan.scores(q, q_planes, pages, st, blk, sub), gp)]
+        poss = [t * t_tok + tok]
         return update(carry, ss, poss, lambda ps: plan.values(ps, pages, st, blk, sub))
 
     carry = (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32),
