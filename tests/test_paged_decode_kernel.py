@@ -48,17 +48,18 @@ SCHEMES = ["kvarn_k4v2_g32", "kvarn_k2v4_g64", "kvarn_k8v8_g32", "kivi_k2v2_g32"
            "int8_g16", "int_k8v2", "int2_g32", "fp8", "fp16", "bf16"]
 
 
-@settings(max_examples=10)
-@given(cfg=st.sampled_from(SCHEMES), dim=st.sampled_from([64, 128]), heads=st.sampled_from([1, 2]),
-       ratio=st.sampled_from([1, 4, 7, 8]), block_mult=st.sampled_from([1, 2]),
+@pytest.mark.parametrize("kernel", ["gpu", "tpu"])
+@settings(max_examples=8)
+@given(cfg=st.sampled_from(SCHEMES + ["kivi_k2v2_g128", "int4_g32"]), dim=st.sampled_from([64, 128]),
+       heads=st.sampled_from([1, 2]), ratio=st.sampled_from([1, 4, 7, 8]), block_mult=st.sampled_from([1, 2]),
        lens=st.lists(st.integers(1, 140), min_size=1, max_size=3),
        window=st.sampled_from([None, None, 37]), seed=st.integers(0, 2 ** 16))
-def test_kernel_matches_reference(cfg, dim, heads, ratio, block_mult, lens, window, seed):
+def test_kernel_matches_reference(kernel, cfg, dim, heads, ratio, block_mult, lens, window, seed):
     rng = np.random.default_rng(seed)
     bs = max(kj.parse(cfg).tile_tokens, 16) * block_mult
     cache, bt, sl, _ = build(cfg, lens, heads, dim, bs, rng)
     q = jnp.asarray(rng.standard_normal((len(lens), heads * ratio, dim)), jnp.float32)
-    compare(q, cache, bt, sl, window=window)
+    compare(q, cache, bt, sl, kernel=kernel, window=window)
 
 
 @pytest.mark.parametrize("cfg", ["kvarn_k4v2_g128", "kvarn_k4v4_g64", "int8", "fp8"])
@@ -126,22 +127,6 @@ def test_pallas_refuses_what_it_cannot_run(rng):
 
 
 # ----------------------------------------------------------------------------- the TPU kernel
-TPU_SCHEMES = SCHEMES + ["kivi_k2v2_g128", "int4_g32"]
-
-
-@settings(max_examples=6)
-@given(cfg=st.sampled_from(TPU_SCHEMES), dim=st.sampled_from([64, 128]), heads=st.sampled_from([1, 2]),
-       ratio=st.sampled_from([1, 4, 7, 8]), block_mult=st.sampled_from([1, 2]),
-       lens=st.lists(st.integers(1, 140), min_size=1, max_size=3),
-       window=st.sampled_from([None, None, 37]), seed=st.integers(0, 2 ** 16))
-def test_tpu_kernel_matches_reference(cfg, dim, heads, ratio, block_mult, lens, window, seed):
-    rng = np.random.default_rng(seed)
-    bs = max(kj.parse(cfg).tile_tokens, 16) * block_mult
-    cache, bt, sl, _ = build(cfg, lens, heads, dim, bs, rng)
-    q = jnp.asarray(rng.standard_normal((len(lens), heads * ratio, dim)), jnp.float32)
-    compare(q, cache, bt, sl, kernel="tpu", window=window)
-
-
 @pytest.mark.parametrize("cfg", ["kvarn_k4v2_g128", "int8"])
 def test_tpu_head_dim_256_gqa_7_block_ends(cfg, rng):
     # lengths: mid-block, shorter than a block, exactly full (the query's own full block is read from

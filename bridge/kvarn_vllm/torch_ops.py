@@ -36,7 +36,8 @@ import torch
 
 import kvarn_jax
 from kvarn_jax import schemes
-from kvarn_jax.cache.paged import completed_block_bound
+from kvarn_jax.cache.paged import (auto_quantizer, completed_block_bound, completed_blocks, completion_sizes,
+                                   write_plan)
 from kvarn_jax.hadamard import rotate, unrotate
 
 from .layout import PageLayout, allocate_hp, carve, to_jax
@@ -165,78 +166,36 @@ def _pad_rows(t: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     return out
 
 
-def _storage(cache, x):
-    """New K or V in the storage frame (rotated for KVarN), in the cache's dtype."""
-    return rotate(x, cache.dtype) if cache.cfg.rotated else x.astype(cache.dtype)
-
-
-def _quantize_blocks(cache, side: str, blocks):
-    """[M, Hk, block_size, D] storage-frame values -> page fields [M, Hk, tiles_per_block, ...]."""
-    g = cache.cfg.tile_tokens
-    m, h, b, d = blocks.shape
-    tiles = blocks if g == 1 else blocks.reshape(m, h, b // g, g, d)
-    st = schemes.expand_static(cache.cfg, cache.static[side], 1) if cache.static else None
-    return schemes.quantize_side(tiles, cache.cfg, side, st)
-
-
-@functools.partial(jax.jit, static_argnames=("max_complete",))
-def write_delta(cache, k, v, slot_mapping, seq_ids, positions, max_complete: int | None = None) -> dict:
+@functools.partial(jax.jit, static_argnames=("max_complete", "quantizer"))
+def write_delta(cache, k, v, slot_mapping, seq_ids, positions, max_complete: int | None = None,
+                quantizer: str = "reference") -> dict:
     """What `kvarn_jax.write(cache, k, v, ...)` would change, as {leaf key: (idx0, idx2, values)}.
 
     The leaf's rows `leaf[idx0, :, idx2] = values` (idx2 None: `leaf[idx0] = values`) with idx0 == -1
-    skipped reproduce the library's write exactly (tested bit for bit against it). The cache is only
-    read. Same semantics as `kvarn_jax.write`: sink block to the sink, other tokens to the tail ring,
-    blocks whose last slot is written are quantized from the ring plus this write's tokens.
-    max_complete: a static bound on the blocks this write completes (default: the library's bound
-    from the token count); 0 skips quantization, which most decode steps need.
+    skipped reproduce the library's write exactly (tested bit for bit against it): the routing and
+    the completed blocks come from the library's own `write_plan` / `completed_blocks`. The cache is
+    only read. max_complete: a static bound on the blocks this write completes (default: the
+    library's bound from the token count); 0 skips quantization, which most decode steps need.
+    quantizer: as in the library (`kvarn_jax.cache.paged.auto_quantizer`).
     """
-    n = k.shape[0]
-    nb, bs = cache.num_blocks, cache.block_size
-    slot = slot_mapping.astype(jnp.int32)
-    blk, off = slot // bs, slot % bs
-    in_range = (slot >= 0) & (slot < nb * bs)
-    xs = {"k": _storage(cache, k), "v": _storage(cache, v)}
+    p = write_plan(cache, k, v, slot_mapping, seq_ids, positions)
     out = {}
     if cache.cfg.is_passthrough:
         for s in schemes.SIDES:
-            out[f"pages.{s}.values"] = (jnp.where(in_range, blk, -1), off, xs[s])
+            out[f"pages.{s}.values"] = (jnp.where(p.in_range, p.blk, -1), p.off, p.xs[s])
         return out
-
-    ns, r = cache.max_seqs, cache.tail_len
-    seq = seq_ids.astype(jnp.int32)
-    pos = positions.astype(jnp.int32)
-    valid = in_range & (seq >= 0) & (seq < ns) & (pos >= 0) & (pos % bs == off)
-    is_sink = valid & (pos < bs)
-    rest = valid & (pos >= bs)
-    seq_c = jnp.clip(seq, 0, ns - 1)
-    # the ring keeps the last r positions of each sequence this write touches
-    maxpos = jnp.full((ns,), -1, jnp.int32).at[jnp.where(rest, seq, ns)].max(pos, mode="drop")
-    in_ring = rest & (pos > maxpos[seq_c] - r)
     for s in schemes.SIDES:
-        out[f"sink.{s}"] = (jnp.where(is_sink, seq, -1), off, xs[s])
-        out[f"tail.{s}"] = (jnp.where(in_ring, seq, -1), pos % r, xs[s])
-
-    # blocks completed by this write: ring (earlier writes) overlaid with this write's tokens
-    completes = rest & (off == bs - 1)
+        out[f"sink.{s}"] = (jnp.where(p.is_sink, p.seq, -1), p.off, p.xs[s])
+        out[f"tail.{s}"] = (jnp.where(p.in_ring, p.seq, -1), p.pos % cache.tail_len, p.xs[s])
+    n = k.shape[0]
     m = completed_block_bound(cache, n) if max_complete is None else min(max_complete, n)
     if m == 0:
         return out
-    (ti,) = jnp.nonzero(completes, size=m, fill_value=n)
-    ok = ti < n
-    tc = jnp.minimum(ti, n - 1)
-    c_m = jnp.where(ok, blk[tc], nb)
-    s_m = seq_c[tc]
-    start = (pos[tc] // bs) * bs
-    ring_idx = (start[:, None] + jnp.arange(bs)[None, :]) % r
-    blk2m = jnp.full((nb,), m, jnp.int32).at[c_m].set(jnp.arange(m, dtype=jnp.int32), mode="drop")
-    m_t = jnp.where(rest, blk2m[jnp.clip(blk, 0, nb - 1)], m)
-    m_t = jnp.where(s_m[jnp.minimum(m_t, m - 1)] == seq, m_t, m)
+    c_m, fields = completed_blocks(cache, p, m, quantizer)
+    blocks = jnp.where(c_m < cache.num_blocks, c_m, -1)
     for s in schemes.SIDES:
-        buf = cache.tail[s][s_m[:, None], :, ring_idx]          # [m, bs, Hk, D]
-        buf = buf.at[m_t, off].set(xs[s], mode="drop")
-        fields = _quantize_blocks(cache, s, buf.transpose(0, 2, 1, 3))
-        for name, f in fields.items():
-            out[f"pages.{s}.{name}"] = (jnp.where(ok, c_m, -1), None, f.astype(cache.pages[s][name].dtype))
+        for name, f in fields[s].items():
+            out[f"pages.{s}.{name}"] = (blocks, None, f.astype(cache.pages[s][name].dtype))
     return out
 
 
@@ -319,9 +278,13 @@ def write(bound: BoundCache, key: torch.Tensor, value: torch.Tensor, slot_mappin
         completing = int(((slot_mapping != -1) & (positions >= bs) & (positions % bs == bs - 1)).sum())
     if bound.layout.cfg.is_passthrough or completing is None:
         bound_m = None  # passthrough quantizes nothing: one compiled shape
-    else:
-        bound_m = 0 if completing == 0 else _bucket(completing, 1)
-    delta = write_delta(bound.cache, k, v, sm, sid, pos, max_complete=bound_m)
+    elif completing == 0:
+        bound_m = 0
+    else:  # the library's sizes, so that pages match `kvarn_jax.write` bit for bit
+        sizes = completion_sizes(bound.cache, nb)
+        bound_m = next((m for m in sizes if m >= completing), sizes[-1])
+    delta = write_delta(bound.cache, k, v, sm, sid, pos, max_complete=bound_m,
+                        quantizer=auto_quantizer(bound.cache))
     delta = jax.block_until_ready(delta)
     blocks = _apply_delta(bound.views, delta)
     _count(write_calls=1, write_tokens=n, blocks_quantized=blocks, write_s=time.perf_counter() - t0)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence, Union
+from typing import NamedTuple, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -155,6 +155,61 @@ def completed_block_bound(cache: PagedKVCache, num_tokens: int) -> int:
     return max(1, min(num_tokens, num_tokens // cache.block_size + cache.max_seqs * cache.tail_blocks))
 
 
+class WritePlan(NamedTuple):
+    """Where each token of one write goes (`write_plan`); shared by `write_reference` and the vLLM
+    bridge, which stores the same rows into torch buffers. Per token: `xs` the K/V rows in the storage
+    frame, block `blk` and offset `off` of its slot; for quantized schemes the clipped sequence id
+    `seq_c`, and masks: to the sink, to the tail ring, and `completes` (fills a block's last slot)."""
+    xs: dict
+    blk: jnp.ndarray
+    off: jnp.ndarray
+    in_range: jnp.ndarray
+    dropped: jnp.ndarray
+    seq: jnp.ndarray | None = None
+    seq_c: jnp.ndarray | None = None
+    pos: jnp.ndarray | None = None
+    is_sink: jnp.ndarray | None = None
+    rest: jnp.ndarray | None = None
+    in_ring: jnp.ndarray | None = None
+    completes: jnp.ndarray | None = None
+
+
+def write_plan(cache: PagedKVCache, k, v, slot_mapping, seq_ids, positions) -> WritePlan:
+    """The routing of a write (no checks; invalid tokens are masked out and counted in `dropped`)."""
+    nb, bs = cache.num_blocks, cache.block_size
+    slot = slot_mapping.astype(jnp.int32)
+    blk, off = slot // bs, slot % bs
+    in_range = (slot >= 0) & (slot < nb * bs)
+    xs = {"k": _storage_frame(cache, k), "v": _storage_frame(cache, v)}
+    if cache.cfg.is_passthrough:
+        return WritePlan(xs, blk, off, in_range, jnp.sum(~in_range & (slot != -1), dtype=jnp.int32))
+    ns, r = cache.max_seqs, cache.tail_len
+    seq = seq_ids.astype(jnp.int32)
+    pos = positions.astype(jnp.int32)
+    valid = in_range & (seq >= 0) & (seq < ns) & (pos >= 0) & (pos % bs == off)
+    rest = valid & (pos >= bs)
+    # Ring: the last `r` positions each sequence writes (a longer write would collide in the ring;
+    # its earlier tokens are only needed by blocks this write completes, which read them directly).
+    seq_c = jnp.clip(seq, 0, ns - 1)
+    maxpos = jnp.full((ns,), -1, jnp.int32).at[jnp.where(rest, seq, ns)].max(pos, mode="drop")
+    return WritePlan(xs, blk, off, in_range, jnp.sum(~valid & (slot != -1), dtype=jnp.int32), seq=seq,
+                     seq_c=seq_c, pos=pos, is_sink=valid & (pos < bs), rest=rest,
+                     in_ring=rest & (pos > maxpos[seq_c] - r), completes=rest & (off == bs - 1))
+
+
+def completion_sizes(cache: PagedKVCache, num_tokens: int) -> list[int]:
+    """The static numbers of completed blocks a write of `num_tokens` quantizes in; the smallest that
+    holds its completions is used: 2 (decode steps), then 8, 32, 128, ... up to the bound, so a
+    prefill quantizes at most ~4x the blocks it completes rather than the bound (which counts every
+    sequence's ring). The vLLM bridge picks from the same sizes, so its pages equal `write`'s."""
+    m = completed_block_bound(cache, num_tokens)
+    sizes, size = {m}, 2
+    while size < m:
+        sizes.add(size)
+        size *= 4
+    return sorted(sizes)
+
+
 @functools.partial(jax.jit, static_argnames=("quantizer",))
 def write_reference(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp.ndarray,
                     seq_ids: jnp.ndarray | None, positions: jnp.ndarray | None,
@@ -165,52 +220,35 @@ def write_reference(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_ma
     """
     n = k.shape[0]
     nb, bs = cache.num_blocks, cache.block_size
-    slot = slot_mapping.astype(jnp.int32)
-    blk, off = slot // bs, slot % bs
-    in_range = (slot >= 0) & (slot < nb * bs)
-    xs = {"k": _storage_frame(cache, k), "v": _storage_frame(cache, v)}
-
+    p = write_plan(cache, k, v, slot_mapping, seq_ids, positions)
     if cache.cfg.is_passthrough:
-        dropped = jnp.sum(~in_range & (slot != -1), dtype=jnp.int32)
-        b_idx = jnp.where(in_range, blk, nb)  # out of bounds -> dropped
-        pages = {s: {"values": cache.pages[s]["values"].at[b_idx, :, off].set(xs[s], mode="drop")}
+        b_idx = jnp.where(p.in_range, p.blk, nb)  # out of bounds -> dropped
+        pages = {s: {"values": cache.pages[s]["values"].at[b_idx, :, p.off].set(p.xs[s], mode="drop")}
                  for s in schemes.SIDES}
-        return dataclasses.replace(cache, pages=pages, dropped_tokens=cache.dropped_tokens + dropped)
+        return dataclasses.replace(cache, pages=pages, dropped_tokens=cache.dropped_tokens + p.dropped)
 
     ns, r = cache.max_seqs, cache.tail_len
-    seq = seq_ids.astype(jnp.int32)
-    pos = positions.astype(jnp.int32)
-    valid = in_range & (seq >= 0) & (seq < ns) & (pos >= 0) & (pos % bs == off)
-    dropped = jnp.sum(~valid & (slot != -1), dtype=jnp.int32)
-    is_sink = valid & (pos < bs)
-    rest = valid & (pos >= bs)
+    s_idx = jnp.where(p.is_sink, p.seq, ns)  # the sink block: its own high-precision page per sequence
+    sink = {s: cache.sink[s].at[s_idx, :, p.off].set(p.xs[s], mode="drop") for s in schemes.SIDES}
+    r_idx = jnp.where(p.in_ring, p.seq, ns)
+    tail = {s: cache.tail[s].at[r_idx, :, p.pos % r].set(p.xs[s], mode="drop") for s in schemes.SIDES}
 
-    # Sink block: its own high-precision page per sequence.
-    s_idx = jnp.where(is_sink, seq, ns)
-    sink = {s: cache.sink[s].at[s_idx, :, off].set(xs[s], mode="drop") for s in schemes.SIDES}
-
-    # Ring: the last `r` positions each sequence writes (a longer write would collide in the ring;
-    # its earlier tokens are only needed by blocks this write completes, which read them directly).
-    seq_c = jnp.clip(seq, 0, ns - 1)
-    maxpos = jnp.full((ns,), -1, jnp.int32).at[jnp.where(rest, seq, ns)].max(pos, mode="drop")
-    in_ring = rest & (pos > maxpos[seq_c] - r)
-    r_idx = jnp.where(in_ring, seq, ns)
-    tail = {s: cache.tail[s].at[r_idx, :, pos % r].set(xs[s], mode="drop") for s in schemes.SIDES}
-
-    # Blocks whose last slot this write fills: assemble them from the ring (tokens of earlier
-    # writes) overlaid with this write's tokens, quantize, store in their pages. Shapes are static,
-    # so the work is sized for a bound on completions; most decode steps complete no block and
-    # few complete more than a couple, so the quantization runs in the smallest of a few sizes
-    # that holds this call's completions (none at all when nothing completes).
-    completes = rest & (off == bs - 1)
-    m = completed_block_bound(cache, n)
-    count = jnp.sum(completes, dtype=jnp.int32)
+    # Blocks whose last slot this write fills: assembled from the ring and this write's tokens,
+    # quantized, stored in their pages. Shapes are static, so the work is sized for a bound on
+    # completions; most decode steps complete no block and few complete more than a couple, so the
+    # quantization runs in the smallest of a few sizes that holds this call's completions (none at
+    # all when nothing completes).
+    sizes = completion_sizes(cache, n)
+    m = sizes[-1]
+    count = jnp.sum(p.completes, dtype=jnp.int32)
     overflow = jnp.maximum(count - m, 0)
-    sizes = sorted({min(2, m), m})
-    ctx = (xs, blk, off, seq, seq_c, pos, rest, completes)
 
     def store(size):
-        return lambda pages: _store_completed(cache, pages, ctx, size, quantizer)
+        def branch(pages):
+            c_m, fields = completed_blocks(cache, p, size, quantizer)
+            return {s: {name: pages[s][name].at[c_m].set(f.astype(pages[s][name].dtype), mode="drop")
+                        for name, f in fields[s].items()} for s in schemes.SIDES}
+        return branch
 
     branches = [lambda pages: pages] + [store(size) for size in sizes]
     which = jnp.int32(0)
@@ -219,37 +257,36 @@ def write_reference(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_ma
     which = jnp.where(count == 0, 0, jnp.where(count > m, len(sizes), which))
     pages = jax.lax.switch(which, branches, cache.pages)
     return dataclasses.replace(cache, pages=pages, sink=sink, tail=tail,
-                               dropped_tokens=cache.dropped_tokens + dropped + overflow * bs)
+                               dropped_tokens=cache.dropped_tokens + p.dropped + overflow * bs)
 
 
-def _store_completed(cache: PagedKVCache, pages: dict, ctx, size: int, quantizer: str) -> dict:
-    """Quantize up to `size` blocks this write completes (from the ring + the write's tokens) into `pages`."""
-    xs, blk, off, seq, seq_c, pos, rest, completes = ctx
-    n = blk.shape[0]
+def completed_blocks(cache: PagedKVCache, p: WritePlan, size: int, quantizer: str = "reference"):
+    """Up to `size` blocks a write completes, quantized: (physical block ids [size], num_blocks where
+    a slot is unused; {side: {field: [size, Hk, tiles_per_block, ...]}}). Each block is assembled from
+    the sequence's ring (tokens of earlier writes) overlaid with this write's tokens."""
+    n = p.blk.shape[0]
     nb, bs, r = cache.num_blocks, cache.block_size, cache.tail_len
-    (ti,) = jnp.nonzero(completes, size=size, fill_value=n)
+    (ti,) = jnp.nonzero(p.completes, size=size, fill_value=n)
     ok = ti < n
     tc = jnp.minimum(ti, n - 1)
-    c_m = jnp.where(ok, blk[tc], nb)                        # physical block of each completion
-    s_m = seq_c[tc]
-    start = (pos[tc] // bs) * bs                            # first position of the block
+    c_m = jnp.where(ok, p.blk[tc], nb)                      # physical block of each completion
+    s_m = p.seq_c[tc]
+    start = (p.pos[tc] // bs) * bs                          # first position of the block
     ring_idx = (start[:, None] + jnp.arange(bs)[None, :]) % r  # [size, bs]
     blk2m = jnp.full((nb,), size, jnp.int32).at[c_m].set(jnp.arange(size, dtype=jnp.int32), mode="drop")
-    m_t = jnp.where(rest, blk2m[jnp.clip(blk, 0, nb - 1)], size)
-    m_t = jnp.where(s_m[jnp.minimum(m_t, size - 1)] == seq, m_t, size)  # a block belongs to one sequence
+    m_t = jnp.where(p.rest, blk2m[jnp.clip(p.blk, 0, nb - 1)], size)
+    m_t = jnp.where(s_m[jnp.minimum(m_t, size - 1)] == p.seq, m_t, size)  # a block belongs to one sequence
     # Which token of this write fills each (completion, offset), -1 where the ring holds it: an int32
     # scatter, then row gathers (scattering whole K/V rows is much slower than gathering them on GPUs).
-    src = jnp.full((size + 1, bs), -1, jnp.int32).at[m_t, off].set(jnp.arange(n, dtype=jnp.int32))[:size]
+    src = jnp.full((size + 1, bs), -1, jnp.int32).at[m_t, p.off].set(jnp.arange(n, dtype=jnp.int32))[:size]
     from_write = (src >= 0)[..., None, None]
     src = jnp.clip(src, 0, n - 1)
-    out = {}
+    fields = {}
     for s in schemes.SIDES:
         ring = cache.tail[s][s_m[:, None], :, ring_idx]       # [size, bs, Hk, D]
-        buf = jnp.where(from_write, xs[s][src], ring)
-        fields = _quantize_blocks(cache, s, buf.transpose(0, 2, 1, 3), quantizer)
-        out[s] = {name: pages[s][name].at[c_m].set(f.astype(pages[s][name].dtype), mode="drop")
-                  for name, f in fields.items()}
-    return out
+        buf = jnp.where(from_write, p.xs[s][src], ring)
+        fields[s] = _quantize_blocks(cache, s, buf.transpose(0, 2, 1, 3), quantizer)
+    return c_m, fields
 
 
 def _check_write_args(cache, k, v, slot_mapping, seq_ids, positions):
@@ -299,6 +336,15 @@ def _check_write_args(cache, k, v, slot_mapping, seq_ids, positions):
 WRITE_IMPLS = ("auto", "pallas", "reference")
 
 
+def auto_quantizer(cache: PagedKVCache) -> str:
+    """The quantizer `write(impl="auto")` uses: the Pallas kernel on GPUs for KVarN, KIVI and fp8
+    (faster than XLA there), the jnp path otherwise."""
+    if jax.default_backend() == "gpu" and cache.cfg.method in ("kvarn", "kivi", "fp8") \
+            and not pallas_quantize_supports(cache.cfg, cache.block_size, cache.head_dim):
+        return "pallas"
+    return "reference"
+
+
 def write(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp.ndarray, *,
           seq_ids: jnp.ndarray | None = None, positions: jnp.ndarray | None = None, impl: str = "auto",
           interpret: bool | None = None) -> PagedKVCache:
@@ -329,10 +375,7 @@ def write(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp
     if impl not in WRITE_IMPLS:
         raise ValueError(f"impl must be one of {list(WRITE_IMPLS)}, got {impl!r}")
     _check_write_args(cache, k, v, slot_mapping, seq_ids, positions)
-    quantizer = "reference"
-    if impl == "auto" and jax.default_backend() == "gpu" and cache.cfg.method in ("kvarn", "kivi", "fp8") \
-            and not pallas_quantize_supports(cache.cfg, cache.block_size, cache.head_dim):
-        quantizer = "pallas"
+    quantizer = auto_quantizer(cache) if impl == "auto" else "reference"
     if impl == "pallas":
         why = pallas_quantize_supports(cache.cfg, cache.block_size, cache.head_dim)
         if why:

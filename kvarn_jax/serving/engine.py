@@ -370,13 +370,7 @@ class Engine:
             seq_ids[i], start[i], last[i] = s.slot, s.computed, t - 1
         rows = todo + [None] * (p - len(todo))
         batch = PrefillBatch(tokens, positions, slots, seq_ids, self._table(rows), start, last)
-        samp = self._sampling(rows)
-        t0, c0 = time.perf_counter(), self.runner.stats.compile_s
-        next_tok, _, pool.caches = self.runner.prefill(pool.caches, batch, samp)
-        next_tok = np.asarray(next_tok)
-        self.stats.prefill_s += time.perf_counter() - t0 - (self.runner.stats.compile_s - c0)
-        self.stats.prefill_tokens += sum(takes)
-        self.stats.prefill_calls += 1
+        next_tok = self._run("prefill", pool, batch, rows, sum(takes))
         for i, (s, t) in enumerate(zip(todo, takes)):
             s.computed += t
             if s.computed == len(s.prompt):
@@ -392,16 +386,22 @@ class Engine:
             slots[i] = self._slots(s, np.array([pos]))[0]
         rows = todo + [None] * (b - len(todo))
         batch = DecodeBatch(tokens, positions, slots, seq_ids, self._table(rows))
-        samp = self._sampling(rows)
-        t0, c0 = time.perf_counter(), self.runner.stats.compile_s
-        next_tok, _, pool.caches = self.runner.decode(pool.caches, batch, samp)
-        next_tok = np.asarray(next_tok)
-        self.stats.decode_s += time.perf_counter() - t0 - (self.runner.stats.compile_s - c0)
-        self.stats.decode_tokens += len(todo)
-        self.stats.decode_calls += 1
+        next_tok = self._run("decode", pool, batch, rows, len(todo))
         for i, s in enumerate(todo):
             s.computed += 1
             self._accept(pool, s, int(next_tok[i]))
+
+    def _run(self, kind: str, pool: CachePool, batch, rows: list, tokens: int) -> np.ndarray:
+        """One compiled prefill or decode call on `pool`; its time (less compilation) goes to the stats."""
+        samp = self._sampling(rows)
+        t0, c0 = time.perf_counter(), self.runner.stats.compile_s
+        next_tok, _, pool.caches = getattr(self.runner, kind)(pool.caches, batch, samp)
+        next_tok = np.asarray(next_tok)
+        st, run_s = self.stats, time.perf_counter() - t0 - (self.runner.stats.compile_s - c0)
+        setattr(st, f"{kind}_s", getattr(st, f"{kind}_s") + run_s)
+        setattr(st, f"{kind}_tokens", getattr(st, f"{kind}_tokens") + tokens)
+        setattr(st, f"{kind}_calls", getattr(st, f"{kind}_calls") + 1)
+        return next_tok
 
     # ------------------------------------------------------------------ driving
     def step(self) -> list[Result]:
