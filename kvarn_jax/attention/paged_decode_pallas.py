@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from ..config import KVQuantConfig
 from ..validation import is_power_of_two as _pow2
 
+EXP = {}
 NEG = -1e30          # masked logit; every processed chunk holds at least one valid position
 HP_CHUNK = 64        # tokens per step through the high-precision sink/tail
 TOKEN_CHUNK = 64     # tokens per step through the pages of per-token schemes
@@ -98,6 +99,48 @@ def _plane_asm(c, bits: int, j: int):
     return out
 
 
+def _magic(bits: int, j: int) -> int:
+    """fp16 bit pattern of 2^(10 - j*bits): OR-ing plane j's bits *in place* (no shift) into it gives
+    exactly 2^(10 - j*bits) + c, because those bits then sit in the mantissa where one unit is 1."""
+    return (25 - j * bits) << 10
+
+
+def _planes_biased(c, bits: int):
+    """All bit planes of packed codes as fp16 `magic_j + code` (see `_magic`), jnp version."""
+    out = []
+    for j in range(8 // bits):
+        mask = ((1 << bits) - 1) << (j * bits)
+        v = jnp.bitwise_or(jnp.bitwise_and(c, jnp.uint8(mask)).astype(jnp.uint16), jnp.uint16(_magic(bits, j)))
+        v = lax.bitcast_convert_type(v, jnp.float16)
+        if EXP.get("u2sub"):
+            v = v - jnp.float16(2.0 ** (10 - j * bits))
+        out.append(v)
+    return out
+
+
+def _planes_biased_asm(c, bits: int):
+    """`_planes_biased` in PTX: one asm spreads 4 code bytes into 16-bit lanes (two `prmt`, once for
+    all planes), then one `lop3` per plane and pair of codes ((t & mask) | magic). Bit-identical to
+    the jnp version. (Triton's inline asm takes one result per call, hence two steps.)"""
+    from jax.experimental.pallas import triton as plgpu
+    spread = ("{ .reg .b32 z; mov.b32 z, 0; prmt.b32 $0, $2, z, 0x4140; prmt.b32 $1, $2, z, 0x4342; }")
+    (wide,) = plgpu.elementwise_inline_asm(spread, args=[c], constraints="=r,=r,r", pack=4,
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct(c.shape, jnp.int16)])
+    out = []
+    for j in range(8 // bits):
+        mask16 = ((1 << bits) - 1) << (j * bits)
+        mg = _magic(bits, j)
+        code = f"lop3.b32 $0, $1, {mask16 | (mask16 << 16)}, {mg | (mg << 16)}, 0xEA;"
+        if EXP.get("u2sub"):
+            code = ("{ .reg .b32 t, m; " + f"mov.b32 m, {mg | (mg << 16)}; lop3.b32 t, $1, {mask16 | (mask16 << 16)}, m, 0xEA; "
+                    + "sub.rn.f16x2 $0, t, m; }")
+        (v,) = plgpu.elementwise_inline_asm(
+            code, args=[wide],
+            constraints="=r,r", pack=2, result_shape_dtypes=[jax.ShapeDtypeStruct(c.shape, jnp.float16)])
+        out.append(v)
+    return out
+
+
 def _f16(x):
     return x.astype(jnp.float16)
 
@@ -161,6 +204,7 @@ class _Plan:
     def __init__(self, cfg: KVQuantConfig, head_dim: int, tile_tokens: int, unpack: str = "magic"):
         self.cfg, self.d, self.t = cfg, head_dim, tile_tokens
         self.plane = _plane_asm if unpack == "asm" else _plane
+        self.planes = _planes_biased_asm if unpack == "asm" else _planes_biased
         self.tiled = cfg.method in ("kvarn", "kivi")
         self.kc = 8 // cfg.k_bits if self.tiled else 1
         self.pk = 8 // cfg.k_bits if cfg.method == "int" else 1
@@ -192,16 +236,36 @@ class _Plan:
         f = pages["k"]
         if cfg.method in ("kvarn", "kivi"):
             codes = f["codes"][blk, sub]                                   # [D, G*b/8]
+            if EXP.get("tcodes"):
+                codes_t = codes                                            # [G*b/8, D]
             if cfg.method == "kvarn":
                 qs = q * f["scale_chan"][blk, sub].astype(jnp.float32)[None, :]
                 zq = jnp.sum(q * f["zero_chan"][blk, sub].astype(jnp.float32)[None, :], axis=1)
+                if EXP.get("abl_zq"):
+                    zq = jnp.zeros((q.shape[0],), jnp.float32)
             else:
                 qs = q * f["scale"][blk, sub].astype(jnp.float32)[None, :]
                 zq = jnp.sum(q * f["zero"][blk, sub].astype(jnp.float32)[None, :], axis=1)
             qs = _f16(qs)
             out = []
+            if EXP.get("u2") and cfg.method == "kvarn":
+                planes = self.planes(codes_t, cfg.k_bits)
+                if EXP.get("abl_sq") or EXP.get("u2sub"):
+                    sq = jnp.zeros((q.shape[0],), jnp.float32)
+                elif EXP.get("sumdot"):
+                    sq = jnp.max(_dot(qs, jnp.ones((self.d, 16), jnp.float16)), axis=1)
+                else:
+                    sq = jnp.sum(qs.astype(jnp.float32), axis=1)
+                for j in range(kc):
+                    bias = zq - float(2.0 ** (10 - j * cfg.k_bits)) * sq
+                    s = _dot_t(qs, planes[j]) + bias[:, None]
+                    out.append(s * f["scale_tok"][blk, sub, :, j].astype(jnp.float32)[None, :])
+                return out
             for j in range(kc):
-                s = _dot(qs, self.plane(codes, cfg.k_bits, j)) + zq[:, None]
+                if EXP.get("tcodes"):
+                    s = _dot_t(qs, self.plane(codes_t, cfg.k_bits, j)) + zq[:, None]
+                else:
+                    s = _dot(qs, self.plane(codes, cfg.k_bits, j)) + zq[:, None]
                 if cfg.method == "kvarn":
                     s = s * f["scale_tok"][blk, sub, :, j].astype(jnp.float32)[None, :]
                 out.append(s)
@@ -246,7 +310,22 @@ class _Plan:
             codes = f["codes"][blk, sub]                                    # [G, D*b/8]
             if cfg.method == "kvarn":
                 zp = jnp.sum(p * f["zero_tok"][blk, sub].astype(jnp.float32)[None, :], axis=1)
+                if EXP.get("abl_zp"):
+                    zp = jnp.zeros((p.shape[0],), jnp.float32)
                 p16 = _f16(p * f["scale_tok"][blk, sub].astype(jnp.float32)[None, :])
+                if EXP.get("u2"):
+                    planes = self.planes(codes, cfg.v_bits)
+                    if EXP.get("abl_sp") or EXP.get("u2sub"):
+                        sp = jnp.zeros((p.shape[0],), jnp.float32)
+                    elif EXP.get("sumdot"):
+                        sp = jnp.max(_dot(p16, jnp.ones((p16.shape[1], 16), jnp.float16)), axis=1)
+                    else:
+                        sp = jnp.sum(p16.astype(jnp.float32), axis=1)
+                    return [(_dot_t(p16, planes[n]) + (zp - float(2.0 ** (10 - n * cfg.v_bits)) * sp)[:, None])
+                            * f["scale_chan"][blk, sub, :, n].astype(jnp.float32)[None, :] for n in range(vp)]
+                if EXP.get("tcodes"):
+                    return [(_dot_t(p16, self.plane(codes, cfg.v_bits, n)) + zp[:, None])
+                            * f["scale_chan"][blk, sub, :, n].astype(jnp.float32)[None, :] for n in range(vp)]
                 return [(_dot(p16, self.plane(codes, cfg.v_bits, n)) + zp[:, None])
                         * f["scale_chan"][blk, sub, :, n].astype(jnp.float32)[None, :] for n in range(vp)]
             cgp = cfg.channel_group("v", self.d) // vp
@@ -298,16 +377,28 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     gp = q.shape[0]
     st = {side: {n: r[...] for n, r in static[side].items()} for side in ("k", "v")}
 
-    def update(carry, ss, poss, value_fn):
+    if EXP.get("exp2"):
+        q = q * (sm_scale * 1.4426950408889634)
+        q_planes = [qq * (sm_scale * 1.4426950408889634) for qq in q_planes]
+    _exp = jnp.exp2 if EXP.get("exp2") else jnp.exp
+    _sm = 1.0 if EXP.get("exp2") else sm_scale
+
+    def update(carry, ss, poss, value_fn, masked=True):
         """Online softmax over score blocks `ss` (positions `poss`), then acc += value_fn(probabilities)."""
         m, l, acc = carry
-        ss = [jnp.where(((pos >= ws) & (pos < length))[None, :], s * sm_scale, NEG) for s, pos in zip(ss, poss)]
+        if masked:
+            ss = [jnp.where(((pos >= ws) & (pos < length))[None, :], s * _sm, NEG) for s, pos in zip(ss, poss)]
+        elif _sm != 1.0:
+            ss = [s * _sm for s in ss]
         m_new = m
         for s in ss:
             m_new = jnp.maximum(m_new, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        ps = [jnp.where(((pos >= ws) & (pos < length))[None, :], jnp.exp(s - m_new[:, None]), 0.0)
-              for s, pos in zip(ss, poss)]
+        alpha = _exp(m - m_new)
+        if masked and not EXP.get("exp2"):
+            ps = [jnp.where(((pos >= ws) & (pos < length))[None, :], _exp(s - m_new[:, None]), 0.0)
+                  for s, pos in zip(ss, poss)]
+        else:  # masked logits are NEG: exp gives exactly 0 once a row has seen one valid position
+            ps = [_exp(s - m_new[:, None]) for s in ss]
         l_new = alpha * l
         for p in ps:
             l_new = l_new + jnp.sum(p, axis=1)
@@ -334,7 +425,8 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
         sub = t % tpb
         ss = [_token_order(plan.scores(q, q_planes, pages, st, blk, sub), gp)]
         poss = [t * t_tok + tok]
-        return update(carry, ss, poss, lambda ps: plan.values(ps, pages, st, blk, sub))
+        return update(carry, ss, poss, lambda ps: plan.values(ps, pages, st, blk, sub),
+                      masked=not (EXP.get("nomask") and has_hp and window is None))
 
     carry = (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32),
              tuple(jnp.zeros((gp, d // vp), jnp.float32) for _ in range(vp)))
@@ -427,6 +519,8 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         names[side] = sorted(cache.pages[side])
         for n in names[side]:
             a = plan.page_view(side, n, cache.pages[side][n])
+            if EXP.get("tcodes") == 1 and n == "codes" and plan.tiled:
+                a = jnp.swapaxes(a, -1, -2)
             operands.append(a)
             specs.append(head_spec(a))
     static_names = {}
@@ -464,7 +558,7 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
                                name=f"kvarn_paged_decode_{cfg.name}", **params)(*operands)
     # merge the splits (flash-decoding) and re-interleave the value planes: channel vp*i + n
     m_all = jnp.max(m, axis=2, keepdims=True)
-    w = jnp.exp(m - m_all)
+    w = (jnp.exp2 if EXP.get("exp2") else jnp.exp)(m - m_all)
     l_all = jnp.sum(w * l, axis=2)
     o = jnp.sum(w[..., None, :, None] * acc, axis=2) / jnp.where(l_all > 0, l_all, 1.0)[..., None, :, None]
     o = o.transpose(0, 1, 3, 4, 2).reshape(nbt, hk, gp, d)
