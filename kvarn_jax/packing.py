@@ -32,3 +32,20 @@ def unpack(packed: jnp.ndarray, bits: int) -> jnp.ndarray:
     mask = jnp.uint8((1 << bits) - 1)
     c = jnp.bitwise_and(jnp.right_shift(packed[..., None], shifts), mask)
     return c.reshape(*packed.shape[:-1], packed.shape[-1] * per)
+
+
+def store_tiled(codes: jnp.ndarray, bits: int) -> jnp.ndarray:
+    """A tiled scheme's codes [..., R, C] (packed along C, as the KVarN reference packs them) ->
+    the stored field [..., C * bits // 8, R]: the packed bytes with the two axes swapped.
+
+    For keys (R = channels, C = tokens) and values (R = tokens, C = channels) this puts the axis the
+    decode kernel contracts over (channels for q.K, tokens for p.V) contiguous in memory, so the
+    kernel loads 4 contraction-consecutive bytes per register instead of single bytes, and the
+    reference's record layout is one `swapaxes` away (`load_tiled`).
+    """
+    return jnp.swapaxes(pack(codes, bits), -1, -2)
+
+
+def load_tiled(field: jnp.ndarray, bits: int) -> jnp.ndarray:
+    """Inverse of `store_tiled`: the stored field -> codes [..., R, C]."""
+    return unpack(jnp.swapaxes(field, -1, -2), bits)

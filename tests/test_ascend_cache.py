@@ -19,7 +19,7 @@ import torch
 import kvarn_jax as kj
 from kvarn_ascend import AscendPagedKVCache, KVarNAscendAttention, ops, scheme_kind, token_positions
 from kvarn_ascend.cpu_semantics import unpack_int4
-from kvarn_ascend.kvarn_torch import hadamard, unpack
+from kvarn_ascend.kvarn_torch import hadamard, load_tiled, unpack
 
 import ascend_fake_npu
 from helpers import allocate_tables, random_kv
@@ -117,8 +117,8 @@ def _pages_match(tc, same, full, scheme):
         elif kind == "tiled":
             cfg = kj.parse(scheme)
             bits = cfg.bits(s)
-            a = unpack(tc.pages[s]["codes"][full], bits).reshape(len(full) * HK * (BS // cfg.group), -1)
-            b = unpack(same.pages[s]["codes"][full], bits).reshape(a.shape)
+            a = load_tiled(tc.pages[s]["codes"][full], bits).reshape(len(full) * HK * (BS // cfg.group), -1)
+            b = load_tiled(same.pages[s]["codes"][full], bits).reshape(a.shape)
             assert int((a != b).sum(1).max()) <= 16 * cfg.group // 128 + 1
             for name, x in tc.pages[s].items():
                 if name != "codes":

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kvarn_jax as kj
-from kvarn_jax.packing import unpack
+from kvarn_jax.packing import load_tiled, unpack
 
 PRESETS = ["kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g64"]
 
@@ -38,8 +38,9 @@ def test_golden_tiles(golden, preset):
     for side, bits, chan, tok in (("k", cfg.k_bits, ["scale_chan", "zero_chan"], "scale_tok"),
                                   ("v", cfg.v_bits, ["scale_tok", "zero_tok"], "scale_chan")):
         f = {name: np.asarray(a[:, 0]) for name, a in q.fields[side].items()}
-        assert f["codes"].shape == g(f"{side}_codes_packed").shape
-        ours = np.asarray(unpack(jnp.asarray(f["codes"]), bits)).reshape(n, -1)
+        # stored with the byte axes swapped (packing.store_tiled); the reference's record is one swap away
+        assert np.swapaxes(f["codes"], -1, -2).shape == g(f"{side}_codes_packed").shape
+        ours = np.asarray(load_tiled(jnp.asarray(f["codes"]), bits)).reshape(n, -1)
         ref = np.asarray(unpack(jnp.asarray(g(f"{side}_codes_packed")), bits)).reshape(n, -1)
         flips = (ours != ref).sum(axis=1)
         assert (flips <= flip_limit).all(), f"{side} code flips per tile {flips} > {flip_limit}"

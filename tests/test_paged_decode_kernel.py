@@ -96,6 +96,28 @@ def test_seq_ids_zero_length_and_many_splits(rng):
         np.testing.assert_allclose(np.asarray(o), out, atol=4e-3 * np.abs(out).max())
 
 
+@pytest.mark.parametrize("kernel", ["gpu", "tpu"])
+@pytest.mark.parametrize("cfg", ["kivi_k2v2_g32", "kvarn_k2v4_g32"])
+def test_short_key_planes(kernel, cfg, rng):
+    # 2-bit keys in 32-token tiles: 8-row bit planes, which the GPU kernel reassembles into token order
+    # before its product; several full blocks, a window cutting into a quantized tile
+    cache, bt, sl, _ = build(cfg, [7 * 32 + 5, 3 * 32, 40], 2, 64, 32, rng)
+    q = jnp.asarray(rng.standard_normal((3, 8, 64)), jnp.float32)
+    compare(q, cache, bt, sl, kernel=kernel)
+    compare(q, cache, bt, sl, kernel=kernel, window=70)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_bit_planes_are_the_codes(bits):
+    """The kernel's unpack (magic-number planes) against plain shifts, for every byte value."""
+    from kvarn_jax.attention.paged_decode_pallas import _planes
+    byte = jnp.arange(256, dtype=jnp.uint8).reshape(16, 16)
+    for j, plane in enumerate(_planes(byte, bits)):
+        assert plane.dtype == jnp.float16
+        want = (np.arange(256).reshape(16, 16) >> (j * bits)) & ((1 << bits) - 1)
+        np.testing.assert_array_equal(np.asarray(plane, np.float32), want)
+
+
 def test_two_tail_blocks(rng):
     cache, bt, sl, _ = build("int4", [100, 64], 2, 64, 32, rng, tail_blocks=2)
     q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.float32)

@@ -111,7 +111,7 @@ def test_vmap_over_layers(rng):
     k, v = (jnp.asarray(a) for a in random_kv(rng, 4 * 64, 2, 64))
     kl, vl = k.reshape(4, 64, 2, 64), v.reshape(4, 64, 2, 64)
     q = jax.vmap(lambda k, v: kj.quantize((k, v), "kvarn_k4v4_g64"))(kl, vl)
-    assert q.fields["k"]["codes"].shape == (4, 1, 2, 64, 32)
+    assert q.fields["k"]["codes"].shape == (4, 1, 2, 32, 64)  # [layers, tiles, heads, G*b/8, D]
     kh, vh = jax.vmap(kj.dequantize)(q)
     for layer in range(4):
         ek, _ = kj.dequantize(kj.quantize((kl[layer], vl[layer]), "kvarn_k4v4_g64"))

@@ -54,6 +54,17 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return c.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)
 
 
+def store_tiled(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Tiled codes [..., R, C] -> kvarn_jax's stored field [..., C*bits/8, R] (packed along C, then the
+    byte axes swapped; kvarn_jax.packing.store_tiled)."""
+    return pack(codes, bits).transpose(-1, -2).contiguous()
+
+
+def load_tiled(field: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `store_tiled`."""
+    return unpack(field.transpose(-1, -2), bits)
+
+
 # ------------------------------------------------------------------------------------------ RTN
 def rtn_params(x: torch.Tensor, bits: int, floor: float = 1e-10):
     mn = x.amin(-1)
@@ -140,14 +151,15 @@ def kvarn_quantize(x: torch.Tensor, side: str, bits: int, iters: int) -> dict:
     t = x.float()
     if side == "k":
         codes, scale_chan, zero_chan, scale_tok = _balanced_rtn(t.transpose(-1, -2), bits, iters)
-        return {"codes": pack(codes, bits), "scale_chan": scale_chan, "zero_chan": zero_chan, "scale_tok": scale_tok}
+        return {"codes": store_tiled(codes, bits), "scale_chan": scale_chan, "zero_chan": zero_chan,
+                "scale_tok": scale_tok}
     codes, scale_tok, zero_tok, scale_chan = _balanced_rtn(t, bits, iters)
-    return {"codes": pack(codes, bits), "scale_chan": scale_chan, "scale_tok": scale_tok, "zero_tok": zero_tok}
+    return {"codes": store_tiled(codes, bits), "scale_chan": scale_chan, "scale_tok": scale_tok, "zero_tok": zero_tok}
 
 
 def kvarn_dequantize(f: dict, side: str, bits: int) -> torch.Tensor:
     """Stored fields -> rotated tiles [..., G, D] in fp32."""
-    c = unpack(f["codes"], bits).float()
+    c = load_tiled(f["codes"], bits).float()
     if side == "k":  # c: [..., D, G]
         kt = (c * f["scale_chan"].float()[..., :, None] + f["zero_chan"].float()[..., :, None]) \
             * f["scale_tok"].float()[..., None, :]
@@ -161,15 +173,15 @@ def kivi_quantize(x: torch.Tensor, side: str, bits: int, group: int) -> dict:
     t = x.float()
     if side == "k":
         codes, scale, zero = rtn_fp16(t.transpose(-1, -2), bits)
-        return {"codes": pack(codes, bits), "scale": scale, "zero": zero}
+        return {"codes": store_tiled(codes, bits), "scale": scale, "zero": zero}
     d = t.shape[-1]
     cg = min(group, d)
     codes, scale, zero = rtn_fp16(t.reshape(*t.shape[:-1], d // cg, cg), bits)
-    return {"codes": pack(codes.reshape(t.shape), bits), "scale": scale, "zero": zero}
+    return {"codes": store_tiled(codes.reshape(t.shape), bits), "scale": scale, "zero": zero}
 
 
 def kivi_dequantize(f: dict, side: str, bits: int, group: int) -> torch.Tensor:
-    c = unpack(f["codes"], bits)
+    c = load_tiled(f["codes"], bits)
     if side == "k":
         return rtn_dequant(c, f["scale"], f["zero"]).transpose(-1, -2)
     d = c.shape[-1]

@@ -12,7 +12,11 @@ Scales stay out of the inner products (DESIGN.md §3). For KVarN, with K̂[d,t] 
     q·K̂[:,t] = st[t]·( Σ_d (q[d]·sc[d])·c[d,t] + Σ_d q[d]·z[d] )
 and with V̂[t,d] = (c·vt[t] + vz[t])·vc[d]:
     Σ_t p[t]·V̂[t,d] = vc[d]·( Σ_t (p[t]·vt[t])·c[t,d] + Σ_t p[t]·vz[t] )
-so the per-element work is unpack + int→fp16, and both products run on raw codes.
+so the per-element work is unpack + int→fp16, and both products run on raw codes. Tiled schemes
+store their codes with the contracted axis contiguous (K [G*b/8, D], V [D*b/8, G];
+`packing.store_tiled`), so each register the kernel loads holds 4 contraction-consecutive bytes.
+The softmax runs in base 2 with sm_scale·log2(e) folded into the query once (no per-score scaling,
+exp2 instead of exp), and full quantized tiles need no masks.
 
 The kernel works in the stored frame: for KVarN it takes the rotated query and returns the
 rotated output; `paged_decode_attention` rotates once before and un-rotates once after.
@@ -31,8 +35,8 @@ from jax.experimental import pallas as pl
 from ..config import KVQuantConfig
 from ..validation import is_power_of_two as _pow2
 
-EXP = {}
 NEG = -1e30          # masked logit; every processed chunk holds at least one valid position
+LOG2E = 1.4426950408889634
 HP_CHUNK = 64        # tokens per step through the high-precision sink/tail
 TOKEN_CHUNK = 64     # tokens per step through the pages of per-token schemes
 
@@ -49,94 +53,45 @@ def supports(cfg: KVQuantConfig, block_size: int, head_dim: int) -> str | None:
 
 
 # ----------------------------------------------------------------------------- in-kernel helpers
-def _plane(c, bits: int, j: int):
-    """Bit plane j of packed codes: element j of every byte (bit shift j*bits), as fp16.
-
-    Codes are packed along the last axis, element j of a group of 8/bits at shift j*bits, so plane j
-    holds elements j, j + per, j + 2 per, ... Working plane by plane avoids re-interleaving codes in
-    registers: the token (K) or channel (V) order is restored outside the inner products.
-
-    int -> float conversion instructions run at a fraction of the rate of integer logic on NVIDIA
-    GPUs, so the code is turned into fp16 with the "magic number" trick instead: OR-ing a code
-    c < 1024 into the bits of 1024.0 (0x6400) gives exactly 1024 + c, and an fp16 subtraction
-    leaves c. Exact for every code width here.
-    """
-    if bits != 8:
-        c = jnp.bitwise_and(jnp.right_shift(c, j * bits), (1 << bits) - 1)
-    biased = lax.bitcast_convert_type(jnp.bitwise_or(c.astype(jnp.uint16), jnp.uint16(0x6400)), jnp.float16)
-    return biased - jnp.float16(1024.0)
-
-
-def _plane_asm(c, bits: int, j: int):
-    """`_plane` in four PTX instructions per four codes (NVIDIA GPUs only; bit-identical result).
-
-    Triton hands the asm four consecutive uint8 codes in one 32-bit register. `prmt` spreads bytes
-    0,1 (and 2,3) into the two 16-bit halves of a register, `lop3` keeps plane j's bits and ORs them
-    into 1024.0 in both halves at once (giving 1024 + c * 2^(j*bits), exact: the bits stay in the
-    mantissa), and one `fma.f16x2` undoes the shift and the bias for two codes at a time. The jnp
-    version needs a shift, an and, an or and a subtract per code.
-    """
-    mask16 = ((1 << bits) - 1) << (j * bits) if bits != 8 else 0xFF
-    mask = mask16 | (mask16 << 16)
-    shift = 0 if bits == 8 else j * bits
-    mul = int(np.array(2.0 ** -shift, np.float16).view(np.uint16))
-    add = int(np.array(-1024.0 * 2.0 ** -shift, np.float16).view(np.uint16))
-    asm = f"""{{
-    .reg .b32 t0, t1, z, m, a;
-    mov.b32 z, 0;
-    mov.b32 m, {mul | (mul << 16)};
-    mov.b32 a, {add | (add << 16)};
-    prmt.b32 t0, $2, z, 0x4140;
-    prmt.b32 t1, $2, z, 0x4342;
-    lop3.b32 t0, t0, {mask}, 0x64006400, 0xEA;
-    lop3.b32 t1, t1, {mask}, 0x64006400, 0xEA;
-    fma.rn.f16x2 $0, t0, m, a;
-    fma.rn.f16x2 $1, t1, m, a;
-    }}"""
-    from jax.experimental.pallas import triton as plgpu
-    (out,) = plgpu.elementwise_inline_asm(asm, args=[c], constraints="=r,=r,r", pack=4,
-                                          result_shape_dtypes=[jax.ShapeDtypeStruct(c.shape, jnp.float16)])
-    return out
-
-
 def _magic(bits: int, j: int) -> int:
-    """fp16 bit pattern of 2^(10 - j*bits): OR-ing plane j's bits *in place* (no shift) into it gives
-    exactly 2^(10 - j*bits) + c, because those bits then sit in the mantissa where one unit is 1."""
+    """fp16 bit pattern of 2^(10 - j*bits). OR-ing bit plane j of a code byte *in place* (no shift)
+    into it gives exactly 2^(10 - j*bits) + code: those bits then sit in the mantissa where one unit
+    is worth 1. (int -> float conversions run at a fraction of the rate of integer logic on NVIDIA
+    GPUs; this needs one logic op and one fp16 subtraction per two codes.)"""
     return (25 - j * bits) << 10
 
 
-def _planes_biased(c, bits: int):
-    """All bit planes of packed codes as fp16 `magic_j + code` (see `_magic`), jnp version."""
+def _planes(c, bits: int):
+    """Bit planes of packed codes as fp16: plane j holds element j of every byte (bit shift j*bits),
+    i.e. elements j, j + 8/bits, ... of the packed axis. Working plane by plane avoids re-interleaving
+    codes in registers; the order is restored outside the inner products. jnp version."""
     out = []
     for j in range(8 // bits):
         mask = ((1 << bits) - 1) << (j * bits)
         v = jnp.bitwise_or(jnp.bitwise_and(c, jnp.uint8(mask)).astype(jnp.uint16), jnp.uint16(_magic(bits, j)))
-        v = lax.bitcast_convert_type(v, jnp.float16)
-        if EXP.get("u2sub"):
-            v = v - jnp.float16(2.0 ** (10 - j * bits))
-        out.append(v)
+        out.append(lax.bitcast_convert_type(v, jnp.float16) - jnp.float16(2.0 ** (10 - j * bits)))
     return out
 
 
-def _planes_biased_asm(c, bits: int):
-    """`_planes_biased` in PTX: one asm spreads 4 code bytes into 16-bit lanes (two `prmt`, once for
-    all planes), then one `lop3` per plane and pair of codes ((t & mask) | magic). Bit-identical to
-    the jnp version. (Triton's inline asm takes one result per call, hence two steps.)"""
+def _planes_asm(c, bits: int):
+    """`_planes` in PTX (NVIDIA GPUs only; bit-identical). One asm spreads 4 code bytes into the
+    16-bit halves of two registers (two `prmt`, once for all planes); then per plane and pair of
+    codes one `lop3` ((t & mask) | magic, see `_magic`) and one `sub.f16x2` removing the magic.
+    Triton's inline asm returns one result per call, hence the two steps. On the H200 this and the
+    transposed code layout took kvarn_k4v2_g128 at B=32/L=32K from 0.81 to 0.63 ms
+    (benchmarks/results/2026-12-01_decode_variants_h200.md)."""
     from jax.experimental.pallas import triton as plgpu
-    spread = ("{ .reg .b32 z; mov.b32 z, 0; prmt.b32 $0, $2, z, 0x4140; prmt.b32 $1, $2, z, 0x4342; }")
+    spread = "{ .reg .b32 z; mov.b32 z, 0; prmt.b32 $0, $2, z, 0x4140; prmt.b32 $1, $2, z, 0x4342; }"
     (wide,) = plgpu.elementwise_inline_asm(spread, args=[c], constraints="=r,=r,r", pack=4,
                                            result_shape_dtypes=[jax.ShapeDtypeStruct(c.shape, jnp.int16)])
     out = []
     for j in range(8 // bits):
         mask16 = ((1 << bits) - 1) << (j * bits)
         mg = _magic(bits, j)
-        code = f"lop3.b32 $0, $1, {mask16 | (mask16 << 16)}, {mg | (mg << 16)}, 0xEA;"
-        if EXP.get("u2sub"):
-            code = ("{ .reg .b32 t, m; " + f"mov.b32 m, {mg | (mg << 16)}; lop3.b32 t, $1, {mask16 | (mask16 << 16)}, m, 0xEA; "
-                    + "sub.rn.f16x2 $0, t, m; }")
-        (v,) = plgpu.elementwise_inline_asm(
-            code, args=[wide],
-            constraints="=r,r", pack=2, result_shape_dtypes=[jax.ShapeDtypeStruct(c.shape, jnp.float16)])
+        asm = ("{ .reg .b32 t, m; " + f"mov.b32 m, {mg | (mg << 16)}; "
+               + f"lop3.b32 t, $1, {mask16 | (mask16 << 16)}, m, 0xEA; sub.rn.f16x2 $0, t, m; " + "}")
+        (v,) = plgpu.elementwise_inline_asm(asm, args=[wide], constraints="=r,r", pack=2,
+                                            result_shape_dtypes=[jax.ShapeDtypeStruct(c.shape, jnp.float16)])
         out.append(v)
     return out
 
@@ -176,8 +131,26 @@ def _token_order(classes, rows: int):
     return interleave(classes).reshape(rows, classes[0].shape[1] * len(classes))
 
 
-def _expand_groups(x, cg: int, d: int):
-    """Per-group values [T, D/cg] -> per-channel [T, D]."""
+def _tokens_from_planes(planes):
+    """Key code planes (plane j: tokens j, j + kc, ... of a tile, [G/kc, D] each) -> the tile [G, D] in
+    token order (nested joins, as `_token_order`, then the plane axes moved before the channels)."""
+    def interleave(cs):
+        if len(cs) == 1:
+            return cs[0]
+        return jnp.stack([interleave(cs[0::2]), interleave(cs[1::2])], axis=-1)
+    x = interleave(planes)                                   # [G/kc, D, 2, ..., 2]
+    nd = x.ndim
+    x = jnp.transpose(x, (0,) + tuple(range(2, nd)) + (1,))  # [G/kc, 2, ..., 2, D]
+    return x.reshape(planes[0].shape[0] * len(planes), planes[0].shape[1])
+
+
+def _expand_groups(x, cg: int, d: int, axis: int = 1):
+    """Per-group values [T, D/cg] -> per-channel [T, D] (axis=1), or [D/cg, T] -> [D, T] (axis=0)."""
+    if axis == 0:
+        n, t = x.shape
+        if n == 1:
+            return jnp.broadcast_to(x, (d, t))
+        return jnp.broadcast_to(x[:, None, :], (n, cg, t)).reshape(d, t)
     t, n = x.shape
     if n == 1:
         return jnp.broadcast_to(x, (t, d))
@@ -194,8 +167,8 @@ class _Plan:
     """Static facts of one scheme's inner loop.
 
     kc: token classes of a tile - keys of tiled schemes are packed along tokens, so bit plane j of
-        the key codes holds tokens j, j + kc, ...; the scores are put back in token order once per
-        tile (`_token_order`), so values and softmax see whole tiles.
+        the key codes ([G*b/8, D]) holds tokens j, j + kc, ...; the scores are put back in token
+        order once per tile (`_token_order`), so values and softmax see whole tiles.
     pk: channel planes of per-token keys (packed along channels); the query is split to match.
     vp: channel planes of values (packed along channels); the accumulator and output are kept as
         vp planes [Gp, D / vp] and re-interleaved outside the kernel.
@@ -203,10 +176,13 @@ class _Plan:
 
     def __init__(self, cfg: KVQuantConfig, head_dim: int, tile_tokens: int, unpack: str = "magic"):
         self.cfg, self.d, self.t = cfg, head_dim, tile_tokens
-        self.plane = _plane_asm if unpack == "asm" else _plane
-        self.planes = _planes_biased_asm if unpack == "asm" else _planes_biased
+        self.planes = _planes_asm if unpack == "asm" else _planes
         self.tiled = cfg.method in ("kvarn", "kivi")
         self.kc = 8 // cfg.k_bits if self.tiled else 1
+        # key planes shorter than the matrix unit's 16 rows (2-bit keys, G=32): the tile is put back
+        # in token order first and multiplied whole (a [16, D] x [D, 8] product would not lower to
+        # the matrix unit and spills as a broadcast multiply)
+        self.k_whole = self.tiled and tile_tokens // self.kc < 16
         self.pk = 8 // cfg.k_bits if cfg.method == "int" else 1
         self.vp = 8 // cfg.v_bits if cfg.method in ("kvarn", "kivi", "int") else 1
 
@@ -215,7 +191,7 @@ class _Plan:
         cfg, kc, vp = self.cfg, self.kc, self.vp
         lead = a.shape[:3]                                                  # nb, Hk, tiles
         if cfg.method in ("kvarn", "kivi"):
-            if side == "k" and name == "scale_tok":                        # [G] -> [G/kc, kc]
+            if side == "k" and name == "scale_tok" and not self.k_whole:   # [G] -> [G/kc, kc]
                 return a.reshape(lead + (a.shape[3] // kc, kc))
             if side == "v" and name == "scale_chan":                       # [D] -> [D/vp, vp]
                 return a.reshape(lead + (a.shape[3] // vp, vp))
@@ -235,47 +211,35 @@ class _Plan:
         cfg, kc = self.cfg, self.kc
         f = pages["k"]
         if cfg.method in ("kvarn", "kivi"):
-            codes = f["codes"][blk, sub]                                   # [D, G*b/8]
-            if EXP.get("tcodes"):
-                codes_t = codes                                            # [G*b/8, D]
+            codes = f["codes"][blk, sub]                                   # [G*b/8, D]
             if cfg.method == "kvarn":
                 qs = q * f["scale_chan"][blk, sub].astype(jnp.float32)[None, :]
                 zq = jnp.sum(q * f["zero_chan"][blk, sub].astype(jnp.float32)[None, :], axis=1)
-                if EXP.get("abl_zq"):
-                    zq = jnp.zeros((q.shape[0],), jnp.float32)
             else:
                 qs = q * f["scale"][blk, sub].astype(jnp.float32)[None, :]
                 zq = jnp.sum(q * f["zero"][blk, sub].astype(jnp.float32)[None, :], axis=1)
             qs = _f16(qs)
+            # unpack after the query side is ready: the planes' registers then live only as long as
+            # the products need them (unpacking first cost ~45 registers per thread)
+            planes = self.planes(codes, cfg.k_bits)                         # kc x [G/kc, D]
+            if self.k_whole:  # one product over the tile reassembled in token order
+                s = _dot_t(qs, _tokens_from_planes(planes)) + zq[:, None]
+                if cfg.method == "kvarn":
+                    s = s * f["scale_tok"][blk, sub].astype(jnp.float32)[None, :]
+                return [s]
             out = []
-            if EXP.get("u2") and cfg.method == "kvarn":
-                planes = self.planes(codes_t, cfg.k_bits)
-                if EXP.get("abl_sq") or EXP.get("u2sub"):
-                    sq = jnp.zeros((q.shape[0],), jnp.float32)
-                elif EXP.get("sumdot"):
-                    sq = jnp.max(_dot(qs, jnp.ones((self.d, 16), jnp.float16)), axis=1)
-                else:
-                    sq = jnp.sum(qs.astype(jnp.float32), axis=1)
-                for j in range(kc):
-                    bias = zq - float(2.0 ** (10 - j * cfg.k_bits)) * sq
-                    s = _dot_t(qs, planes[j]) + bias[:, None]
-                    out.append(s * f["scale_tok"][blk, sub, :, j].astype(jnp.float32)[None, :])
-                return out
             for j in range(kc):
-                if EXP.get("tcodes"):
-                    s = _dot_t(qs, self.plane(codes_t, cfg.k_bits, j)) + zq[:, None]
-                else:
-                    s = _dot(qs, self.plane(codes, cfg.k_bits, j)) + zq[:, None]
+                s = _dot_t(qs, planes[j]) + zq[:, None]
                 if cfg.method == "kvarn":
                     s = s * f["scale_tok"][blk, sub, :, j].astype(jnp.float32)[None, :]
                 out.append(s)
             return out
         if cfg.method == "int":
-            codes = f["codes"][blk, sub]                                   # [T, D*b/8]
+            planes = self.planes(f["codes"][blk, sub], cfg.k_bits)          # pk x [T, D/pk]
             if cfg.static:
                 s = 0.0
                 for n in range(self.pk):
-                    k = (self.plane(codes, cfg.k_bits, n).astype(jnp.float32) * st["k"]["scale"][:, n][None, :]
+                    k = (planes[n].astype(jnp.float32) * st["k"]["scale"][:, n][None, :]
                          + st["k"]["zero"][:, n][None, :])
                     s = s + _dot_t(q_planes[n], k)
                 return [s]
@@ -284,12 +248,12 @@ class _Plan:
             if sc.shape[1] == 1:  # one scale per token: factor it out of the product
                 raw = 0.0
                 for n in range(self.pk):
-                    raw = raw + _dot_t(q_planes[n], self.plane(codes, cfg.k_bits, n))
+                    raw = raw + _dot_t(q_planes[n], planes[n])
                 return [raw * sc[:, 0][None, :] + jnp.sum(q, axis=1)[:, None] * zr[:, 0][None, :]]
             cgp = cfg.channel_group("k", self.d) // self.pk
             s = 0.0
             for n in range(self.pk):
-                k = (self.plane(codes, cfg.k_bits, n).astype(jnp.float32) * _expand_groups(sc, cgp, self.d // self.pk)
+                k = (planes[n].astype(jnp.float32) * _expand_groups(sc, cgp, self.d // self.pk)
                      + _expand_groups(zr, cgp, self.d // self.pk))
                 s = s + _dot_t(q_planes[n], k)
             return [s]
@@ -307,44 +271,33 @@ class _Plan:
         f = pages["v"]
         p = ps[0]
         if self.tiled:  # probabilities of a whole tile in token order (see `_token_order`)
-            codes = f["codes"][blk, sub]                                    # [G, D*b/8]
+            codes = f["codes"][blk, sub]                                    # [D*b/8, G]
             if cfg.method == "kvarn":
                 zp = jnp.sum(p * f["zero_tok"][blk, sub].astype(jnp.float32)[None, :], axis=1)
-                if EXP.get("abl_zp"):
-                    zp = jnp.zeros((p.shape[0],), jnp.float32)
                 p16 = _f16(p * f["scale_tok"][blk, sub].astype(jnp.float32)[None, :])
-                if EXP.get("u2"):
-                    planes = self.planes(codes, cfg.v_bits)
-                    if EXP.get("abl_sp") or EXP.get("u2sub"):
-                        sp = jnp.zeros((p.shape[0],), jnp.float32)
-                    elif EXP.get("sumdot"):
-                        sp = jnp.max(_dot(p16, jnp.ones((p16.shape[1], 16), jnp.float16)), axis=1)
-                    else:
-                        sp = jnp.sum(p16.astype(jnp.float32), axis=1)
-                    return [(_dot_t(p16, planes[n]) + (zp - float(2.0 ** (10 - n * cfg.v_bits)) * sp)[:, None])
-                            * f["scale_chan"][blk, sub, :, n].astype(jnp.float32)[None, :] for n in range(vp)]
-                if EXP.get("tcodes"):
-                    return [(_dot_t(p16, self.plane(codes, cfg.v_bits, n)) + zp[:, None])
-                            * f["scale_chan"][blk, sub, :, n].astype(jnp.float32)[None, :] for n in range(vp)]
-                return [(_dot(p16, self.plane(codes, cfg.v_bits, n)) + zp[:, None])
+                planes = self.planes(codes, cfg.v_bits)                     # vp x [D/vp, G]
+                return [(_dot_t(p16, planes[n]) + zp[:, None])
                         * f["scale_chan"][blk, sub, :, n].astype(jnp.float32)[None, :] for n in range(vp)]
+            # KIVI: per-token scales in channel groups, laid out like the planes ([D/vp, G]; the
+            # transposes are of the small [G, D/cg] scale arrays, not of the codes)
             cgp = cfg.channel_group("v", self.d) // vp
-            sc = _expand_groups(f["scale"][blk, sub].astype(jnp.float32), cgp, self.d // vp)
-            zr = _expand_groups(f["zero"][blk, sub].astype(jnp.float32), cgp, self.d // vp)
-            return [_dot(p, self.plane(codes, cfg.v_bits, n).astype(jnp.float32) * sc + zr) for n in range(vp)]
+            planes = self.planes(codes, cfg.v_bits)
+            sc = _expand_groups(f["scale"][blk, sub].astype(jnp.float32).T, cgp, self.d // vp, axis=0)
+            zr = _expand_groups(f["zero"][blk, sub].astype(jnp.float32).T, cgp, self.d // vp, axis=0)
+            return [_dot_t(p, planes[n].astype(jnp.float32) * sc + zr) for n in range(vp)]
         if cfg.method == "int":
-            codes = f["codes"][blk, sub]
+            planes = self.planes(f["codes"][blk, sub], cfg.v_bits)          # vp x [T, D/vp]
             if cfg.static:
-                return [_dot(p, self.plane(codes, cfg.v_bits, n).astype(jnp.float32) * st["v"]["scale"][:, n][None, :]
+                return [_dot(p, planes[n].astype(jnp.float32) * st["v"]["scale"][:, n][None, :]
                              + st["v"]["zero"][:, n][None, :]) for n in range(vp)]
             sc = f["scale"][blk, sub].astype(jnp.float32)
             zr = f["zero"][blk, sub].astype(jnp.float32)
             if sc.shape[1] == 1:
                 pz = jnp.sum(p * zr[:, 0][None, :], axis=1)[:, None]
                 ps16 = _f16(p * sc[:, 0][None, :])
-                return [_dot(ps16, self.plane(codes, cfg.v_bits, n)) + pz for n in range(vp)]
+                return [_dot(ps16, planes[n]) + pz for n in range(vp)]
             cgp = cfg.channel_group("v", self.d) // vp
-            return [_dot(p, self.plane(codes, cfg.v_bits, n).astype(jnp.float32) * _expand_groups(sc, cgp, self.d // vp)
+            return [_dot(p, planes[n].astype(jnp.float32) * _expand_groups(sc, cgp, self.d // vp)
                          + _expand_groups(zr, cgp, self.d // vp)) for n in range(vp)]
         if cfg.method == "fp8":
             v = _fp8(f["codes"][blk, sub])
@@ -372,33 +325,24 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     length = len_ref[b]
     bs, tpb = block_size, tiles_per_block
     ws = jnp.maximum(length - window, 0) if window is not None else jnp.int32(0)
-    q = q_ref[...].astype(jnp.float32)                                        # [Gp, D]
-    q_planes = [qp_ref[n] for n in range(plan.pk)] if qp_ref is not None else [q]
+    # base-2 softmax: sm_scale * log2(e) folded into the query once, exp2 below
+    q = q_ref[...].astype(jnp.float32) * (sm_scale * LOG2E)                  # [Gp, D]
+    q_planes = [qp_ref[n] * (sm_scale * LOG2E) for n in range(plan.pk)] if qp_ref is not None else [q]
     gp = q.shape[0]
     st = {side: {n: r[...] for n, r in static[side].items()} for side in ("k", "v")}
 
-    if EXP.get("exp2"):
-        q = q * (sm_scale * 1.4426950408889634)
-        q_planes = [qq * (sm_scale * 1.4426950408889634) for qq in q_planes]
-    _exp = jnp.exp2 if EXP.get("exp2") else jnp.exp
-    _sm = 1.0 if EXP.get("exp2") else sm_scale
-
     def update(carry, ss, poss, value_fn, masked=True):
-        """Online softmax over score blocks `ss` (positions `poss`), then acc += value_fn(probabilities)."""
+        """Online softmax (base 2) over score blocks `ss` (positions `poss`), then acc += value_fn(probabilities).
+        masked=False: every position is valid (full quantized tiles without a window)."""
         m, l, acc = carry
         if masked:
-            ss = [jnp.where(((pos >= ws) & (pos < length))[None, :], s * _sm, NEG) for s, pos in zip(ss, poss)]
-        elif _sm != 1.0:
-            ss = [s * _sm for s in ss]
+            ss = [jnp.where(((pos >= ws) & (pos < length))[None, :], s, NEG) for s, pos in zip(ss, poss)]
         m_new = m
         for s in ss:
             m_new = jnp.maximum(m_new, jnp.max(s, axis=1))
-        alpha = _exp(m - m_new)
-        if masked and not EXP.get("exp2"):
-            ps = [jnp.where(((pos >= ws) & (pos < length))[None, :], _exp(s - m_new[:, None]), 0.0)
-                  for s, pos in zip(ss, poss)]
-        else:  # masked logits are NEG: exp gives exactly 0 once a row has seen one valid position
-            ps = [_exp(s - m_new[:, None]) for s in ss]
+        alpha = jnp.exp2(m - m_new)
+        # masked logits give exactly 0: m_new is finite, every processed chunk holding a valid position
+        ps = [jnp.exp2(s - m_new[:, None]) for s in ss]
         l_new = alpha * l
         for p in ps:
             l_new = l_new + jnp.sum(p, axis=1)
@@ -419,14 +363,16 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     hi = jnp.minimum(lo + chunk, t_end)
 
     tok = jnp.arange(t_tok, dtype=jnp.int32)
+    # quantized tiles are whole blocks before the query's own: all valid unless a window cuts one
+    # (passthrough caches also read the partial last tile from their pages)
+    tiles_partial = window is not None or not has_hp
 
     def tile_body(t, carry):
         blk = bt_ref[b, t // tpb]
         sub = t % tpb
         ss = [_token_order(plan.scores(q, q_planes, pages, st, blk, sub), gp)]
         poss = [t * t_tok + tok]
-        return update(carry, ss, poss, lambda ps: plan.values(ps, pages, st, blk, sub),
-                      masked=not (EXP.get("nomask") and has_hp and window is None))
+        return update(carry, ss, poss, lambda ps: plan.values(ps, pages, st, blk, sub), masked=tiles_partial)
 
     carry = (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32),
              tuple(jnp.zeros((gp, d // vp), jnp.float32) for _ in range(vp)))
@@ -483,9 +429,8 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
                         num_stages: int = 2, unpack: str | None = None):
     """Kernel entry: q_rot [B, Hq, D] in the stored frame -> output [B, Hq, D] fp32 in the stored frame.
 
-    unpack: how codes become fp16 - "asm" (`_plane_asm`, PTX; the default when compiled: 14-15% faster
-    for kvarn_k4v2_g128 and int4 at B=32/L=32K on the H200, bit-identical) or "magic" (`_plane`,
-    jnp; the default interpreted, where PTX cannot run).
+    unpack: how codes become fp16 - "asm" (`_planes_asm`, PTX; the default when compiled,
+    bit-identical) or "magic" (`_planes`, jnp; the default interpreted, where PTX cannot run).
     """
     unpack = unpack or ("magic" if interpret else "asm")
     if unpack not in ("magic", "asm") or (unpack == "asm" and interpret):
@@ -519,8 +464,6 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         names[side] = sorted(cache.pages[side])
         for n in names[side]:
             a = plan.page_view(side, n, cache.pages[side][n])
-            if EXP.get("tcodes") == 1 and n == "codes" and plan.tiled:
-                a = jnp.swapaxes(a, -1, -2)
             operands.append(a)
             specs.append(head_spec(a))
     static_names = {}
@@ -558,7 +501,7 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
                                name=f"kvarn_paged_decode_{cfg.name}", **params)(*operands)
     # merge the splits (flash-decoding) and re-interleave the value planes: channel vp*i + n
     m_all = jnp.max(m, axis=2, keepdims=True)
-    w = (jnp.exp2 if EXP.get("exp2") else jnp.exp)(m - m_all)
+    w = jnp.exp2(m - m_all)                                            # m is in base-2 units
     l_all = jnp.sum(w * l, axis=2)
     o = jnp.sum(w[..., None, :, None] * acc, axis=2) / jnp.where(l_all > 0, l_all, 1.0)[..., None, :, None]
     o = o.transpose(0, 1, 3, 4, 2).reshape(nbt, hk, gp, d)

@@ -140,14 +140,14 @@ class _Plan:
         cfg = self.cfg
         if self.tiled:
             kc, t = self.kp, self.t
-            c = f["codes"][u].astype(jnp.int32)                                  # [D, t*b/8]
+            c = f["codes"][u].astype(jnp.int32)                                  # [t*b/8, D]
             sname, zname = ("scale_chan", "zero_chan") if cfg.method == "kvarn" else ("scale", "zero")
             sc = f[sname][pl.ds(u, 1), :].astype(jnp.float32)                     # [1, D]
             zr = f[zname][pl.ds(u, 1), :].astype(jnp.float32)
             qs = q * sc
             s = 0.0
             for j in range(kc):
-                sj = _dot(qs, _plane(c, cfg.k_bits, j))                           # tokens j, j+kc, ...
+                sj = _dot_nt(qs, _plane(c, cfg.k_bits, j))                        # tokens j, j+kc, ...
                 s = s + (_dot(sj, _planes_to_natural(t // kc, kc, j)) if kc > 1 else sj)
             s = s + jnp.sum(q * zr, axis=1, keepdims=True)
             if cfg.method == "kvarn":
@@ -187,15 +187,16 @@ class _Plan:
         cfg, d, vp = self.cfg, self.d, self.vp
         to_nat = lambda o, n: _dot(o, _planes_to_natural(d // vp, vp, n)) if vp > 1 else o  # noqa: E731
         if self.tiled:
-            c = f["codes"][u].astype(jnp.int32)                                  # [t, D*b/8]
+            c = f["codes"][u].astype(jnp.int32)                                  # [D*b/8, t]
             o = 0.0
             if cfg.method == "kvarn":
                 pv = p * f["scale_tok"][pl.ds(u, 1), :].astype(jnp.float32)
                 zp = jnp.sum(p * f["zero_tok"][pl.ds(u, 1), :].astype(jnp.float32), axis=1, keepdims=True)
                 for n in range(vp):
-                    o = o + to_nat(_dot(pv, _plane(c, cfg.v_bits, n)) + zp, n)
+                    o = o + to_nat(_dot_nt(pv, _plane(c, cfg.v_bits, n)) + zp, n)
                 return o * f["scale_chan"][pl.ds(u, 1), :].astype(jnp.float32)
-            cg = cfg.channel_group("v", d)                                        # kivi: per-token groups
+            c = c.T                                                               # kivi: [t, D*b/8]
+            cg = cfg.channel_group("v", d)                                        # per-token groups
             sc = f["scale"][u].astype(jnp.float32)                               # [t, D/cg]
             zr = f["zero"][u].astype(jnp.float32)
             for n in range(vp):

@@ -1,24 +1,25 @@
 """KIVI layout: keys per channel over a tile of G tokens, values per token in groups of channels.
 
 Keys' outlier channels get their own scale (the reason KIVI quantizes keys per channel); values
-are quantized per token in groups of min(G, D) channels, as in the KIVI paper.
+are quantized per token in groups of min(G, D) channels, as in the KIVI paper. Codes are stored
+like KVarN's (`packing.store_tiled`): K [G*b/8, D], V [D*b/8, G].
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ..packing import pack, unpack
+from ..packing import load_tiled, store_tiled
 from .rtn import rtn_dequant, rtn_fp16
 
 
 def fields(side: str, bits: int, group: int, head_dim: int):
     g, d = group, head_dim
     if side == "k":
-        return {"codes": ((d, g * bits // 8), jnp.uint8), "scale": ((d,), jnp.float16),
+        return {"codes": ((g * bits // 8, d), jnp.uint8), "scale": ((d,), jnp.float16),
                 "zero": ((d,), jnp.float16)}
     cg = min(g, d)
-    return {"codes": ((g, d * bits // 8), jnp.uint8), "scale": ((g, d // cg), jnp.float16),
+    return {"codes": ((d * bits // 8, g), jnp.uint8), "scale": ((g, d // cg), jnp.float16),
             "zero": ((g, d // cg), jnp.float16)}
 
 
@@ -27,16 +28,16 @@ def quantize(x: jnp.ndarray, side: str, bits: int, group: int) -> dict:
     t = x.astype(jnp.float32)
     if side == "k":
         codes, scale, zero = rtn_fp16(jnp.swapaxes(t, -1, -2), bits)  # rows = channels
-        return {"codes": pack(codes, bits), "scale": scale, "zero": zero}
+        return {"codes": store_tiled(codes, bits), "scale": scale, "zero": zero}
     d = t.shape[-1]
     cg = min(group, d)
     rows = t.reshape(*t.shape[:-1], d // cg, cg)
     codes, scale, zero = rtn_fp16(rows, bits)
-    return {"codes": pack(codes.reshape(t.shape), bits), "scale": scale, "zero": zero}
+    return {"codes": store_tiled(codes.reshape(t.shape), bits), "scale": scale, "zero": zero}
 
 
 def dequantize(f: dict, side: str, bits: int, group: int) -> jnp.ndarray:
-    c = unpack(f["codes"], bits)
+    c = load_tiled(f["codes"], bits)
     if side == "k":
         return jnp.swapaxes(rtn_dequant(c, f["scale"], f["zero"]), -1, -2)
     d = c.shape[-1]

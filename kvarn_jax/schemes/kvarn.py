@@ -3,13 +3,17 @@
 A tile is G tokens x D channels of one head, already rotated (`hadamard.rotate`). Keys are
 normalized as a [D x G] matrix (rows = channels), values as [G x D] (rows = tokens); the RTN runs per
 row of the balanced tile and the Sinkhorn row scale is folded into the stored fp16 scale and zero.
+
+Codes are packed as the reference packs them (K along tokens, V along channels) but stored with the
+byte axes swapped: K codes [G*b/8, D], V codes [D*b/8, G] (see `packing.store_tiled`): the decode
+kernel contracts keys over channels and values over tokens, and reads codes along that axis.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ..packing import pack, unpack
+from ..packing import load_tiled, store_tiled
 from .rtn import rtn_codes, rtn_params
 
 
@@ -101,9 +105,9 @@ def _quantize_matrix(t: jnp.ndarray, bits: int, iters: int):
 def fields(side: str, bits: int, group: int, head_dim: int):
     g, d = group, head_dim
     if side == "k":
-        return {"codes": ((d, g * bits // 8), jnp.uint8), "scale_chan": ((d,), jnp.float16),
+        return {"codes": ((g * bits // 8, d), jnp.uint8), "scale_chan": ((d,), jnp.float16),
                 "zero_chan": ((d,), jnp.float16), "scale_tok": ((g,), jnp.float16)}
-    return {"codes": ((g, d * bits // 8), jnp.uint8), "scale_chan": ((d,), jnp.float16),
+    return {"codes": ((d * bits // 8, g), jnp.uint8), "scale_chan": ((d,), jnp.float16),
             "scale_tok": ((g,), jnp.float16), "zero_tok": ((g,), jnp.float16)}
 
 
@@ -112,16 +116,16 @@ def quantize(x: jnp.ndarray, side: str, bits: int, iters: int) -> dict:
     t = x.astype(jnp.float32)
     if side == "k":
         codes, scale_chan, zero_chan, scale_tok = _quantize_matrix(jnp.swapaxes(t, -1, -2), bits, iters)
-        return {"codes": pack(codes, bits), "scale_chan": scale_chan, "zero_chan": zero_chan,
+        return {"codes": store_tiled(codes, bits), "scale_chan": scale_chan, "zero_chan": zero_chan,
                 "scale_tok": scale_tok}
     codes, scale_tok, zero_tok, scale_chan = _quantize_matrix(t, bits, iters)
-    return {"codes": pack(codes, bits), "scale_chan": scale_chan, "scale_tok": scale_tok,
+    return {"codes": store_tiled(codes, bits), "scale_chan": scale_chan, "scale_tok": scale_tok,
             "zero_tok": zero_tok}
 
 
 def dequantize(f: dict, side: str, bits: int) -> jnp.ndarray:
     """Stored fields -> rotated tiles [..., G, D] in fp32."""
-    c = unpack(f["codes"], bits).astype(jnp.float32)
+    c = load_tiled(f["codes"], bits).astype(jnp.float32)
     if side == "k":  # c: [..., D, G]
         kt = (c * f["scale_chan"].astype(jnp.float32)[..., :, None]
               + f["zero_chan"].astype(jnp.float32)[..., :, None]) * f["scale_tok"].astype(jnp.float32)[..., None, :]
