@@ -89,47 +89,55 @@ def rtn_dequant(codes, scale, zero) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------ Sinkhorn
-def _std(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Unbiased single-pass std without subtracting means first (the reference's form)."""
-    n = x.shape[dim]
-    m = x.mean(dim)
-    m2 = (x * x).mean(dim)
-    return torch.sqrt(torch.clamp((m2 - m * m) * (n / (n - 1)), min=0.0))
+LN2 = 0.6931471805599453
+LOG_LO, LOG_HI = -0.3 / LN2, 10.0 / LN2   # the reference's log-scale clip [-0.3, 10], in base 2
 
 
-def _imbalance(col_std: torch.Tensor, row_std: torch.Tensor) -> torch.Tensor:
-    return (col_std.amax(-1) / col_std.amin(-1).clamp(min=1e-8)
-            + row_std.amax(-1) / row_std.amin(-1).clamp(min=1e-8))
+def _var_from_sums(s1, s2, n: int) -> torch.Tensor:
+    """Unbiased single-pass variance from Σx and Σx² (the reference's std, squared; kvarn_jax's form)."""
+    return torch.clamp((s2 - s1 * s1 * (1.0 / n)) * (1.0 / (n - 1)), min=0.0)
 
 
-def _moments_std(t, t2, w, w2, scale, dim: int) -> torch.Tensor:
-    """`_std` over `dim` of t·w·scale, from t and t² (w: weight of the summed axis, broadcast against t;
-    scale: weight of the other axis). kvarn_jax's form: no per-element division, exp on vectors only."""
-    n = t.shape[dim]
-    m = (t * w).sum(dim) / n * scale
-    m2 = (t2 * w2).sum(dim) / n * (scale * scale)
-    return torch.sqrt(torch.clamp((m2 - m * m) * (n / (n - 1)), min=0.0))
+def _var(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return _var_from_sums(x.sum(dim), (x * x).sum(dim), x.shape[dim])
+
+
+def _imbalance(col_var: torch.Tensor, row_var: torch.Tensor) -> torch.Tensor:
+    """max/min of column stds + max/min of row stds (min floored at 1e-8), from variances."""
+    return (torch.sqrt(col_var.amax(-1) / col_var.amin(-1).clamp(min=1e-16))
+            + torch.sqrt(row_var.amax(-1) / row_var.amin(-1).clamp(min=1e-16)))
+
+
+def _weighted_var(t, t2, w, w2, scale2, dim: int) -> torch.Tensor:
+    """`_var` over `dim` of t·w·scale from t and t² (w, w2: weight of the summed axis and its square,
+    broadcast against t; scale2: the other axis's weight squared). No per-element division."""
+    return scale2 * _var_from_sums((t * w).sum(dim), (t2 * w2).sum(dim), t.shape[dim])
+
+
+def _log2_std(var: torch.Tensor) -> torch.Tensor:
+    return 0.5 * torch.log2(torch.clamp(var, 1e-6, 1e6))
 
 
 def sinkhorn_log_scales(t: torch.Tensor, iters: int):
-    """Log-domain variance normalization of t [..., R, C]: (lc [..., C], lr [..., R]) of the iterate with
-    the lowest imbalance, the all-zero start included, ties (within TIE_RTOL) going to the later. The
-    iterate t / exp(lc) / exp(lr) = t·a·b is never formed: its stds come from t and t² weighted by a, b."""
+    """Log-domain variance normalization of t [..., R, C], as kvarn_jax.schemes.kvarn: base-2 logs
+    (lc [..., C], lr [..., R]) of the scales of the iterate with the lowest imbalance, the all-zero
+    start included, ties (within TIE_RTOL) going to the later. The iterate t / 2^lc / 2^lr = t·a·b is
+    never formed: its variances come from t and t² weighted by a, b."""
     lc = torch.zeros(t.shape[:-2] + t.shape[-1:], dtype=torch.float32, device=t.device)
     lr = torch.zeros(t.shape[:-1], dtype=torch.float32, device=t.device)
     t2 = t * t
-    row_std = lambda a, b: _moments_std(t, t2, a[..., None, :], (a * a)[..., None, :], b, -1)  # noqa: E731
-    col_std = lambda a, b: _moments_std(t, t2, b[..., :, None], (b * b)[..., :, None], a, -2)  # noqa: E731
-    # an iterate's column stds are also what the next column update starts from: computed once
-    col = _std(t, -2)
-    best_lc, best_lr, best_imb = lc, lr, _imbalance(col, _std(t, -1))
+    row_var = lambda a, b2: _weighted_var(t, t2, a[..., None, :], (a * a)[..., None, :], b2, -1)  # noqa: E731
+    col_var = lambda a2, b: _weighted_var(t, t2, b[..., :, None], (b * b)[..., :, None], a2, -2)  # noqa: E731
+    # an iterate's column variances are also what the next column update starts from: computed once
+    col = _var(t, -2)
+    best_lc, best_lr, best_imb = lc, lr, _imbalance(col, _var(t, -1))
     for _ in range(iters):
-        lc = torch.clamp(lc + torch.log(torch.clamp(col, 1e-3, 1e3)), -0.3, 10.0)
-        a = torch.exp(-lc)
-        lr = torch.clamp(lr + torch.log(torch.clamp(row_std(a, torch.exp(-lr)), 1e-3, 1e3)), -0.3, 10.0)
-        b = torch.exp(-lr)
-        col = col_std(a, b)
-        imb = _imbalance(col, row_std(a, b))
+        lc = torch.clamp(lc + _log2_std(col), LOG_LO, LOG_HI)
+        a = torch.exp2(-lc)
+        lr = torch.clamp(lr + _log2_std(row_var(a, torch.exp2(-2.0 * lr))), LOG_LO, LOG_HI)
+        b = torch.exp2(-lr)
+        col = col_var(a * a, b)
+        imb = _imbalance(col, row_var(a, b * b))
         better = imb <= best_imb * (1.0 + TIE_RTOL)
         best_lc = torch.where(better[..., None], lc, best_lc)
         best_lr = torch.where(better[..., None], lr, best_lr)
@@ -139,8 +147,8 @@ def sinkhorn_log_scales(t: torch.Tensor, iters: int):
 
 def _balanced_rtn(t: torch.Tensor, bits: int, iters: int):
     lc, lr = sinkhorn_log_scales(t, iters)
-    s_col, s_row = torch.exp(lc), torch.exp(lr)
-    bal = t * torch.exp(-lc)[..., None, :] * torch.exp(-lr)[..., :, None]
+    s_col, s_row = torch.exp2(lc), torch.exp2(lr)
+    bal = t * torch.exp2(-lc)[..., None, :] * torch.exp2(-lr)[..., :, None]
     mn, scale = rtn_params(bal, bits)
     codes = rtn_codes(bal, mn, scale, bits)
     return codes, (s_row * scale).half(), (s_row * mn).half(), s_col.half()

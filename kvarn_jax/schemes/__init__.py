@@ -57,10 +57,12 @@ def expand_static(cfg: KVQuantConfig, params: dict | None, between: int) -> dict
     return out
 
 
-def quantize_side(x: jnp.ndarray, cfg: KVQuantConfig, side: str, static: dict | None = None) -> dict:
+def quantize_side(x: jnp.ndarray, cfg: KVQuantConfig, side: str, static: dict | None = None,
+                  log2=jnp.log2) -> dict:
+    """log2: the base-2 log KVarN's Sinkhorn uses (a kernel may pass a faster one)."""
     b = cfg.bits(side)
     if cfg.method == "kvarn":
-        return kvarn.quantize(x, side, b, cfg.sinkhorn_iters)
+        return kvarn.quantize(x, side, b, cfg.sinkhorn_iters, log2)
     if cfg.method == "kivi":
         return kivi.quantize(x, side, b, cfg.group)
     if cfg.method == "int":

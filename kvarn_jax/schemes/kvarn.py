@@ -20,67 +20,76 @@ from .rtn import rtn_codes, rtn_params
 TIE_RTOL = 1e-6
 
 
-def _std(x: jnp.ndarray, axis: int) -> jnp.ndarray:
-    """Unbiased single-pass std, means not subtracted first: sqrt(max((E[x²]-E[x]²)·n/(n-1), 0))."""
-    n = x.shape[axis]
-    m = jnp.mean(x, axis=axis)
-    m2 = jnp.mean(x * x, axis=axis)
-    return jnp.sqrt(jnp.maximum((m2 - m * m) * (n / (n - 1)), 0.0))
+def _var_from_sums(s1, s2, n: int):
+    """Unbiased single-pass variance from Σx and Σx², means not subtracted first:
+    max((E[x²]-E[x]²)·n/(n-1), 0) = max((Σx² - (Σx)²/n)/(n-1), 0) (the reference's std, squared;
+    constant factors as products, not divisions)."""
+    return jnp.maximum((s2 - s1 * s1 * (1.0 / n)) * (1.0 / (n - 1)), 0.0)
 
 
-def _imbalance(col_std: jnp.ndarray, row_std: jnp.ndarray) -> jnp.ndarray:
-    return (jnp.max(col_std, -1) / jnp.maximum(jnp.min(col_std, -1), 1e-8)
-            + jnp.max(row_std, -1) / jnp.maximum(jnp.min(row_std, -1), 1e-8))
+def _var(x: jnp.ndarray, axis: int) -> jnp.ndarray:
+    return _var_from_sums(jnp.sum(x, axis=axis), jnp.sum(x * x, axis=axis), x.shape[axis])
 
 
-def _weighted_moments(t, t2, w, w2, axis: int):
-    """Mean of t·w and of t²·w² along `axis` (w, w2: the summed axis's weight and its square,
-    broadcast against t)."""
-    n = t.shape[axis]
-    return jnp.sum(t * w, axis=axis) / n, jnp.sum(t2 * w2, axis=axis) / n
+def _imbalance(col_var: jnp.ndarray, row_var: jnp.ndarray) -> jnp.ndarray:
+    """max/min of the column stds + max/min of the row stds (min floored at 1e-8), from variances:
+    sqrt(max var / max(min var, 1e-16)) is the same number with two square roots instead of 2 x 128."""
+    return (jnp.sqrt(jnp.max(col_var, -1) / jnp.maximum(jnp.min(col_var, -1), 1e-16))
+            + jnp.sqrt(jnp.max(row_var, -1) / jnp.maximum(jnp.min(row_var, -1), 1e-16)))
 
 
-def _std_from_moments(m, m2, scale, n: int):
-    """`_std` of values whose moments are (m, m2), multiplied by `scale`."""
-    m, m2 = m * scale, m2 * (scale * scale)
-    return jnp.sqrt(jnp.maximum((m2 - m * m) * (n / (n - 1)), 0.0))
+def _weighted_var(t, t2, w, w2, scale2, axis: int):
+    """`_var` along `axis` of t·w·scale, from t and t² (w, w2: the summed axis's weight and its
+    square, broadcast against t; scale2: the other axis's weight squared)."""
+    return scale2 * _var_from_sums(jnp.sum(t * w, axis=axis), jnp.sum(t2 * w2, axis=axis), t.shape[axis])
 
 
-def sinkhorn_log_scales(t: jnp.ndarray, iters: int):
+LN2 = 0.6931471805599453
+LOG_LO, LOG_HI = -0.3 / LN2, 10.0 / LN2   # the reference's log-scale clip [-0.3, 10], in base 2
+
+
+def _log2_std(var, log2):
+    """log2(clip(std, 1e-3, 1e3)) of a variance, without the square root."""
+    return 0.5 * log2(jnp.clip(var, 1e-6, 1e6))
+
+
+def sinkhorn_log_scales(t: jnp.ndarray, iters: int, log2=jnp.log2):
     """Log-domain variance normalization of `t` [..., R, C] (fp32).
 
-    Returns (lc [..., C], lr [..., R]) of the iterate with the lowest imbalance, the all-zero start
-    included, ties going to the later iterate.
+    Returns (lc [..., C], lr [..., R]), the base-2 logs of the column and row scales of the iterate
+    with the lowest imbalance, the all-zero start included, ties going to the later iterate. The
+    reference works in natural logs; base 2 is the same iteration (clip bounds divided by ln 2) with
+    exp2/log2, which GPUs evaluate in one instruction each instead of a libm polynomial.
 
-    The normalized iterate is t / exp(lc)[c] / exp(lr)[r] = t·a[c]·b[r]. Its row and column stds are
-    computed from t and t² weighted by a, b (exp on vectors only): the same quantities as forming
-    the normalized matrix and taking `_std`, up to float rounding, at a fraction of the per-element
-    work (no divisions; this loop dominates the cost of quantizing a tile).
+    The normalized iterate is t / 2^lc[c] / 2^lr[r] = t·a[c]·b[r]. Its row and column
+    variances are computed from t and t² weighted by a, b (exp on vectors only): the same quantities
+    as forming the normalized matrix and taking stds, up to float rounding, at a fraction of the
+    per-element work (no divisions; this loop dominates the cost of quantizing a tile). Stds enter
+    only through log(std) = log(var)/2 and ratios, so no square root is taken per row or column.
+    `log2`: the base-2 log to use (the GPU quantize kernel passes the one-instruction `lg2.approx`).
     """
-    r_n, c_n = t.shape[-2], t.shape[-1]
     t2 = t * t
     lc = jnp.zeros(t.shape[:-2] + t.shape[-1:], jnp.float32)
     lr = jnp.zeros(t.shape[:-1], jnp.float32)
 
-    def row_std(a, b):  # std over columns of t·a·b, per row
-        m, m2 = _weighted_moments(t, t2, a[..., None, :], (a * a)[..., None, :], -1)
-        return _std_from_moments(m, m2, b, c_n)
+    def row_var(a, b2):  # variance over columns of t·a·b, per row (b2 = b²)
+        return _weighted_var(t, t2, a[..., None, :], (a * a)[..., None, :], b2, -1)
 
-    def col_std(a, b):  # std over rows of t·a·b, per column
-        m, m2 = _weighted_moments(t, t2, b[..., :, None], (b * b)[..., :, None], -2)
-        return _std_from_moments(m, m2, a, r_n)
+    def col_var(a2, b):  # variance over rows of t·a·b, per column (a2 = a²)
+        return _weighted_var(t, t2, b[..., :, None], (b * b)[..., :, None], a2, -2)
 
-    # The column stds an iterate's imbalance needs are the ones the next column update starts from:
-    # computed once and carried (3 std passes per iteration instead of 4; same values).
-    col = _std(t, -2)
-    best_lc, best_lr, best_imb = lc, lr, _imbalance(col, _std(t, -1))
+    # The column variances an iterate's imbalance needs are the ones the next column update starts
+    # from: computed once and carried. The row moments of an iteration serve both its row update
+    # and its imbalance (they depend on a only): 2 weighted passes over the tile per iteration.
+    col = _var(t, -2)
+    best_lc, best_lr, best_imb = lc, lr, _imbalance(col, _var(t, -1))
     for _ in range(iters):
-        lc = jnp.clip(lc + jnp.log(jnp.clip(col, 1e-3, 1e3)), -0.3, 10.0)
-        a = jnp.exp(-lc)
-        lr = jnp.clip(lr + jnp.log(jnp.clip(row_std(a, jnp.exp(-lr)), 1e-3, 1e3)), -0.3, 10.0)
-        b = jnp.exp(-lr)
-        col = col_std(a, b)
-        imb = _imbalance(col, row_std(a, b))
+        lc = jnp.clip(lc + _log2_std(col, log2), LOG_LO, LOG_HI)
+        a = jnp.exp2(-lc)
+        lr = jnp.clip(lr + _log2_std(row_var(a, jnp.exp2(-2.0 * lr)), log2), LOG_LO, LOG_HI)
+        b = jnp.exp2(-lr)
+        col = col_var(a * a, b)
+        imb = _imbalance(col, row_var(a, b * b))
         # Ties go to the later iterate. Iterates that differ by a uniform factor moved between rows
         # and columns have the same imbalance up to float rounding, so "tie" means equal within
         # TIE_RTOL; otherwise summation order (device, library) would decide which one is kept.
@@ -91,11 +100,11 @@ def sinkhorn_log_scales(t: jnp.ndarray, iters: int):
     return best_lc, best_lr
 
 
-def _quantize_matrix(t: jnp.ndarray, bits: int, iters: int):
+def _quantize_matrix(t: jnp.ndarray, bits: int, iters: int, log2=jnp.log2):
     """Balance `t` [..., R, C], RTN per row. Returns codes [..., R, C], row scale/zero (folded), col scale."""
-    lc, lr = sinkhorn_log_scales(t, iters)
-    s_col, s_row = jnp.exp(lc), jnp.exp(lr)
-    bal = t * jnp.exp(-lc)[..., None, :] * jnp.exp(-lr)[..., :, None]
+    lc, lr = sinkhorn_log_scales(t, iters, log2)
+    s_col, s_row = jnp.exp2(lc), jnp.exp2(lr)
+    bal = t * jnp.exp2(-lc)[..., None, :] * jnp.exp2(-lr)[..., :, None]
     mn, scale = rtn_params(bal, bits)
     codes = rtn_codes(bal, mn, scale, bits)
     return (codes, (s_row * scale).astype(jnp.float16), (s_row * mn).astype(jnp.float16),
@@ -111,14 +120,14 @@ def fields(side: str, bits: int, group: int, head_dim: int):
             "scale_tok": ((g,), jnp.float16), "zero_tok": ((g,), jnp.float16)}
 
 
-def quantize(x: jnp.ndarray, side: str, bits: int, iters: int) -> dict:
-    """x: rotated tiles [..., G, D] -> stored fields (see `fields`)."""
+def quantize(x: jnp.ndarray, side: str, bits: int, iters: int, log2=jnp.log2) -> dict:
+    """x: rotated tiles [..., G, D] -> stored fields (see `fields`). log2: see `sinkhorn_log_scales`."""
     t = x.astype(jnp.float32)
     if side == "k":
-        codes, scale_chan, zero_chan, scale_tok = _quantize_matrix(jnp.swapaxes(t, -1, -2), bits, iters)
+        codes, scale_chan, zero_chan, scale_tok = _quantize_matrix(jnp.swapaxes(t, -1, -2), bits, iters, log2)
         return {"codes": store_tiled(codes, bits), "scale_chan": scale_chan, "zero_chan": zero_chan,
                 "scale_tok": scale_tok}
-    codes, scale_tok, zero_tok, scale_chan = _quantize_matrix(t, bits, iters)
+    codes, scale_tok, zero_tok, scale_chan = _quantize_matrix(t, bits, iters, log2)
     return {"codes": store_tiled(codes, bits), "scale_chan": scale_chan, "scale_tok": scale_tok,
             "zero_tok": zero_tok}
 
