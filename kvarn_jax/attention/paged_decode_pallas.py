@@ -409,17 +409,25 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
 
 
 def default_num_warps(cfg: KVQuantConfig, batch: int, num_kv_heads: int) -> int:
-    """Warps per program, from the H200 sweep in benchmarks/results/2026-11-29_decode_h200.json:
-    2 warps win for KVarN/KIVI and fp8 once there are >= 64 (sequence, kv head) pairs; 4 elsewhere."""
-    if cfg.method in ("kvarn", "kivi", "fp8") and batch * num_kv_heads >= 64:
-        return 2
-    return 4
+    """Warps per program, from the H200 sweeps: 2 for KVarN/KIVI and fp8 at every batch size (with
+    `default_num_splits`: kvarn_k4v2_g128 B=1/L=128K 0.127 ms vs 0.162 with 4 warps and 33 splits,
+    benchmarks/results/2026-12-01_decode_splits_h200.json); 4 for int and passthrough schemes."""
+    del batch, num_kv_heads
+    return 2 if cfg.method in ("kvarn", "kivi", "fp8") else 4
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int) -> int:
-    """Enough programs to fill an H100/H200-class chip (~132 SMs x 2), never more splits than tiles."""
-    want = max(1, -(-264 // max(1, batch * num_kv_heads)))
-    return int(max(1, min(want, max_tiles, 128)))
+    """Splits of each sequence's tiles along the KV length, for an H100/H200-class chip (132 SMs;
+    the KVarN kernel keeps 4 programs of 2 warps per SM). Measured on the H200
+    (benchmarks/results/2026-12-01_decode_splits_*_h200.json):
+    - >= 132 (sequence, kv head) pairs: as many splits as still fit one wave of 528 programs
+      (B=32/L=32K: 2 splits 0.63-0.66 ms; 3 splits, 1.45 waves, 0.85 ms; B=128: 1-2 splits);
+    - fewer pairs: a program walks its tiles one after the other, so ~2112 programs with at least 4
+      tiles each (B=8/L=16K: 32 splits 0.130 ms vs 5 splits 0.159; B=1/L=128K: 132 splits 0.127 ms
+      vs 33 splits 0.165)."""
+    pairs = max(1, batch * num_kv_heads)
+    want = max(1, 528 // pairs) if pairs >= 132 else -(-2112 // pairs)
+    return int(max(1, min(want, max_tiles // 4, 128)))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "num_splits", "interpret", "num_warps",
