@@ -5,8 +5,9 @@
 Variants (monkeypatched into the kernel's per-scheme plan; numbers are for diagnosis only, the
 ablated kernels compute wrong attention, except convert_unpack): full; convert_unpack (codes
 turned into fp16 with an int->float conversion instead of the magic-number OR, correct, the
-kernel before 2026-11-29 evening); no_values (V never read); no_unpack (codes converted to fp16
-without the shift/mask); loads_only (codes and scales read and summed, no matrix products).
+kernel before 2026-11-29 evening); no_values (V never read); no_unpack (code bytes converted to
+fp16 whole, no plane extraction); loads_only (codes and scales read and summed, no matrix
+products). Compiled runs only (the ablations replace the PTX unpack).
 """
 
 from __future__ import annotations
@@ -35,10 +36,12 @@ def main():
         ablate(scheme, args.shape, args.variant)
 
 
-def convert_plane(c, bits, j):
-    if bits != 8:
-        c = jnp.bitwise_and(jnp.right_shift(c, j * bits), (1 << bits) - 1)
-    return c.astype(jnp.float16)
+def convert_planes(c, bits):
+    """Bit planes by shift, mask and an int->float conversion (correct; slower than the magic number)."""
+    if bits == 8:
+        return [c.astype(jnp.float16)]
+    return [jnp.bitwise_and(jnp.right_shift(c, j * bits), (1 << bits) - 1).astype(jnp.float16)
+            for j in range(8 // bits)]
 
 
 def ablate(scheme, shape, variant):
@@ -47,7 +50,8 @@ def ablate(scheme, shape, variant):
     cache, tables, lens = random_cache(scheme, batch, ctx, 8, 128, 128, jnp.float16)
     q = jax.random.normal(jax.random.PRNGKey(9), (batch, 32, 128), jnp.float16)
     sid = jnp.arange(batch, dtype=jnp.int32)
-    orig = (pdp._Plan.scores, pdp._Plan.values, pdp._plane)
+    # the plan picks its unpack from these module globals when it is built
+    orig = (pdp._Plan.scores, pdp._Plan.values, pdp._planes_asm)
 
     def no_values(self, ps, pages, st, blk, sub):
         return [jnp.zeros((ps[0].shape[0], self.d // self.vp), jnp.float32) + jnp.sum(ps[0], axis=1)[:, None]
@@ -63,15 +67,15 @@ def ablate(scheme, shape, variant):
 
     variants = {
         "full": orig,
-        "convert_unpack": (orig[0], orig[1], convert_plane),
+        "convert_unpack": (orig[0], orig[1], convert_planes),
         "no_values": (orig[0], no_values, orig[2]),
-        "no_unpack": (orig[0], orig[1], lambda c, bits, j: c.astype(jnp.float16)),
+        "no_unpack": (orig[0], orig[1], lambda c, bits: [c.astype(jnp.float16)] * (8 // bits)),
         "loads_only": (loads_only_scores, loads_only_values, orig[2]),
     }
     nbytes = kernel_bytes(cache, batch, ctx)
     print(f"{scheme} B={batch} L={ctx} {variant}: {nbytes / 1e9:.3f} GB per call")
-    for name, (sc, va, plane) in variants.items():
-        pdp._Plan.scores, pdp._Plan.values, pdp._plane = sc, va, plane
+    for name, (sc, va, planes) in variants.items():
+        pdp._Plan.scores, pdp._Plan.values, pdp._planes_asm = sc, va, planes
         fn = lambda q, c, t, l: pdp.paged_decode_pallas(q, c, t, l, sid, scale=0.088, window=None,
                                                         num_warps=w, num_stages=st,
                                                         interpret=jax.default_backend() == "cpu")
@@ -81,7 +85,7 @@ def ablate(scheme, shape, variant):
             print(f"  {name:<11s} {t * 1e3:7.3f} ms  ({nbytes / t / 1e12:.2f} TB/s effective)")
         except Exception as e:  # noqa: BLE001
             print(f"  {name:<11s} failed: {type(e).__name__}: {str(e)[:300]}")
-    pdp._Plan.scores, pdp._Plan.values, pdp._plane = orig
+    pdp._Plan.scores, pdp._Plan.values, pdp._planes_asm = orig
 
 
 if __name__ == "__main__":
