@@ -273,9 +273,14 @@ def test_preempted_requests_restart_in_their_high_precision_slot(model):
     (tight, c_tight), (roomy, c_roomy) = results[12], results[None]
     assert c_tight["seq_restarts"] > 0 and c_roomy["seq_restarts"] == 0
     same, _ = _agreement(tight, roomy)
+    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(tight, roomy)]
     print(f"\npreemption: {c_tight['seq_restarts']} restart(s); {same}/{3 * MAX_TOKENS} tokens equal to the run "
-          "without preemption")
-    assert same >= 0.9 * 3 * MAX_TOKENS
+          f"without preemption; first difference per prompt at token {first_diff}")
+    # The recomputed prefill rounds K/V differently from the decode steps that first wrote them (CPU
+    # GEMM vs GEMV), which can move KVarN codes at near-ties and, much later, flip a close greedy
+    # choice (seen: token 14 of 24). A restart that read a stale or empty high-precision slot
+    # changes the very first tokens: every prompt must agree on its first 8, and 80% overall.
+    assert min(first_diff) >= 8 and same >= 0.8 * 3 * MAX_TOKENS
 
 
 def test_layer_options_the_bridge_cannot_serve_are_refused(model):
