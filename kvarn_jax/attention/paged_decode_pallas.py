@@ -118,27 +118,27 @@ def _dot_t(a, b):
     return lax.dot_general(_f16(a), _f16(b), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+def _interleave(cs):
+    """Classes [..., n] (class j: elements j, j + len(cs), ...) -> [..., n, 2, ..., 2] by nested
+    joins (Triton joins along a new last axis only): index (i, bits of j) holds element i of class j."""
+    if len(cs) == 1:
+        return cs[0]
+    return jnp.stack([_interleave(cs[0::2]), _interleave(cs[1::2])], axis=-1)
+
+
 def _token_order(classes, rows: int):
     """Key scores per token class (class j holds tokens j, j + kc, ... of a tile: bit plane j of the
     packed key codes) -> one [rows, T] block in token order, by Triton's join (an interleave):
     token i*kc + j is element i of class j. Joining the scores once lets the softmax and the value
     products work on whole tiles (4 value products per tile for 2-bit values instead of 8) - 13-16%
     faster on the H200 (benchmarks/results/2026-11-29_decode_join_h200.json)."""
-    def interleave(cs):  # [rows, n, 2, ..., 2]: index (i, bits of j) holds element i of class j
-        if len(cs) == 1:
-            return cs[0]
-        return jnp.stack([interleave(cs[0::2]), interleave(cs[1::2])], axis=-1)
-    return interleave(classes).reshape(rows, classes[0].shape[1] * len(classes))
+    return _interleave(classes).reshape(rows, classes[0].shape[1] * len(classes))
 
 
 def _tokens_from_planes(planes):
     """Key code planes (plane j: tokens j, j + kc, ... of a tile, [G/kc, D] each) -> the tile [G, D] in
     token order (nested joins, as `_token_order`, then the plane axes moved before the channels)."""
-    def interleave(cs):
-        if len(cs) == 1:
-            return cs[0]
-        return jnp.stack([interleave(cs[0::2]), interleave(cs[1::2])], axis=-1)
-    x = interleave(planes)                                   # [G/kc, D, 2, ..., 2]
+    x = _interleave(planes)                                  # [G/kc, D, 2, ..., 2]
     nd = x.ndim
     x = jnp.transpose(x, (0,) + tuple(range(2, nd)) + (1,))  # [G/kc, 2, ..., 2, D]
     return x.reshape(planes[0].shape[0] * len(planes), planes[0].shape[1])
