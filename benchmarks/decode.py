@@ -21,6 +21,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -194,14 +195,35 @@ def jax_paged_time(batch, ctx, hq, hk, d, bs):
         return None
 
 
-def check(cfg, hq, hk, d, bs):
-    """Kernel vs reference on a moderately sized random cache."""
+def variant_kwargs(var: str) -> dict:
+    """Kernel keyword arguments of a variant name wWsS[a][t][f] ("default": none)."""
+    if var == "default":
+        return {}
+    m = re.fullmatch(r"w(\d+)s(\d+)([atf]*)", var)
+    if not m:
+        raise SystemExit(f"bad variant {var!r} (expected wWsS[a][t][f])")
+    fl = m.group(3)
+    return dict(num_warps=int(m.group(1)), num_stages=int(m.group(2)), unpack="asm" if "a" in fl else "magic",
+                orient="tokens" if "t" in fl else "heads", fold="f" in fl)
+
+
+def check(cfg, hq, hk, d, bs, kw=None, window=None):
+    """Kernel (with launch/variant keywords `kw`) vs reference on a moderately sized random cache:
+    max |kernel - reference| / max |reference|."""
+    from kvarn_jax.hadamard import rotate, unrotate
     cache, tables, lens = random_cache(cfg, 4, 4 * bs + 37, hk, d, bs, jnp.float16, seed=7)
     lens = jnp.array([4 * bs + 37, 3 * bs, bs - 5, 2 * bs + 1], jnp.int32)
     q = jax.random.normal(jax.random.PRNGKey(5), (4, hq, d), jnp.float32)
-    ref = kj.paged_decode_attention(q, cache, tables, lens, impl="reference")
-    out = kj.paged_decode_attention(q, cache, tables, lens, impl="pallas")
-    return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+    ref = kj.paged_decode_attention(q, cache, tables, lens, impl="reference", window=window)
+    if kw is None:
+        out = kj.paged_decode_attention(q, cache, tables, lens, impl="pallas", window=window)
+    else:  # the kernel itself, in the stored frame, as paged_decode_attention calls it
+        rot = kj.parse(cfg).rotated
+        o = pdp.paged_decode_pallas(rotate(q) if rot else q, cache, tables, lens, jnp.arange(4, dtype=jnp.int32),
+                                    scale=1.0 / np.sqrt(d), window=window,
+                                    interpret=jax.default_backend() == "cpu", **kw)
+        out = unrotate(o) if rot else o
+    return float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
 
 
 def main():
@@ -213,8 +235,9 @@ def main():
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--splits", default="", help="comma list of num_splits to try (default: heuristic only)")
-    p.add_argument("--variants", default="w4s2", help="comma list of kernel launch variants wWsS[a] (num_warps W, num_stages S; "
-                   "a suffix a: the PTX unpack, `_plane_asm`)")
+    p.add_argument("--variants", default="", help="comma list of kernel variants wWsS[a][t][f] (num_warps W, num_stages S; "
+                   "flags: a the PTX unpack `_planes_asm`, t tokens-major products (orient='tokens'), f the "
+                   "magic bias folded into the sums (fold=True)); default: the kernel's own defaults")
     p.add_argument("--no-baselines", action="store_true")
     p.add_argument("--check", action="store_true")
     p.add_argument("--json", default="")
@@ -233,16 +256,23 @@ def main():
                                            cwd=os.path.dirname(__file__)).stdout.strip()
     except OSError:
         results["commit"] = ""
-    if args.check:
+    variant_names = args.variants.split(",") if args.variants else ["default"]
+    if args.check:  # every variant, without and with a sliding window
         for s in schemes:
-            try:
-                err = check(s, hq, hk, d, bs)
-            except Exception as e:  # noqa: BLE001 - report and go on with the other schemes
-                print(f"check {s}: FAILED {type(e).__name__}: {str(e)[:2000]}")
-                results["checks"][s] = f"error: {type(e).__name__}"
-                continue
-            results["checks"][s] = err
-            print(f"check {s}: kernel vs reference relative L2 error {err:.2e}")
+            for var in variant_names:
+                kw = variant_kwargs(var)
+                if kw.get("orient") == "tokens" and kj.parse(s).method not in ("kvarn", "kivi"):
+                    continue
+                for window in (None, 2 * bs + 3):
+                    key = f"{s}/{var}" + (f"/window{window}" if window else "")
+                    try:
+                        err = check(s, hq, hk, d, bs, kw if kw else None, window)
+                    except Exception as e:  # noqa: BLE001 - report and go on with the other schemes
+                        print(f"check {key}: FAILED {type(e).__name__}: {str(e)[:2000]}")
+                        results["checks"][key] = f"error: {type(e).__name__}"
+                        continue
+                    results["checks"][key] = err
+                    print(f"check {key}: max|kernel - reference| / max|reference| {err:.2e}")
     splits = [int(x) for x in args.splits.split(",") if x] or [None]
     for batch, ctx in shapes:
         row = {"batch": batch, "ctx": ctx, "schemes": {}}
@@ -250,7 +280,7 @@ def main():
             row["fp16_sdpa_s"] = torch_sdpa_time(batch, ctx, hq, hk, d)
             row["jax_paged_fp16_s"] = jax_paged_time(batch, ctx, hq, hk, d, bs)
         for s in schemes:
-            if isinstance(results["checks"].get(s), str):
+            if any(isinstance(v, str) for k, v in results["checks"].items() if k.split("/")[0] == s):
                 continue  # the kernel failed its check: timing it would mean nothing
             cache, tables, lens = random_cache(s, batch, ctx, hk, d, bs, jnp.float16)
             q = jax.random.normal(jax.random.PRNGKey(9), (batch, hq, d), jnp.float16)
@@ -259,13 +289,14 @@ def main():
             variants = {}
             sid = jnp.arange(batch, dtype=jnp.int32)
             for ns in splits:
-                for var in args.variants.split(","):
-                    unpack = "asm" if var.endswith("a") else "magic"
-                    w, st = (int(x) for x in var[1:].rstrip("a").split("s"))
+                for var in variant_names:
+                    kw = variant_kwargs(var)
+                    if kw.get("orient") == "tokens" and kj.parse(s).method not in ("kvarn", "kivi"):
+                        continue
                     # the kernel itself (q in the stored frame), as paged_decode_attention calls it
-                    fn = lambda q, c, t, l, ns=ns, w=w, st=st, u=unpack: pdp.paged_decode_pallas(
-                        q, c, t, l, sid, scale=1.0 / np.sqrt(d), window=None, num_splits=ns, num_warps=w, num_stages=st,
-                        interpret=jax.default_backend() == "cpu", unpack=u)
+                    fn = lambda q, c, t, l, ns=ns, kw=kw: pdp.paged_decode_pallas(
+                        q, c, t, l, sid, scale=1.0 / np.sqrt(d), window=None, num_splits=ns,
+                        interpret=jax.default_backend() == "cpu", **kw)
                     t_dev = device_time(fn, (q, cache, tables, lens))
                     variants[f"{var}_splits{ns}"] = t_dev
                     if best is None or t_dev < best["device_s"]:

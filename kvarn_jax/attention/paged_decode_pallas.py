@@ -61,7 +61,7 @@ def _magic(bits: int, j: int) -> int:
     return (25 - j * bits) << 10
 
 
-def _planes(c, bits: int):
+def _planes(c, bits: int, biased: bool = False):
     """Bit planes of packed codes as fp16: plane j holds element j of every byte (bit shift j*bits),
     i.e. elements j, j + 8/bits, ... of the packed axis. Working plane by plane avoids re-interleaving
     codes in registers; the order is restored outside the inner products. jnp version."""
@@ -69,11 +69,12 @@ def _planes(c, bits: int):
     for j in range(8 // bits):
         mask = ((1 << bits) - 1) << (j * bits)
         v = jnp.bitwise_or(jnp.bitwise_and(c, jnp.uint8(mask)).astype(jnp.uint16), jnp.uint16(_magic(bits, j)))
-        out.append(lax.bitcast_convert_type(v, jnp.float16) - jnp.float16(2.0 ** (10 - j * bits)))
+        v = lax.bitcast_convert_type(v, jnp.float16)
+        out.append(v if biased else v - jnp.float16(2.0 ** (10 - j * bits)))
     return out
 
 
-def _planes_asm(c, bits: int):
+def _planes_asm(c, bits: int, biased: bool = False):
     """`_planes` in PTX (NVIDIA GPUs only; bit-identical). One asm spreads 4 code bytes into the
     16-bit halves of two registers (two `prmt`, once for all planes); then per plane and pair of
     codes one `lop3` ((t & mask) | magic, see `_magic`) and one `sub.f16x2` removing the magic.
@@ -88,8 +89,11 @@ def _planes_asm(c, bits: int):
     for j in range(8 // bits):
         mask16 = ((1 << bits) - 1) << (j * bits)
         mg = _magic(bits, j)
-        asm = ("{ .reg .b32 t, m; " + f"mov.b32 m, {mg | (mg << 16)}; "
-               + f"lop3.b32 t, $1, {mask16 | (mask16 << 16)}, m, 0xEA; sub.rn.f16x2 $0, t, m; " + "}")
+        if biased:  # magic + code: the caller removes magic * (sum of the other operand)
+            asm = f"lop3.b32 $0, $1, {mask16 | (mask16 << 16)}, {mg | (mg << 16)}, 0xEA;"
+        else:
+            asm = ("{ .reg .b32 t, m; " + f"mov.b32 m, {mg | (mg << 16)}; "
+                   + f"lop3.b32 t, $1, {mask16 | (mask16 << 16)}, m, 0xEA; sub.rn.f16x2 $0, t, m; " + "}")
         (v,) = plgpu.elementwise_inline_asm(asm, args=[wide], constraints="=r,r", pack=2,
                                             result_shape_dtypes=[jax.ShapeDtypeStruct(c.shape, jnp.float16)])
         out.append(v)
@@ -100,22 +104,29 @@ def _f16(x):
     return x.astype(jnp.float16)
 
 
-def _dot(a, b):
+def _dot(a, b, min_n: int = 16):
     """[M, K] @ [K, N] in fp16 with fp32 accumulation.
 
-    Triton's matrix instructions need every dimension >= 16; smaller products (e.g. 8-token classes
-    of a 2-bit 32-token tile) are computed as a broadcast multiply and sum instead.
+    Triton's matrix instructions need M, K >= 16 and N >= 8 (mma m16n8k16; N >= 16 unless `min_n`
+    says otherwise); smaller products are computed as a broadcast multiply and sum instead.
     """
-    if min(a.shape[0], a.shape[1], b.shape[1]) < 16:
+    if min(a.shape[0], a.shape[1]) < 16 or b.shape[1] < min_n:
         return jnp.sum(a.astype(jnp.float32)[:, :, None] * b.astype(jnp.float32)[None, :, :], axis=1)
     return jnp.dot(_f16(a), _f16(b), preferred_element_type=jnp.float32)
 
 
-def _dot_t(a, b):
+def _dot_t(a, b, min_n: int = 16):
     """[M, K] @ [N, K]^T in fp16 with fp32 accumulation (see `_dot` for small shapes)."""
-    if min(a.shape[0], a.shape[1], b.shape[0]) < 16:
+    if min(a.shape[0], a.shape[1]) < 16 or b.shape[0] < min_n:
         return jnp.sum(a.astype(jnp.float32)[:, None, :] * b.astype(jnp.float32)[None, :, :], axis=2)
     return lax.dot_general(_f16(a), _f16(b), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot_tn(a, b, min_n: int = 16):
+    """[K, M]^T @ [K, N] in fp16 with fp32 accumulation (see `_dot` for small shapes)."""
+    if min(a.shape[0], a.shape[1]) < 16 or b.shape[1] < min_n:
+        return jnp.sum(a.astype(jnp.float32)[:, :, None] * b.astype(jnp.float32)[:, None, :], axis=0)
+    return lax.dot_general(_f16(a), _f16(b), (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def _interleave(cs):
@@ -174,8 +185,10 @@ class _Plan:
         vp planes [Gp, D / vp] and re-interleaved outside the kernel.
     """
 
-    def __init__(self, cfg: KVQuantConfig, head_dim: int, tile_tokens: int, unpack: str = "magic"):
+    def __init__(self, cfg: KVQuantConfig, head_dim: int, tile_tokens: int, unpack: str = "magic",
+                 fold: bool = False):
         self.cfg, self.d, self.t = cfg, head_dim, tile_tokens
+        self.fold = fold
         self.planes = _planes_asm if unpack == "asm" else _planes
         self.tiled = cfg.method in ("kvarn", "kivi")
         self.kc = 8 // cfg.k_bits if self.tiled else 1
@@ -264,6 +277,54 @@ class _Plan:
             return [raw * f["scale"][blk, sub].astype(jnp.float32)[None, :]]
         return [_dot_t(q, f["values"][blk, sub].astype(jnp.float32))]
 
+    # ---------------------------------------------------------------- tokens-major (tiled schemes)
+    def scores_t(self, q, pages, blk, sub):
+        """Tokens-major scores of a tiled scheme: list over token classes j of [T / kc, Gp] (tokens
+        j, j + kc, ... of the tile; one class in token order when `k_whole`)."""
+        cfg, kc = self.cfg, self.kc
+        f = pages["k"]
+        codes = f["codes"][blk, sub]                                       # [G*b/8, D]
+        sc, zc = ("scale_chan", "zero_chan") if cfg.method == "kvarn" else ("scale", "zero")
+        qs = _f16(q * f[sc][blk, sub].astype(jnp.float32)[None, :])
+        zq = jnp.sum(q * f[zc][blk, sub].astype(jnp.float32)[None, :], axis=1)
+        fold = self.fold and not self.k_whole
+        if fold:  # planes hold 2^(10 - j*b) + code: remove 2^(10 - j*b) * sum(qs) per score instead
+            qsum = jnp.sum(qs.astype(jnp.float32), axis=1)
+        planes = self.planes(codes, cfg.k_bits, biased=fold)                # kc x [G/kc, D]
+        if self.k_whole:
+            s = _dot_t(_tokens_from_planes(planes), qs, min_n=8) + zq[None, :]
+            if cfg.method == "kvarn":
+                s = s * f["scale_tok"][blk, sub].astype(jnp.float32)[:, None]
+            return [s]
+        out = []
+        for j in range(kc):
+            zj = zq - (2.0 ** (10 - j * cfg.k_bits)) * qsum if fold else zq
+            s = _dot_t(planes[j], qs, min_n=8) + zj[None, :]
+            if cfg.method == "kvarn":
+                s = s * f["scale_tok"][blk, sub, :, j].astype(jnp.float32)[:, None]
+            out.append(s)
+        return out
+
+    def values_t(self, p, pages, blk, sub):
+        """Tokens-major values of a tiled scheme: probabilities [T, Gp] in token order -> list over
+        channel planes of [D / vp, Gp]."""
+        cfg, vp = self.cfg, self.vp
+        f = pages["v"]
+        if cfg.method == "kvarn":
+            planes = self.planes(f["codes"][blk, sub], cfg.v_bits, biased=self.fold)  # vp x [D/vp, G]
+            zp = jnp.sum(p * f["zero_tok"][blk, sub].astype(jnp.float32)[:, None], axis=0)
+            p16 = _f16(p * f["scale_tok"][blk, sub].astype(jnp.float32)[:, None])
+            if self.fold:
+                psum = jnp.sum(p16.astype(jnp.float32), axis=0)
+            zs = [zp - (2.0 ** (10 - n * cfg.v_bits)) * psum if self.fold else zp for n in range(vp)]
+            return [(_dot(planes[n], p16, min_n=8) + zs[n][None, :])
+                    * f["scale_chan"][blk, sub, :, n].astype(jnp.float32)[:, None] for n in range(vp)]
+        planes = self.planes(f["codes"][blk, sub], cfg.v_bits)             # vp x [D/vp, G]
+        cgp = cfg.channel_group("v", self.d) // vp
+        sc = _expand_groups(f["scale"][blk, sub].astype(jnp.float32).T, cgp, self.d // vp, axis=0)
+        zr = _expand_groups(f["zero"][blk, sub].astype(jnp.float32).T, cgp, self.d // vp, axis=0)
+        return [_dot(planes[n].astype(jnp.float32) * sc + zr, p, min_n=8) for n in range(vp)]
+
     # ---------------------------------------------------------------- values
     def values(self, ps, pages, st, blk, sub):
         """[probabilities [Gp, T]] of a tile in token order -> list over channel planes of [Gp, D / vp]."""
@@ -309,8 +370,13 @@ class _Plan:
 
 # ----------------------------------------------------------------------------- the kernel
 def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tiles_per_block,
-            num_splits, sm_scale, window):
+            num_splits, sm_scale, window, tokens_major):
     d, vp, t_tok = plan.d, plan.vp, plan.t
+    # tokens_major: scores [T, Gp] and accumulator [D/vp, Gp] (the matrix unit's N is the head
+    # axis, 8 wide); otherwise scores [Gp, T] and accumulator [Gp, D/vp] (M = heads, 16 wide)
+    ax = 0 if tokens_major else 1                                          # the token axis
+    per_head = (lambda v: v[None, :]) if tokens_major else (lambda v: v[:, None])
+    per_token = (lambda v: v[:, None]) if tokens_major else (lambda v: v[None, :])
     it = iter(refs)
     q_ref = next(it)
     qp_ref = next(it) if plan.pk > 1 else None
@@ -336,18 +402,18 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
         masked=False: every position is valid (full quantized tiles without a window)."""
         m, l, acc = carry
         if masked:
-            ss = [jnp.where(((pos >= ws) & (pos < length))[None, :], s, NEG) for s, pos in zip(ss, poss)]
+            ss = [jnp.where(per_token((pos >= ws) & (pos < length)), s, NEG) for s, pos in zip(ss, poss)]
         m_new = m
         for s in ss:
-            m_new = jnp.maximum(m_new, jnp.max(s, axis=1))
+            m_new = jnp.maximum(m_new, jnp.max(s, axis=ax))
         alpha = jnp.exp2(m - m_new)
         # masked logits give exactly 0: m_new is finite, every processed chunk holding a valid position
-        ps = [jnp.exp2(s - m_new[:, None]) for s in ss]
+        ps = [jnp.exp2(s - per_head(m_new)) for s in ss]
         l_new = alpha * l
         for p in ps:
-            l_new = l_new + jnp.sum(p, axis=1)
+            l_new = l_new + jnp.sum(p, axis=ax)
         contrib = value_fn(ps)
-        return m_new, l_new, tuple(alpha[:, None] * a + c for a, c in zip(acc, contrib))
+        return m_new, l_new, tuple(per_head(alpha) * a + c for a, c in zip(acc, contrib))
 
     # ---- quantized tiles (for passthrough: every tile)
     # blocks read from pages: full, not the sink, and not the query's own block (position length - 1)
@@ -370,12 +436,19 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     def tile_body(t, carry):
         blk = bt_ref[b, t // tpb]
         sub = t % tpb
+        if tokens_major:  # softmax per token class; only the probabilities are put in token order
+            ss = plan.scores_t(q, pages, blk, sub)
+            nc = len(ss)
+            poss = [t * t_tok + jnp.arange(t_tok // nc, dtype=jnp.int32) * nc + j for j in range(nc)]
+            vfn = lambda ps: plan.values_t(ps[0] if nc == 1 else _tokens_from_planes(ps), pages, blk, sub)
+            return update(carry, ss, poss, vfn, masked=tiles_partial)
         ss = [_token_order(plan.scores(q, q_planes, pages, st, blk, sub), gp)]
         poss = [t * t_tok + tok]
         return update(carry, ss, poss, lambda ps: plan.values(ps, pages, st, blk, sub), masked=tiles_partial)
 
+    acc_shape = (d // vp, gp) if tokens_major else (gp, d // vp)
     carry = (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32),
-             tuple(jnp.zeros((gp, d // vp), jnp.float32) for _ in range(vp)))
+             tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(vp)))
     carry = lax.fori_loop(lo, jnp.maximum(lo, hi), tile_body, carry)
 
     # ---- high-precision sink and partial tail (split 0 only)
@@ -393,6 +466,10 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
                 rows = pl.ds(pl.multiple_of(base + c * hc, hc), hc)
                 kk = k_ref[sid, rows].astype(jnp.float32)                   # [hc, D]
                 pos = start_pos + c * hc + jnp.arange(hc, dtype=jnp.int32)
+                if tokens_major:
+                    vals = lambda ps: [_dot_tn(v_ref[sid, rows, :, n].astype(jnp.float32), ps[0], min_n=8)
+                                       for n in range(vp)]
+                    return update(carry, [_dot_t(kk, q, min_n=8)], [pos], vals)
                 vals = lambda ps: [_dot(ps[0], v_ref[sid, rows, :, n].astype(jnp.float32)) for n in range(vp)]
                 return update(carry, [_dot_t(q, kk)], [pos], vals)
             return lax.fori_loop(c_lo, jnp.maximum(c_lo, c_hi), body, carry)
@@ -406,6 +483,11 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
         o_ref[n] = acc[n]
     m_ref[...] = m
     l_ref[...] = l
+
+
+def default_orient(cfg: KVQuantConfig) -> str:
+    """Layout of the inner products: "tokens" (scores [T, Gp]) or "heads" (scores [Gp, T])."""
+    return "heads"
 
 
 def default_num_warps(cfg: KVQuantConfig, batch: int, num_kv_heads: int) -> int:
@@ -431,10 +513,11 @@ def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "num_splits", "interpret", "num_warps",
-                                             "num_stages", "unpack"))
+                                             "num_stages", "unpack", "orient", "fold"))
 def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale: float, window: int | None,
                         num_splits: int | None = None, interpret: bool = False, num_warps: int | None = None,
-                        num_stages: int = 2, unpack: str | None = None):
+                        num_stages: int = 2, unpack: str | None = None, orient: str | None = None,
+                        fold: bool = False):
     """Kernel entry: q_rot [B, Hq, D] in the stored frame -> output [B, Hq, D] fp32 in the stored frame.
 
     unpack: how codes become fp16 - "asm" (`_planes_asm`, PTX; the default when compiled,
@@ -444,15 +527,19 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     if unpack not in ("magic", "asm") or (unpack == "asm" and interpret):
         raise ValueError(f"unpack must be 'magic' or (compiled only) 'asm', got {unpack!r} (interpret={interpret})")
     cfg = cache.cfg
+    orient = orient or default_orient(cfg)
+    if orient not in ("heads", "tokens") or (orient == "tokens" and cfg.method not in ("kvarn", "kivi")):
+        raise ValueError(f"orient must be 'heads' or (KVarN/KIVI only) 'tokens', got {orient!r} for {cfg.name}")
+    tokens_major = orient == "tokens"
     nbt, hq, d = q_rot.shape
     hk = cache.num_kv_heads
     grp = hq // hk
-    gp = max(16, 1 << (grp - 1).bit_length())
+    gp = max(8 if tokens_major else 16, 1 << (grp - 1).bit_length())
     mb = block_tables.shape[1]
     t_tok = cfg.tile_tokens if cfg.tile_tokens > 1 else min(TOKEN_CHUNK, cache.block_size)
     tiles_per_block = cache.block_size // t_tok
     splits = num_splits or default_num_splits(nbt, hk, mb * tiles_per_block)
-    plan = _Plan(cfg, d, t_tok, unpack)
+    plan = _Plan(cfg, d, t_tok, unpack, fold=fold and tokens_major)
 
     qg = q_rot.astype(jnp.float32).reshape(nbt, hk, grp, d)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - grp), (0, 0)))
@@ -491,12 +578,13 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     kernel = functools.partial(
         _kernel, plan=plan, names=names, static_names=static_names, has_hp=cache.has_hp,
         block_size=cache.block_size, tail_len=max(cache.tail_len, 1), tiles_per_block=tiles_per_block,
-        num_splits=splits, sm_scale=scale, window=window)
+        num_splits=splits, sm_scale=scale, window=window, tokens_major=tokens_major)
     vp = plan.vp
-    out_shape = [jax.ShapeDtypeStruct((nbt, hk, splits, vp, gp, d // vp), jnp.float32),
+    acc_shape = (d // vp, gp) if tokens_major else (gp, d // vp)
+    out_shape = [jax.ShapeDtypeStruct((nbt, hk, splits, vp) + acc_shape, jnp.float32),
                  jax.ShapeDtypeStruct((nbt, hk, splits, gp), jnp.float32),
                  jax.ShapeDtypeStruct((nbt, hk, splits, gp), jnp.float32)]
-    out_specs = [pl.BlockSpec((None, None, None, vp, gp, d // vp), lambda b, h, s: (b, h, s, 0, 0, 0)),
+    out_specs = [pl.BlockSpec((None, None, None, vp) + acc_shape, lambda b, h, s: (b, h, s, 0, 0, 0)),
                  pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0)),
                  pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0))]
     params = {}
@@ -511,6 +599,8 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     m_all = jnp.max(m, axis=2, keepdims=True)
     w = jnp.exp2(m - m_all)                                            # m is in base-2 units
     l_all = jnp.sum(w * l, axis=2)
+    if tokens_major:  # [.., vp, D/vp, Gp] -> [.., vp, Gp, D/vp]
+        acc = jnp.swapaxes(acc, -1, -2)
     o = jnp.sum(w[..., None, :, None] * acc, axis=2) / jnp.where(l_all > 0, l_all, 1.0)[..., None, :, None]
     o = o.transpose(0, 1, 3, 4, 2).reshape(nbt, hk, gp, d)
     return o[:, :, :grp].reshape(nbt, hq, d)
