@@ -278,12 +278,14 @@ class _Plan:
         return [_dot_t(q, f["values"][blk, sub].astype(jnp.float32))]
 
     # ---------------------------------------------------------------- tokens-major (tiled schemes)
-    def scores_t(self, q, pages, blk, sub):
+    def scores_t(self, q, pages, blk, sub, part=0, parts: int = 1):
         """Tokens-major scores of a tiled scheme: list over token classes j of [T / kc, Gp] (tokens
-        j, j + kc, ... of the tile; one class in token order when `k_whole`)."""
+        j, j + kc, ... of the tile; one class in token order when `k_whole`). With parts > 1 only
+        tokens [part * T/parts, (part + 1) * T/parts) of the tile (classes within that part)."""
         cfg, kc = self.cfg, self.kc
         f = pages["k"]
-        codes = f["codes"][blk, sub]                                       # [G*b/8, D]
+        rows = self.t * cfg.k_bits // 8 // parts
+        codes = f["codes"][blk, sub, pl.ds(part * rows, rows)]             # [G*b/8 / parts, D]
         sc, zc = ("scale_chan", "zero_chan") if cfg.method == "kvarn" else ("scale", "zero")
         qs = _f16(q * f[sc][blk, sub].astype(jnp.float32)[None, :])
         zq = jnp.sum(q * f[zc][blk, sub].astype(jnp.float32)[None, :], axis=1)
@@ -294,35 +296,38 @@ class _Plan:
         if self.k_whole:
             s = _dot_t(_tokens_from_planes(planes), qs, min_n=8) + zq[None, :]
             if cfg.method == "kvarn":
-                s = s * f["scale_tok"][blk, sub].astype(jnp.float32)[:, None]
+                s = s * f["scale_tok"][blk, sub, pl.ds(part * rows * kc, rows * kc)].astype(jnp.float32)[:, None]
             return [s]
         out = []
         for j in range(kc):
             zj = zq - (2.0 ** (10 - j * cfg.k_bits)) * qsum if fold else zq
             s = _dot_t(planes[j], qs, min_n=8) + zj[None, :]
             if cfg.method == "kvarn":
-                s = s * f["scale_tok"][blk, sub, :, j].astype(jnp.float32)[:, None]
+                s = s * f["scale_tok"][blk, sub, pl.ds(part * rows, rows), j].astype(jnp.float32)[:, None]
             out.append(s)
         return out
 
-    def values_t(self, p, pages, blk, sub):
-        """Tokens-major values of a tiled scheme: probabilities [T, Gp] in token order -> list over
-        channel planes of [D / vp, Gp]."""
+    def values_t(self, p, pages, blk, sub, part=0, parts: int = 1):
+        """Tokens-major values of a tiled scheme: probabilities [T / parts, Gp] in token order (of
+        part `part` of the tile) -> list over channel planes of [D / vp, Gp]."""
         cfg, vp = self.cfg, self.vp
         f = pages["v"]
+        n_tok = self.t // parts
+        toks = pl.ds(part * n_tok, n_tok)
+        codes = f["codes"][blk, sub, :, toks]                              # [D*b/8, G / parts]
         if cfg.method == "kvarn":
-            planes = self.planes(f["codes"][blk, sub], cfg.v_bits, biased=self.fold)  # vp x [D/vp, G]
-            zp = jnp.sum(p * f["zero_tok"][blk, sub].astype(jnp.float32)[:, None], axis=0)
-            p16 = _f16(p * f["scale_tok"][blk, sub].astype(jnp.float32)[:, None])
+            planes = self.planes(codes, cfg.v_bits, biased=self.fold)       # vp x [D/vp, G/parts]
+            zp = jnp.sum(p * f["zero_tok"][blk, sub, toks].astype(jnp.float32)[:, None], axis=0)
+            p16 = _f16(p * f["scale_tok"][blk, sub, toks].astype(jnp.float32)[:, None])
             if self.fold:
                 psum = jnp.sum(p16.astype(jnp.float32), axis=0)
             zs = [zp - (2.0 ** (10 - n * cfg.v_bits)) * psum if self.fold else zp for n in range(vp)]
             return [(_dot(planes[n], p16, min_n=8) + zs[n][None, :])
                     * f["scale_chan"][blk, sub, :, n].astype(jnp.float32)[:, None] for n in range(vp)]
-        planes = self.planes(f["codes"][blk, sub], cfg.v_bits)             # vp x [D/vp, G]
+        planes = self.planes(codes, cfg.v_bits)                             # vp x [D/vp, G/parts]
         cgp = cfg.channel_group("v", self.d) // vp
-        sc = _expand_groups(f["scale"][blk, sub].astype(jnp.float32).T, cgp, self.d // vp, axis=0)
-        zr = _expand_groups(f["zero"][blk, sub].astype(jnp.float32).T, cgp, self.d // vp, axis=0)
+        sc = _expand_groups(f["scale"][blk, sub, toks].astype(jnp.float32).T, cgp, self.d // vp, axis=0)
+        zr = _expand_groups(f["zero"][blk, sub, toks].astype(jnp.float32).T, cgp, self.d // vp, axis=0)
         return [_dot(planes[n].astype(jnp.float32) * sc + zr, p, min_n=8) for n in range(vp)]
 
     # ---------------------------------------------------------------- values
@@ -370,7 +375,7 @@ class _Plan:
 
 # ----------------------------------------------------------------------------- the kernel
 def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tiles_per_block,
-            num_splits, sm_scale, window, tokens_major):
+            num_splits, sm_scale, window, tokens_major, parts):
     d, vp, t_tok = plan.d, plan.vp, plan.t
     # tokens_major: scores [T, Gp] and accumulator [D/vp, Gp] (the matrix unit's N is the head
     # axis, 8 wide); otherwise scores [Gp, T] and accumulator [Gp, D/vp] (M = heads, 16 wide)
@@ -437,11 +442,15 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
         blk = bt_ref[b, t // tpb]
         sub = t % tpb
         if tokens_major:  # softmax per token class; only the probabilities are put in token order
-            ss = plan.scores_t(q, pages, blk, sub)
-            nc = len(ss)
-            poss = [t * t_tok + jnp.arange(t_tok // nc, dtype=jnp.int32) * nc + j for j in range(nc)]
-            vfn = lambda ps: plan.values_t(ps[0] if nc == 1 else _tokens_from_planes(ps), pages, blk, sub)
-            return update(carry, ss, poss, vfn, masked=tiles_partial)
+            for part in range(parts):  # parts of a tile one after the other: fewer live registers
+                ss = plan.scores_t(q, pages, blk, sub, part, parts)
+                nc, n_tok = len(ss), t_tok // parts
+                poss = [t * t_tok + part * n_tok + jnp.arange(n_tok // nc, dtype=jnp.int32) * nc + j
+                        for j in range(nc)]
+                vfn = lambda ps, part=part: plan.values_t(ps[0] if len(ps) == 1 else _tokens_from_planes(ps),
+                                                          pages, blk, sub, part, parts)
+                carry = update(carry, ss, poss, vfn, masked=tiles_partial)
+            return carry
         ss = [_token_order(plan.scores(q, q_planes, pages, st, blk, sub), gp)]
         poss = [t * t_tok + tok]
         return update(carry, ss, poss, lambda ps: plan.values(ps, pages, st, blk, sub), masked=tiles_partial)
@@ -513,11 +522,11 @@ def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "num_splits", "interpret", "num_warps",
-                                             "num_stages", "unpack", "orient", "fold"))
+                                             "num_stages", "unpack", "orient", "fold", "parts"))
 def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale: float, window: int | None,
                         num_splits: int | None = None, interpret: bool = False, num_warps: int | None = None,
                         num_stages: int = 2, unpack: str | None = None, orient: str | None = None,
-                        fold: bool = False):
+                        fold: bool = False, parts: int = 1):
     """Kernel entry: q_rot [B, Hq, D] in the stored frame -> output [B, Hq, D] fp32 in the stored frame.
 
     unpack: how codes become fp16 - "asm" (`_planes_asm`, PTX; the default when compiled,
@@ -578,7 +587,7 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     kernel = functools.partial(
         _kernel, plan=plan, names=names, static_names=static_names, has_hp=cache.has_hp,
         block_size=cache.block_size, tail_len=max(cache.tail_len, 1), tiles_per_block=tiles_per_block,
-        num_splits=splits, sm_scale=scale, window=window, tokens_major=tokens_major)
+        num_splits=splits, sm_scale=scale, window=window, tokens_major=tokens_major, parts=parts)
     vp = plan.vp
     acc_shape = (d // vp, gp) if tokens_major else (gp, d // vp)
     out_shape = [jax.ShapeDtypeStruct((nbt, hk, splits, vp) + acc_shape, jnp.float32),
