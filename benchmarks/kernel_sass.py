@@ -129,7 +129,7 @@ def main():
     cfg = kj.parse(args.scheme)
     if args.kind == "decode":
         from kvarn_jax.attention.paged_decode_pallas import default_num_warps
-        warps = args.warps or default_num_warps(cfg, 32, 8)
+        warps = args.warps or default_num_warps(cfg)
         stages = args.stages or 2
     else:
         from kvarn_jax.cache.quantize_pallas import default_num_warps

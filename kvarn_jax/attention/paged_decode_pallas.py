@@ -495,30 +495,38 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
 
 
 def default_orient(cfg: KVQuantConfig) -> str:
-    """Layout of the inner products: "tokens" (scores [T, Gp]) or "heads" (scores [Gp, T])."""
-    return "heads"
+    """Layout of the inner products. "tokens" for the tiled schemes (KVarN, KIVI): scores [T, Gp]
+    with the codes as the matrix unit's M operand and the query heads as its N (8 wide: a GQA group
+    of 4 wastes half instead of 3/4 of every score, probability and output element). On the H200,
+    kvarn_k4v2_g128 B=32/L=32K 0.645 -> 0.563 ms at 2 warps (0.542 with `fold`;
+    benchmarks/results/2026-12-01_decode_tokens_major_h200.md). "heads" (scores [Gp, T], M = 16
+    head rows) for the per-token schemes, whose codes are packed along channels."""
+    return "tokens" if cfg.method in ("kvarn", "kivi") else "heads"
 
 
-def default_num_warps(cfg: KVQuantConfig, batch: int, num_kv_heads: int) -> int:
-    """Warps per program, from the H200 sweeps: 2 for KVarN/KIVI and fp8 at every batch size (with
-    `default_num_splits`: kvarn_k4v2_g128 B=1/L=128K 0.127 ms vs 0.162 with 4 warps and 33 splits,
-    benchmarks/results/2026-12-01_decode_splits_h200.json); 4 for int and passthrough schemes."""
-    del batch, num_kv_heads
-    return 2 if cfg.method in ("kvarn", "kivi", "fp8") else 4
+def default_num_warps(cfg: KVQuantConfig) -> int:
+    """Warps per program, from the H200 sweeps: 1 for KVarN/KIVI (tokens-major: one warp owns the
+    whole tile, so no reduction or layout change crosses warps; kvarn_k4v2_g128 B=32/L=32K 0.457 ms
+    vs 0.547 with 2 warps, 2026-12-01_decode_tokens_major_h200.md); 2 for fp8 and 4 for the int and
+    passthrough schemes (2026-12-01_decode_splits_h200.json)."""
+    if cfg.method in ("kvarn", "kivi"):
+        return 1
+    return 2 if cfg.method == "fp8" else 4
 
 
-def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int) -> int:
-    """Splits of each sequence's tiles along the KV length, for an H100/H200-class chip (132 SMs;
-    the KVarN kernel keeps 4 programs of 2 warps per SM). Measured on the H200
-    (benchmarks/results/2026-12-01_decode_splits_*_h200.json):
-    - >= 132 (sequence, kv head) pairs: as many splits as still fit one wave of 528 programs
-      (B=32/L=32K: 2 splits 0.63-0.66 ms; 3 splits, 1.45 waves, 0.85 ms; B=128: 1-2 splits);
-    - fewer pairs: a program walks its tiles one after the other, so ~2112 programs with at least 4
-      tiles each (B=8/L=16K: 32 splits 0.130 ms vs 5 splits 0.159; B=1/L=128K: 132 splits 0.127 ms
-      vs 33 splits 0.165)."""
+def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int, num_warps: int = 2) -> int:
+    """Splits of each sequence's tiles along the KV length, for an H100/H200-class chip (132 SMs).
+    Register use (~255 per thread) keeps 8 one-warp or 4 two-warp programs per SM: a wave is
+    1056 or 528 programs (528 for wider programs too). Measured on the H200
+    (benchmarks/results/2026-12-01_decode_splits_*_h200.json, 2026-12-01_decode_tokens_major_h200.md):
+    - >= 132 (sequence, kv head) pairs: as many splits as still fit one wave (B=32/L=32K, 1 warp:
+      4 splits 0.457 ms, 2 splits 0.693; 2 warps: 2 splits 0.63, 3 splits (1.45 waves) 0.85);
+    - fewer pairs: a program walks its tiles one after the other, so ~4 waves of programs with at
+      least 4 tiles each (B=1/L=128K, 1 warp: 256 splits 0.094-0.103 ms vs 128 splits 0.113-0.117)."""
+    wave = 132 * max(4, 8 // max(1, num_warps))
     pairs = max(1, batch * num_kv_heads)
-    want = max(1, 528 // pairs) if pairs >= 132 else -(-2112 // pairs)
-    return int(max(1, min(want, max_tiles // 4, 128)))
+    want = max(1, wave // pairs) if pairs >= 132 else -(-4 * wave // pairs)
+    return int(max(1, min(want, max_tiles // 4, wave // 4)))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "num_splits", "interpret", "num_warps",
@@ -526,11 +534,18 @@ def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int) -> int:
 def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale: float, window: int | None,
                         num_splits: int | None = None, interpret: bool = False, num_warps: int | None = None,
                         num_stages: int = 2, unpack: str | None = None, orient: str | None = None,
-                        fold: bool = False, parts: int = 1):
+                        fold: bool | None = None, parts: int = 1):
     """Kernel entry: q_rot [B, Hq, D] in the stored frame -> output [B, Hq, D] fp32 in the stored frame.
 
-    unpack: how codes become fp16 - "asm" (`_planes_asm`, PTX; the default when compiled,
-    bit-identical) or "magic" (`_planes`, jnp; the default interpreted, where PTX cannot run).
+    Launch and layout options (defaults from the H200 sweeps; the results are the same up to fp32
+    rounding, which the tests check):
+      unpack: how codes become fp16 - "asm" (`_planes_asm`, PTX; the default when compiled,
+        bit-identical) or "magic" (`_planes`, jnp; the default interpreted, where PTX cannot run).
+      orient: "tokens" or "heads" (`default_orient`); num_warps (`default_num_warps`), num_stages;
+      fold: tokens-major only - feed the planes' biased values (magic + code, one `lop3` per two
+        codes) to the products and subtract magic * (sum of the fp16 query / probabilities) from
+        the results instead of one fp16 subtraction per two codes. Default True for tokens-major.
+      parts: tokens-major only - walk each tile in this many parts (fewer live registers).
     """
     unpack = unpack or ("magic" if interpret else "asm")
     if unpack not in ("magic", "asm") or (unpack == "asm" and interpret):
@@ -540,6 +555,12 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     if orient not in ("heads", "tokens") or (orient == "tokens" and cfg.method not in ("kvarn", "kivi")):
         raise ValueError(f"orient must be 'heads' or (KVarN/KIVI only) 'tokens', got {orient!r} for {cfg.name}")
     tokens_major = orient == "tokens"
+    fold = tokens_major if fold is None else bool(fold)
+    if (fold or parts != 1) and not tokens_major:
+        raise ValueError(f"fold and parts apply to orient='tokens' only (got fold={fold}, parts={parts})")
+    if parts < 1 or cfg.tile_tokens % parts or (cfg.tile_tokens // parts) % (8 // cfg.k_bits):
+        raise ValueError(f"parts={parts} must divide the {cfg.tile_tokens}-token tile into whole bytes of key codes")
+    warps = num_warps or default_num_warps(cfg)
     nbt, hq, d = q_rot.shape
     hk = cache.num_kv_heads
     grp = hq // hk
@@ -547,8 +568,8 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     mb = block_tables.shape[1]
     t_tok = cfg.tile_tokens if cfg.tile_tokens > 1 else min(TOKEN_CHUNK, cache.block_size)
     tiles_per_block = cache.block_size // t_tok
-    splits = num_splits or default_num_splits(nbt, hk, mb * tiles_per_block)
-    plan = _Plan(cfg, d, t_tok, unpack, fold=fold and tokens_major)
+    splits = num_splits or default_num_splits(nbt, hk, mb * tiles_per_block, warps)
+    plan = _Plan(cfg, d, t_tok, unpack, fold=fold)
 
     qg = q_rot.astype(jnp.float32).reshape(nbt, hk, grp, d)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - grp), (0, 0)))
@@ -599,7 +620,6 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
-        warps = num_warps or default_num_warps(cfg, nbt, hk)
         params["compiler_params"] = plgpu.CompilerParams(num_warps=warps, num_stages=num_stages)
     acc, m, l = pl.pallas_call(kernel, grid=(nbt, hk, splits), in_specs=specs, out_specs=out_specs,
                                out_shape=out_shape, interpret=interpret,
