@@ -107,6 +107,45 @@ def test_short_key_planes(kernel, cfg, rng):
     compare(q, cache, bt, sl, kernel=kernel, window=70)
 
 
+@pytest.mark.parametrize("cfg", ["kvarn_k4v2_g64", "kivi_k2v4_g64"])
+def test_gpu_kernel_layouts(cfg, rng):
+    """Every product layout of the GPU kernel against the reference: heads-major (M = 16 head rows),
+    tokens-major (N = 8 heads; the default for tiled schemes) with and without the plane-bias fold,
+    and tiles walked in parts. The defaults are measured choices; the others must stay correct."""
+    from kvarn_jax.attention import paged_decode_pallas as pdp
+    from kvarn_jax.hadamard import rotate, unrotate
+    c = kj.parse(cfg)
+    bs = c.tile_tokens * 2
+    cache, bt, sl, _ = build(cfg, [5 * bs + 7, bs - 3, 2 * bs], 2, 64, bs, rng)
+    q = jnp.asarray(rng.standard_normal((3, 8, 64)), jnp.float32)
+    sid = jnp.arange(3, dtype=jnp.int32)
+    for window in (None, bs + 5):
+        ref = np.asarray(kj.paged_decode_attention(q, cache, bt, sl, impl="reference", window=window))
+        for kw in (dict(orient="heads"), dict(orient="tokens", fold=False), dict(orient="tokens", fold=True),
+                   dict(orient="tokens", parts=2)):
+            o = pdp.paged_decode_pallas(rotate(q) if c.rotated else q, cache, bt, sl, sid, scale=0.125,
+                                        window=window, interpret=INTERPRET, num_splits=2, **kw)
+            o = np.asarray(unrotate(o) if c.rotated else o)
+            np.testing.assert_allclose(o, ref, rtol=0, atol=4e-3 * np.abs(ref).max(), err_msg=f"{kw} window={window}")
+
+
+def test_gpu_kernel_layout_errors(rng):
+    from kvarn_jax.attention import paged_decode_pallas as pdp
+    q, sid = jnp.ones((1, 4, 64), jnp.float32), jnp.zeros((1,), jnp.int32)
+    bt, sl = jnp.zeros((1, 2), jnp.int32), jnp.array([40], jnp.int32)
+    call = lambda cache, **kw: pdp.paged_decode_pallas(q, cache, bt, sl, sid, scale=0.125, window=None,  # noqa: E731
+                                                       interpret=True, **kw)
+    per_token = kj.PagedKVCache.create("int8", num_blocks=4, block_size=32, num_kv_heads=1, head_dim=64, max_seqs=1)
+    with pytest.raises(ValueError, match="orient must be 'heads' or \\(KVarN/KIVI only\\) 'tokens'"):
+        call(per_token, orient="tokens")
+    tiled = kj.PagedKVCache.create("kvarn_k4v2_g32", num_blocks=4, block_size=32, num_kv_heads=1, head_dim=64,
+                                   max_seqs=1)
+    with pytest.raises(ValueError, match="fold and parts apply to orient='tokens' only"):
+        call(tiled, orient="heads", fold=True)
+    with pytest.raises(ValueError, match="parts=3 must divide the 32-token tile"):
+        call(tiled, parts=3)
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_bit_planes_are_the_codes(bits):
     """The kernel's unpack (magic-number planes) against plain shifts, for every byte value."""
@@ -115,6 +154,10 @@ def test_bit_planes_are_the_codes(bits):
     for j, plane in enumerate(_planes(byte, bits)):
         assert plane.dtype == jnp.float16
         want = (np.arange(256).reshape(16, 16) >> (j * bits)) & ((1 << bits) - 1)
+        np.testing.assert_array_equal(np.asarray(plane, np.float32), want)
+    # biased planes (the tokens-major fold): 2^(10 - j*bits) + code, exactly
+    for j, plane in enumerate(_planes(byte, bits, biased=True)):
+        want = ((np.arange(256).reshape(16, 16) >> (j * bits)) & ((1 << bits) - 1)) + 2.0 ** (10 - j * bits)
         np.testing.assert_array_equal(np.asarray(plane, np.float32), want)
 
 

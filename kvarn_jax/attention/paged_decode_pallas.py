@@ -558,7 +558,7 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     fold = tokens_major if fold is None else bool(fold)
     if (fold or parts != 1) and not tokens_major:
         raise ValueError(f"fold and parts apply to orient='tokens' only (got fold={fold}, parts={parts})")
-    if parts < 1 or cfg.tile_tokens % parts or (cfg.tile_tokens // parts) % (8 // cfg.k_bits):
+    if tokens_major and (parts < 1 or cfg.tile_tokens % parts or (cfg.tile_tokens // parts) % (8 // cfg.k_bits)):
         raise ValueError(f"parts={parts} must divide the {cfg.tile_tokens}-token tile into whole bytes of key codes")
     warps = num_warps or default_num_warps(cfg)
     nbt, hq, d = q_rot.shape
