@@ -7,7 +7,9 @@ ablated kernels compute wrong attention, except convert_unpack): full; convert_u
 turned into fp16 with an int->float conversion instead of the magic-number OR, correct, the
 kernel before 2026-11-29 evening); no_values (V never read); no_unpack (code bytes converted to
 fp16 whole, no plane extraction); loads_only (codes and scales read and summed, no matrix
-products). Compiled runs only (the ablations replace the PTX unpack).
+products). Compiled runs only (the ablations replace the PTX unpack). The patched methods are
+those of the heads-major layout, so the kernel is run with orient="heads" (the default for
+tiled schemes is now tokens-major; see paged_decode_pallas.default_orient).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def ablate(scheme, shape, variant):
     for name, (sc, va, planes) in variants.items():
         pdp._Plan.scores, pdp._Plan.values, pdp._planes_asm = sc, va, planes
         fn = lambda q, c, t, l: pdp.paged_decode_pallas(q, c, t, l, sid, scale=0.088, window=None,
-                                                        num_warps=w, num_stages=st,
+                                                        num_warps=w, num_stages=st, orient="heads",
                                                         interpret=jax.default_backend() == "cpu")
         try:
             jax.clear_caches()
