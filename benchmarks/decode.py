@@ -199,12 +199,13 @@ def variant_kwargs(var: str) -> dict:
     """Kernel keyword arguments of a variant name wWsS[a][t][f] ("default": none)."""
     if var == "default":
         return {}
-    m = re.fullmatch(r"w(\d+)s(\d+)([atf]*)(?:p(\d+))?", var)
+    m = re.fullmatch(r"w(\d+)s(\d+)([atfm]*)(?:p(\d+))?", var)
     if not m:
         raise SystemExit(f"bad variant {var!r} (expected wWsS[a][t][f][pP])")
     fl = m.group(3)
     return dict(num_warps=int(m.group(1)), num_stages=int(m.group(2)), unpack="asm" if "a" in fl else "magic",
-                orient="tokens" if "t" in fl else "heads", fold="f" in fl, parts=int(m.group(4) or 1))
+                orient="tokens" if "t" in fl else "heads", fold="f" in fl, parts=int(m.group(4) or 1),
+                sums="mma" if "m" in fl else "reduce")
 
 
 def check(cfg, hq, hk, d, bs, kw=None, window=None):
@@ -237,7 +238,7 @@ def main():
     p.add_argument("--splits", default="", help="comma list of num_splits to try (default: heuristic only)")
     p.add_argument("--variants", default="", help="comma list of kernel variants wWsS[a][t][f] (num_warps W, num_stages S; "
                    "flags: a the PTX unpack `_planes_asm`, t tokens-major products (orient='tokens'), f the "
-                   "magic bias folded into the sums (fold=True); pP: tokens-major tiles in P parts); default: the kernel's own defaults")
+                   "magic bias folded into the sums (fold=True), m those sums as products with a ones matrix (sums='mma'); pP: tokens-major tiles in P parts); default: the kernel's own defaults")
     p.add_argument("--no-baselines", action="store_true")
     p.add_argument("--check", action="store_true")
     p.add_argument("--json", default="")

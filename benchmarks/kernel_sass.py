@@ -49,7 +49,7 @@ json.dump({"usage": usage, "sass": sass}, sys.stdout)
 
 
 def triton_ir(kind: str, scheme: str, side: str, warps: int, stages: int, orient: str | None = None,
-              fold: bool = False, parts: int = 1) -> str:
+              fold: bool = False, parts: int = 1, sums: str = "reduce") -> str:
     """The Triton IR (text) jax emits for one kernel, captured at lowering."""
     import jax
     import jax.numpy as jnp
@@ -74,7 +74,7 @@ def triton_ir(kind: str, scheme: str, side: str, warps: int, stages: int, orient
             args = (jnp.zeros((32, 32, 128), jnp.float32), cache, jnp.zeros((32, 32), jnp.int32),
                     jnp.full((32,), 4096, jnp.int32), jnp.arange(32, dtype=jnp.int32))
             fn = lambda q, c, t, l, s: pdp.paged_decode_pallas(  # noqa: E731
-                q, c, t, l, s, scale=0.1, window=None, unpack="asm", num_warps=warps, num_stages=stages, orient=orient, fold=fold, parts=parts)
+                q, c, t, l, s, scale=0.1, window=None, unpack="asm", num_warps=warps, num_stages=stages, orient=orient, fold=fold, parts=parts, sums=sums)
         else:
             from kvarn_jax.cache.quantize_pallas import quantize_blocks_pallas
             args = (jnp.zeros((64, 8, 128, 128), jnp.float16),)
@@ -118,6 +118,7 @@ def main():
     p.add_argument("--side", default="k", choices=["k", "v"], help="quantize: which side's kernel")
     p.add_argument("--warps", type=int, default=None)
     p.add_argument("--stages", type=int, default=None)
+    p.add_argument("--sums", default="reduce", choices=["reduce", "mma"], help="decode: tokens-major bias/zero sums")
     p.add_argument("--parts", type=int, default=1, help="decode: tokens-major tile parts")
     p.add_argument("--fold", action="store_true", help="decode: magic bias folded into the sums")
     p.add_argument("--orient", default=None, choices=["heads", "tokens"], help="decode: layout of the products")
@@ -135,7 +136,7 @@ def main():
         from kvarn_jax.cache.quantize_pallas import default_num_warps
         warps = args.warps or default_num_warps(cfg)
         stages = args.stages or 1
-    ir = triton_ir(args.kind, args.scheme, args.side, warps, stages, args.orient, args.fold, args.parts)
+    ir = triton_ir(args.kind, args.scheme, args.side, warps, stages, args.orient, args.fold, args.parts, args.sums)
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "kernel.ttir")
         with open(src, "w") as f:

@@ -111,7 +111,8 @@ def test_short_key_planes(kernel, cfg, rng):
 def test_gpu_kernel_layouts(cfg, rng):
     """Every product layout of the GPU kernel against the reference: heads-major (M = 16 head rows),
     tokens-major (N = 8 heads; the default for tiled schemes) with and without the plane-bias fold,
-    and tiles walked in parts. The defaults are measured choices; the others must stay correct."""
+    with the bias/zero-point sums as reductions or as products with a ones matrix, and tiles walked
+    in parts. The defaults are measured choices; the others must stay correct."""
     from kvarn_jax.attention import paged_decode_pallas as pdp
     from kvarn_jax.hadamard import rotate, unrotate
     c = kj.parse(cfg)
@@ -122,7 +123,8 @@ def test_gpu_kernel_layouts(cfg, rng):
     for window in (None, bs + 5):
         ref = np.asarray(kj.paged_decode_attention(q, cache, bt, sl, impl="reference", window=window))
         for kw in (dict(orient="heads"), dict(orient="tokens", fold=False), dict(orient="tokens", fold=True),
-                   dict(orient="tokens", parts=2)):
+                   dict(orient="tokens", parts=2), dict(orient="tokens", sums="mma"),
+                   dict(orient="tokens", sums="mma", fold=False, parts=2)):
             o = pdp.paged_decode_pallas(rotate(q) if c.rotated else q, cache, bt, sl, sid, scale=0.125,
                                         window=window, interpret=INTERPRET, num_splits=2, **kw)
             o = np.asarray(unrotate(o) if c.rotated else o)

@@ -186,9 +186,9 @@ class _Plan:
     """
 
     def __init__(self, cfg: KVQuantConfig, head_dim: int, tile_tokens: int, unpack: str = "magic",
-                 fold: bool = False):
+                 fold: bool = False, sums: str = "reduce"):
         self.cfg, self.d, self.t = cfg, head_dim, tile_tokens
-        self.fold = fold
+        self.fold, self.sums = fold, sums
         self.planes = _planes_asm if unpack == "asm" else _planes
         self.tiled = cfg.method in ("kvarn", "kivi")
         self.kc = 8 // cfg.k_bits if self.tiled else 1
@@ -278,20 +278,47 @@ class _Plan:
         return [_dot_t(q, f["values"][blk, sub].astype(jnp.float32))]
 
     # ---------------------------------------------------------------- tokens-major (tiled schemes)
-    def scores_t(self, q, pages, blk, sub, part=0, parts: int = 1):
+    def query_t(self, q, pages, blk, sub):
+        """Per-tile query side of the tokens-major key product (shared by the tile's parts): the
+        query scaled by the tile's channel scales in fp16 [Gp, D], its zero-point term [Gp], and
+        with `fold` the sum of the fp16 scaled query [Gp] (else None)."""
+        f = pages["k"]
+        sc, zc = ("scale_chan", "zero_chan") if self.cfg.method == "kvarn" else ("scale", "zero")
+        qs = _f16(q * f[sc][blk, sub].astype(jnp.float32)[None, :])
+        fold = self.fold and not self.k_whole
+        if self.sums == "mma":  # the sums are products with a ones matrix in `scores_t`
+            return qs, _f16(q * f[zc][blk, sub].astype(jnp.float32)[None, :]), fold
+        zq = jnp.sum(q * f[zc][blk, sub].astype(jnp.float32)[None, :], axis=1)
+        # planes hold 2^(10 - j*b) + code: remove 2^(10 - j*b) * sum(qs) per score instead
+        qsum = jnp.sum(qs.astype(jnp.float32), axis=1) if fold else None
+        return qs, zq, qsum
+
+    def scores_t(self, qside, pages, blk, sub, part=0, parts: int = 1):
         """Tokens-major scores of a tiled scheme: list over token classes j of [T / kc, Gp] (tokens
         j, j + kc, ... of the tile; one class in token order when `k_whole`). With parts > 1 only
-        tokens [part * T/parts, (part + 1) * T/parts) of the tile (classes within that part)."""
+        tokens [part * T/parts, (part + 1) * T/parts) of the tile (classes within that part).
+        qside: `query_t` of the tile."""
         cfg, kc = self.cfg, self.kc
         f = pages["k"]
         rows = self.t * cfg.k_bits // 8 // parts
         codes = f["codes"][blk, sub, pl.ds(part * rows, rows)]             # [G*b/8 / parts, D]
-        sc, zc = ("scale_chan", "zero_chan") if cfg.method == "kvarn" else ("scale", "zero")
-        qs = _f16(q * f[sc][blk, sub].astype(jnp.float32)[None, :])
-        zq = jnp.sum(q * f[zc][blk, sub].astype(jnp.float32)[None, :], axis=1)
-        fold = self.fold and not self.k_whole
-        if fold:  # planes hold 2^(10 - j*b) + code: remove 2^(10 - j*b) * sum(qs) per score instead
-            qsum = jnp.sum(qs.astype(jnp.float32), axis=1)
+        if self.sums == "mma":
+            qs, qz, fold = qside
+            planes = self.planes(codes, cfg.k_bits, biased=fold)
+            ones = jnp.ones(planes[0].shape, jnp.float16)
+            zrows = _dot_t(ones, qz, min_n=8)                               # every row: sum(q*z)
+            srows = _dot_t(ones, qs, min_n=8) if fold else None             # every row: sum(qs)
+            out = []
+            for j in range(kc):
+                s = _dot_t(planes[j], qs, min_n=8) + zrows
+                if fold:
+                    s = s - (2.0 ** (10 - j * cfg.k_bits)) * srows
+                if cfg.method == "kvarn":
+                    s = s * f["scale_tok"][blk, sub, pl.ds(part * rows, rows), j].astype(jnp.float32)[:, None]
+                out.append(s)
+            return out
+        qs, zq, qsum = qside
+        fold = qsum is not None
         planes = self.planes(codes, cfg.k_bits, biased=fold)                # kc x [G/kc, D]
         if self.k_whole:
             s = _dot_t(_tokens_from_planes(planes), qs, min_n=8) + zq[None, :]
@@ -315,6 +342,20 @@ class _Plan:
         n_tok = self.t // parts
         toks = pl.ds(part * n_tok, n_tok)
         codes = f["codes"][blk, sub, :, toks]                              # [D*b/8, G / parts]
+        if cfg.method == "kvarn" and self.sums == "mma":
+            planes = self.planes(codes, cfg.v_bits, biased=self.fold)
+            p16 = _f16(p * f["scale_tok"][blk, sub, toks].astype(jnp.float32)[:, None])
+            pz = _f16(p * f["zero_tok"][blk, sub, toks].astype(jnp.float32)[:, None])
+            ones = jnp.ones(planes[0].shape, jnp.float16)
+            zrows = _dot(ones, pz, min_n=8)                                 # every row: sum(p*vz)
+            srows = _dot(ones, p16, min_n=8) if self.fold else None         # every row: sum(p16)
+            out = []
+            for n in range(vp):
+                o = _dot(planes[n], p16, min_n=8) + zrows
+                if self.fold:
+                    o = o - (2.0 ** (10 - n * cfg.v_bits)) * srows
+                out.append(o * f["scale_chan"][blk, sub, :, n].astype(jnp.float32)[:, None])
+            return out
         if cfg.method == "kvarn":
             planes = self.planes(codes, cfg.v_bits, biased=self.fold)       # vp x [D/vp, G/parts]
             zp = jnp.sum(p * f["zero_tok"][blk, sub, toks].astype(jnp.float32)[:, None], axis=0)
@@ -442,8 +483,9 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
         blk = bt_ref[b, t // tpb]
         sub = t % tpb
         if tokens_major:  # softmax per token class; only the probabilities are put in token order
+            qside = plan.query_t(q, pages, blk, sub)
             for part in range(parts):  # parts of a tile one after the other: fewer live registers
-                ss = plan.scores_t(q, pages, blk, sub, part, parts)
+                ss = plan.scores_t(qside, pages, blk, sub, part, parts)
                 nc, n_tok = len(ss), t_tok // parts
                 poss = [t * t_tok + part * n_tok + jnp.arange(n_tok // nc, dtype=jnp.int32) * nc + j
                         for j in range(nc)]
@@ -530,11 +572,11 @@ def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int, num_warps:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "num_splits", "interpret", "num_warps",
-                                             "num_stages", "unpack", "orient", "fold", "parts"))
+                                             "num_stages", "unpack", "orient", "fold", "parts", "sums"))
 def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale: float, window: int | None,
                         num_splits: int | None = None, interpret: bool = False, num_warps: int | None = None,
                         num_stages: int = 2, unpack: str | None = None, orient: str | None = None,
-                        fold: bool | None = None, parts: int = 1):
+                        fold: bool | None = None, parts: int = 1, sums: str = "reduce"):
     """Kernel entry: q_rot [B, Hq, D] in the stored frame -> output [B, Hq, D] fp32 in the stored frame.
 
     Launch and layout options (defaults from the H200 sweeps; the results are the same up to fp32
@@ -569,7 +611,7 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     t_tok = cfg.tile_tokens if cfg.tile_tokens > 1 else min(TOKEN_CHUNK, cache.block_size)
     tiles_per_block = cache.block_size // t_tok
     splits = num_splits or default_num_splits(nbt, hk, mb * tiles_per_block, warps)
-    plan = _Plan(cfg, d, t_tok, unpack, fold=fold)
+    plan = _Plan(cfg, d, t_tok, unpack, fold=fold, sums=sums)
 
     qg = q_rot.astype(jnp.float32).reshape(nbt, hk, grp, d)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - grp), (0, 0)))
