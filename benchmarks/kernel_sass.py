@@ -1,6 +1,7 @@
 """Registers and instruction counts of the Pallas GPU kernels, without a GPU.
 
-    python benchmarks/kernel_sass.py decode kvarn_k4v2_g128 [--warps 2] [--stages 2]
+    python benchmarks/kernel_sass.py decode kvarn_k4v2_g128 [--warps 1] [--stages 2] [--orient tokens|heads]
+        [--fold on|off] [--sums mma|reduce] [--parts 1]
     python benchmarks/kernel_sass.py quantize kvarn_k4v2_g128 --side k [--warps 16]
         [--triton-python /path/to/venv/bin/python]
 
@@ -49,7 +50,7 @@ json.dump({"usage": usage, "sass": sass}, sys.stdout)
 
 
 def triton_ir(kind: str, scheme: str, side: str, warps: int, stages: int, orient: str | None = None,
-              fold: bool = False, parts: int = 1, sums: str = "reduce") -> str:
+              fold: bool | None = None, parts: int = 1, sums: str | None = None) -> str:
     """The Triton IR (text) jax emits for one kernel, captured at lowering."""
     import jax
     import jax.numpy as jnp
@@ -118,9 +119,9 @@ def main():
     p.add_argument("--side", default="k", choices=["k", "v"], help="quantize: which side's kernel")
     p.add_argument("--warps", type=int, default=None)
     p.add_argument("--stages", type=int, default=None)
-    p.add_argument("--sums", default="reduce", choices=["reduce", "mma"], help="decode: tokens-major bias/zero sums")
+    p.add_argument("--sums", default=None, choices=["reduce", "mma"], help="decode: tokens-major bias/zero sums")
     p.add_argument("--parts", type=int, default=1, help="decode: tokens-major tile parts")
-    p.add_argument("--fold", action="store_true", help="decode: magic bias folded into the sums")
+    p.add_argument("--fold", default=None, choices=["on", "off"], help="decode: magic bias folded into the sums")
     p.add_argument("--orient", default=None, choices=["heads", "tokens"], help="decode: layout of the products")
     p.add_argument("--triton-python", default=os.environ.get("TRITON_PYTHON", "python3"),
                    help="a Python with triton installed (default: $TRITON_PYTHON or python3)")
@@ -136,7 +137,7 @@ def main():
         from kvarn_jax.cache.quantize_pallas import default_num_warps
         warps = args.warps or default_num_warps(cfg)
         stages = args.stages or 1
-    ir = triton_ir(args.kind, args.scheme, args.side, warps, stages, args.orient, args.fold, args.parts, args.sums)
+    ir = triton_ir(args.kind, args.scheme, args.side, warps, stages, args.orient, {"on": True, "off": False}.get(args.fold), args.parts, args.sums)
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "kernel.ttir")
         with open(src, "w") as f:

@@ -123,8 +123,8 @@ def test_gpu_kernel_layouts(cfg, rng):
     for window in (None, bs + 5):
         ref = np.asarray(kj.paged_decode_attention(q, cache, bt, sl, impl="reference", window=window))
         for kw in (dict(orient="heads"), dict(orient="tokens", fold=False), dict(orient="tokens", fold=True),
-                   dict(orient="tokens", parts=2), dict(orient="tokens", sums="mma"),
-                   dict(orient="tokens", sums="mma", fold=False, parts=2)):
+                   dict(orient="tokens", parts=2), dict(orient="tokens", sums="reduce"),
+                   dict(orient="tokens", sums="reduce", fold=False, parts=2)):
             o = pdp.paged_decode_pallas(rotate(q) if c.rotated else q, cache, bt, sl, sid, scale=0.125,
                                         window=window, interpret=INTERPRET, num_splits=2, **kw)
             o = np.asarray(unrotate(o) if c.rotated else o)
@@ -142,8 +142,12 @@ def test_gpu_kernel_layout_errors(rng):
         call(per_token, orient="tokens")
     tiled = kj.PagedKVCache.create("kvarn_k4v2_g32", num_blocks=4, block_size=32, num_kv_heads=1, head_dim=64,
                                    max_seqs=1)
-    with pytest.raises(ValueError, match="fold and parts apply to orient='tokens' only"):
+    with pytest.raises(ValueError, match="fold, parts and sums apply to orient='tokens' only"):
         call(tiled, orient="heads", fold=True)
+    with pytest.raises(ValueError, match="fold, parts and sums apply to orient='tokens' only"):
+        call(tiled, orient="heads", sums="mma")
+    with pytest.raises(ValueError, match="sums must be 'reduce' or 'mma'"):
+        call(tiled, sums="dot")
     with pytest.raises(ValueError, match="parts=3 must divide the 32-token tile"):
         call(tiled, parts=3)
 

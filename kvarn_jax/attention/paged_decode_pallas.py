@@ -305,6 +305,12 @@ class _Plan:
         if self.sums == "mma":
             qs, qz, fold = qside
             planes = self.planes(codes, cfg.k_bits, biased=fold)
+            if self.k_whole:  # short planes: one product over the tile in token order (no fold)
+                tile = _tokens_from_planes(planes)
+                s = _dot_t(tile, qs, min_n=8) + _dot_t(jnp.ones(tile.shape, jnp.float16), qz, min_n=8)
+                if cfg.method == "kvarn":
+                    s = s * f["scale_tok"][blk, sub, pl.ds(part * rows * kc, rows * kc)].astype(jnp.float32)[:, None]
+                return [s]
             ones = jnp.ones(planes[0].shape, jnp.float16)
             zrows = _dot_t(ones, qz, min_n=8)                               # every row: sum(q*z)
             srows = _dot_t(ones, qs, min_n=8) if fold else None             # every row: sum(qs)
@@ -576,7 +582,7 @@ def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int, num_warps:
 def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale: float, window: int | None,
                         num_splits: int | None = None, interpret: bool = False, num_warps: int | None = None,
                         num_stages: int = 2, unpack: str | None = None, orient: str | None = None,
-                        fold: bool | None = None, parts: int = 1, sums: str = "reduce"):
+                        fold: bool | None = None, parts: int = 1, sums: str | None = None):
     """Kernel entry: q_rot [B, Hq, D] in the stored frame -> output [B, Hq, D] fp32 in the stored frame.
 
     Launch and layout options (defaults from the H200 sweeps; the results are the same up to fp32
@@ -587,6 +593,9 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
       fold: tokens-major only - feed the planes' biased values (magic + code, one `lop3` per two
         codes) to the products and subtract magic * (sum of the fp16 query / probabilities) from
         the results instead of one fp16 subtraction per two codes. Default True for tokens-major.
+      sums: tokens-major only - how the zero-point terms (sum of q*z, of p*vz) and the fold's sums are
+        formed: "mma" (default: products with a ones matrix on the matrix unit, which leaves every
+        row holding the sum and needs no cross-lane reduction) or "reduce" (jnp sums).
       parts: tokens-major only - walk each tile in this many parts (fewer live registers).
     """
     unpack = unpack or ("magic" if interpret else "asm")
@@ -598,8 +607,12 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         raise ValueError(f"orient must be 'heads' or (KVarN/KIVI only) 'tokens', got {orient!r} for {cfg.name}")
     tokens_major = orient == "tokens"
     fold = tokens_major if fold is None else bool(fold)
-    if (fold or parts != 1) and not tokens_major:
-        raise ValueError(f"fold and parts apply to orient='tokens' only (got fold={fold}, parts={parts})")
+    sums = sums or ("mma" if tokens_major else "reduce")
+    if sums not in ("reduce", "mma"):
+        raise ValueError(f"sums must be 'reduce' or 'mma', got {sums!r}")
+    if (fold or parts != 1 or sums != "reduce") and not tokens_major:
+        raise ValueError(f"fold, parts and sums apply to orient='tokens' only (got fold={fold}, parts={parts}, "
+                         f"sums={sums!r})")
     if tokens_major and (parts < 1 or cfg.tile_tokens % parts or (cfg.tile_tokens // parts) % (8 // cfg.k_bits)):
         raise ValueError(f"parts={parts} must divide the {cfg.tile_tokens}-token tile into whole bytes of key codes")
     warps = num_warps or default_num_warps(cfg)
