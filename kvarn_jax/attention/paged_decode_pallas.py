@@ -4,9 +4,16 @@ Oracle: `reference.py` beside this file (`paged_decode_attention_reference`).
 
 One program per (sequence, kv head, split). Each program walks its share of the sequence's
 quantized tiles, reading codes and scales straight from the pages (never materializing fp16 K/V in
-HBM), and keeps an fp32 online softmax for the query heads of its KV head (GQA group, padded to 16
-rows for the matrix unit). Split 0 also covers the high-precision sink block and the partial tail.
-The splits are merged afterwards (flash-decoding), so that small batches still fill the chip.
+HBM), and keeps an fp32 online softmax for the query heads of its KV head (its GQA group). Split 0
+also covers the high-precision sink block and the partial tail. The splits are merged afterwards
+(flash-decoding), so that small batches still fill the chip.
+
+Two layouts of the products (`orient`): tokens-major for the tiled schemes (KVarN, KIVI; scores
+[T, Gp] = codes @ q^T, the GQA group padded to the matrix unit's 8-wide N, one warp per program,
+zero-point sums as products with a ones matrix) and heads-major for the per-token schemes (scores
+[Gp, T] = q @ codes^T, the group padded to 16 rows). On the H200 the tokens-major kernel took
+kvarn_k4v2_g128 at B=32/L=32K from 0.645 to 0.378 ms
+(benchmarks/results/2026-12-01_decode_tokens_major_h200.md).
 
 Scales stay out of the inner products (DESIGN.md §3). For KVarN, with K̂[d,t] = (c·sc[d] + z[d])·st[t]:
     q·K̂[:,t] = st[t]·( Σ_d (q[d]·sc[d])·c[d,t] + Σ_d q[d]·z[d] )
