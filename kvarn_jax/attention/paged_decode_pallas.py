@@ -561,9 +561,10 @@ def default_orient(cfg: KVQuantConfig) -> str:
 
 def default_num_warps(cfg: KVQuantConfig) -> int:
     """Warps per program, from the H200 sweeps: 1 for KVarN/KIVI (tokens-major: one warp owns the
-    whole tile, so no reduction or layout change crosses warps; kvarn_k4v2_g128 B=32/L=32K 0.457 ms
-    vs 0.547 with 2 warps, 2026-12-01_decode_tokens_major_h200.md); 2 for fp8 and 4 for the int and
-    passthrough schemes (2026-12-01_decode_splits_h200.json)."""
+    whole tile, so no reduction or layout change crosses warps; kvarn_k4v2_g128 B=32/L=32K 0.381 ms
+    vs 0.463 with 2 warps, and 0.457 vs 0.547 before the ones-matrix sums;
+    2026-12-01_decode_tokens_major_h200.md); 2 for fp8 and 4 for the int and passthrough schemes
+    (2026-12-01_decode_splits_h200.json)."""
     if cfg.method in ("kvarn", "kivi"):
         return 1
     return 2 if cfg.method == "fp8" else 4
