@@ -355,29 +355,30 @@ class _Plan:
         n_tok = self.t // parts
         toks = pl.ds(part * n_tok, n_tok)
         codes = f["codes"][blk, sub, :, toks]                              # [D*b/8, G / parts]
-        if cfg.method == "kvarn" and self.sums == "mma":
-            planes = self.planes(codes, cfg.v_bits, biased=self.fold)
-            p16 = _f16(p * f["scale_tok"][blk, sub, toks].astype(jnp.float32)[:, None])
-            pz = _f16(p * f["zero_tok"][blk, sub, toks].astype(jnp.float32)[:, None])
-            ones = jnp.ones(planes[0].shape, jnp.float16)
-            zrows = _dot(ones, pz, min_n=8)                                 # every row: sum(p*vz)
-            srows = _dot(ones, p16, min_n=8) if self.fold else None         # every row: sum(p16)
-            out = []
-            for n in range(vp):
-                o = _dot(planes[n], p16, min_n=8) + zrows
-                if self.fold:
-                    o = o - (2.0 ** (10 - n * cfg.v_bits)) * srows
-                out.append(o * f["scale_chan"][blk, sub, :, n].astype(jnp.float32)[:, None])
-            return out
         if cfg.method == "kvarn":
+            st, zt, chan = f["scale_tok"][blk, sub, toks], f["zero_tok"][blk, sub, toks], f["scale_chan"]
+        elif cfg.channel_group("v", self.d) == self.d:
+            # KIVI with one scale per token (the channel group is the whole head): V[t, d] =
+            # c * s[t] + z[t], factored out of the product like KVarN's (no elementwise dequantization)
+            st, zt, chan = f["scale"][blk, sub, toks, 0], f["zero"][blk, sub, toks, 0], None
+        else:
+            st = None
+        if st is not None:
             planes = self.planes(codes, cfg.v_bits, biased=self.fold)       # vp x [D/vp, G/parts]
-            zp = jnp.sum(p * f["zero_tok"][blk, sub, toks].astype(jnp.float32)[:, None], axis=0)
-            p16 = _f16(p * f["scale_tok"][blk, sub, toks].astype(jnp.float32)[:, None])
-            if self.fold:
-                psum = jnp.sum(p16.astype(jnp.float32), axis=0)
-            zs = [zp - (2.0 ** (10 - n * cfg.v_bits)) * psum if self.fold else zp for n in range(vp)]
-            return [(_dot(planes[n], p16, min_n=8) + zs[n][None, :])
-                    * f["scale_chan"][blk, sub, :, n].astype(jnp.float32)[:, None] for n in range(vp)]
+            p16 = _f16(p * st.astype(jnp.float32)[:, None])
+            if self.sums == "mma":
+                ones = jnp.ones(planes[0].shape, jnp.float16)
+                zrows = _dot(ones, _f16(p * zt.astype(jnp.float32)[:, None]), min_n=8)  # rows: sum(p*z)
+                srows = _dot(ones, p16, min_n=8) if self.fold else None     # every row: sum(p16)
+                corr = [zrows - (2.0 ** (10 - n * cfg.v_bits)) * srows if self.fold else zrows for n in range(vp)]
+            else:
+                zp = jnp.sum(p * zt.astype(jnp.float32)[:, None], axis=0)
+                psum = jnp.sum(p16.astype(jnp.float32), axis=0) if self.fold else None
+                corr = [(zp - (2.0 ** (10 - n * cfg.v_bits)) * psum if self.fold else zp)[None, :] for n in range(vp)]
+            out = [_dot(planes[n], p16, min_n=8) + corr[n] for n in range(vp)]
+            if chan is not None:
+                out = [o * chan[blk, sub, :, n].astype(jnp.float32)[:, None] for n, o in enumerate(out)]
+            return out
         planes = self.planes(codes, cfg.v_bits)                             # vp x [D/vp, G/parts]
         cgp = cfg.channel_group("v", self.d) // vp
         sc = _expand_groups(f["scale"][blk, sub, toks].astype(jnp.float32).T, cgp, self.d // vp, axis=0)
