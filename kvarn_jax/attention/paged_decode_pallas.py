@@ -286,9 +286,11 @@ class _Plan:
 
     # ---------------------------------------------------------------- tokens-major (tiled schemes)
     def query_t(self, q, pages, blk, sub):
-        """Per-tile query side of the tokens-major key product (shared by the tile's parts): the
-        query scaled by the tile's channel scales in fp16 [Gp, D], its zero-point term [Gp], and
-        with `fold` the sum of the fp16 scaled query [Gp] (else None)."""
+        """Per-tile query side of the tokens-major key product (shared by the tile's parts):
+        sums="reduce": (qs, zq, qsum) - the query scaled by the tile's channel scales in fp16
+        [Gp, D], its zero-point term sum(q*z) [Gp], and with `fold` sum(qs) [Gp] (else None);
+        sums="mma": (qs, q*z in fp16 [Gp, D], fold) - `scores_t` forms both sums as products
+        with a ones matrix."""
         f = pages["k"]
         sc, zc = ("scale_chan", "zero_chan") if self.cfg.method == "kvarn" else ("scale", "zero")
         qs = _f16(q * f[sc][blk, sub].astype(jnp.float32)[None, :])
