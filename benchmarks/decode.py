@@ -195,14 +195,17 @@ def jax_paged_time(batch, ctx, hq, hk, d, bs):
         return None
 
 
-def variant_kwargs(var: str) -> dict:
-    """Kernel keyword arguments of a variant name wWsS[a][t][f] ("default": none)."""
+def variant_kwargs(var: str, scheme: str) -> dict | None:
+    """Kernel keyword arguments of a variant name wWsS[a][t][f][m][pP] ("default": none); None if
+    the variant does not apply to the scheme (tokens-major is for KVarN/KIVI only)."""
     if var == "default":
         return {}
     m = re.fullmatch(r"w(\d+)s(\d+)([atfm]*)(?:p(\d+))?", var)
     if not m:
         raise SystemExit(f"bad variant {var!r} (expected wWsS[a][t][f][pP])")
     fl = m.group(3)
+    if "t" in fl and kj.parse(scheme).method not in ("kvarn", "kivi"):
+        return None
     return dict(num_warps=int(m.group(1)), num_stages=int(m.group(2)), unpack="asm" if "a" in fl else "magic",
                 orient="tokens" if "t" in fl else "heads", fold="f" in fl, parts=int(m.group(4) or 1),
                 sums="mma" if "m" in fl else "reduce")
@@ -236,7 +239,7 @@ def main():
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--splits", default="", help="comma list of num_splits to try (default: heuristic only)")
-    p.add_argument("--variants", default="", help="comma list of kernel variants wWsS[a][t][f] (num_warps W, num_stages S; "
+    p.add_argument("--variants", default="", help="comma list of kernel variants wWsS[a][t][f][m][pP] (num_warps W, num_stages S; "
                    "flags: a the PTX unpack `_planes_asm`, t tokens-major products (orient='tokens'), f the "
                    "magic bias folded into the sums (fold=True), m those sums as products with a ones matrix (sums='mma'); pP: tokens-major tiles in P parts); default: the kernel's own defaults")
     p.add_argument("--no-baselines", action="store_true")
@@ -261,8 +264,8 @@ def main():
     if args.check:  # every variant, without and with a sliding window
         for s in schemes:
             for var in variant_names:
-                kw = variant_kwargs(var)
-                if kw.get("orient") == "tokens" and kj.parse(s).method not in ("kvarn", "kivi"):
+                kw = variant_kwargs(var, s)
+                if kw is None:
                     continue
                 for window in (None, 2 * bs + 3):
                     key = f"{s}/{var}" + (f"/window{window}" if window else "")
@@ -291,8 +294,8 @@ def main():
             sid = jnp.arange(batch, dtype=jnp.int32)
             for ns in splits:
                 for var in variant_names:
-                    kw = variant_kwargs(var)
-                    if kw.get("orient") == "tokens" and kj.parse(s).method not in ("kvarn", "kivi"):
+                    kw = variant_kwargs(var, s)
+                    if kw is None:
                         continue
                     # the kernel itself (q in the stored frame), as paged_decode_attention calls it
                     fn = lambda q, c, t, l, ns=ns, kw=kw: pdp.paged_decode_pallas(

@@ -286,21 +286,20 @@ class _Plan:
 
     # ---------------------------------------------------------------- tokens-major (tiled schemes)
     def query_t(self, q, pages, blk, sub):
-        """Per-tile query side of the tokens-major key product (shared by the tile's parts):
-        sums="reduce": (qs, zq, qsum) - the query scaled by the tile's channel scales in fp16
-        [Gp, D], its zero-point term sum(q*z) [Gp], and with `fold` sum(qs) [Gp] (else None);
-        sums="mma": (qs, q*z in fp16 [Gp, D], fold) - `scores_t` forms both sums as products
-        with a ones matrix."""
+        """Per-tile query side of the tokens-major key product, shared by the tile's parts:
+        (qs, zero, bias). qs: the query scaled by the tile's channel scales, fp16 [Gp, D].
+        sums="reduce": zero = sum(q*z) and bias = sum(qs) (with `fold`, else None), as [1, Gp];
+        sums="mma": zero = q*z and bias = qs (or None), fp16 [Gp, D] - `scores_t` sums them as
+        products with a ones matrix."""
         f = pages["k"]
         sc, zc = ("scale_chan", "zero_chan") if self.cfg.method == "kvarn" else ("scale", "zero")
         qs = _f16(q * f[sc][blk, sub].astype(jnp.float32)[None, :])
+        qz = q * f[zc][blk, sub].astype(jnp.float32)[None, :]
+        # planes fed as 2^(10 - j*b) + code (fold): remove 2^(10 - j*b) * sum(qs) per score instead
         fold = self.fold and not self.k_whole
-        if self.sums == "mma":  # the sums are products with a ones matrix in `scores_t`
-            return qs, _f16(q * f[zc][blk, sub].astype(jnp.float32)[None, :]), fold
-        zq = jnp.sum(q * f[zc][blk, sub].astype(jnp.float32)[None, :], axis=1)
-        # planes hold 2^(10 - j*b) + code: remove 2^(10 - j*b) * sum(qs) per score instead
-        qsum = jnp.sum(qs.astype(jnp.float32), axis=1) if fold else None
-        return qs, zq, qsum
+        if self.sums == "mma":
+            return qs, _f16(qz), qs if fold else None
+        return qs, jnp.sum(qz, axis=1)[None, :], jnp.sum(qs.astype(jnp.float32), axis=1)[None, :] if fold else None
 
     def scores_t(self, qside, pages, blk, sub, part=0, parts: int = 1):
         """Tokens-major scores of a tiled scheme: list over token classes j of [T / kc, Gp] (tokens
@@ -311,41 +310,23 @@ class _Plan:
         f = pages["k"]
         rows = self.t * cfg.k_bits // 8 // parts
         codes = f["codes"][blk, sub, pl.ds(part * rows, rows)]             # [G*b/8 / parts, D]
-        if self.sums == "mma":
-            qs, qz, fold = qside
-            planes = self.planes(codes, cfg.k_bits, biased=fold)
-            if self.k_whole:  # short planes: one product over the tile in token order (no fold)
-                tile = _tokens_from_planes(planes)
-                s = _dot_t(tile, qs, min_n=8) + _dot_t(jnp.ones(tile.shape, jnp.float16), qz, min_n=8)
-                if cfg.method == "kvarn":
-                    s = s * f["scale_tok"][blk, sub, pl.ds(part * rows * kc, rows * kc)].astype(jnp.float32)[:, None]
-                return [s]
-            ones = jnp.ones(planes[0].shape, jnp.float16)
-            zrows = _dot_t(ones, qz, min_n=8)                               # every row: sum(q*z)
-            srows = _dot_t(ones, qs, min_n=8) if fold else None             # every row: sum(qs)
-            out = []
-            for j in range(kc):
-                s = _dot_t(planes[j], qs, min_n=8) + zrows
-                if fold:
-                    s = s - (2.0 ** (10 - j * cfg.k_bits)) * srows
-                if cfg.method == "kvarn":
-                    s = s * f["scale_tok"][blk, sub, pl.ds(part * rows, rows), j].astype(jnp.float32)[:, None]
-                out.append(s)
-            return out
-        qs, zq, qsum = qside
-        fold = qsum is not None
-        planes = self.planes(codes, cfg.k_bits, biased=fold)                # kc x [G/kc, D]
-        if self.k_whole:
-            s = _dot_t(_tokens_from_planes(planes), qs, min_n=8) + zq[None, :]
-            if cfg.method == "kvarn":
-                s = s * f["scale_tok"][blk, sub, pl.ds(part * rows * kc, rows * kc)].astype(jnp.float32)[:, None]
-            return [s]
+        qs, zero, bias = qside
+        planes = self.planes(codes, cfg.k_bits, biased=bias is not None)   # kc x [G/kc, D]
+        ks = [_tokens_from_planes(planes)] if self.k_whole else planes     # short planes: one tile
+        if self.sums == "mma":  # every row of ones @ x^T holds the sum, in the scores' layout
+            ones = jnp.ones(ks[0].shape, jnp.float16)
+            zero = _dot_t(ones, zero, min_n=8)
+            bias = None if bias is None else _dot_t(ones, bias, min_n=8)
+        n_tok = ks[0].shape[0]
         out = []
-        for j in range(kc):
-            zj = zq - (2.0 ** (10 - j * cfg.k_bits)) * qsum if fold else zq
-            s = _dot_t(planes[j], qs, min_n=8) + zj[None, :]
+        for j, k in enumerate(ks):
+            s = _dot_t(k, qs, min_n=8) + zero
+            if bias is not None:
+                s = s - (2.0 ** (10 - j * cfg.k_bits)) * bias
             if cfg.method == "kvarn":
-                s = s * f["scale_tok"][blk, sub, pl.ds(part * rows, rows), j].astype(jnp.float32)[:, None]
+                st = f["scale_tok"]
+                st = st[blk, sub, pl.ds(part * n_tok, n_tok)] if self.k_whole else st[blk, sub, pl.ds(part * rows, rows), j]
+                s = s * st.astype(jnp.float32)[:, None]
             out.append(s)
         return out
 
