@@ -6,7 +6,8 @@
 For each shape (batch x context) it builds a paged cache with random contents (codes, positive
 scales) and random block tables, then times:
   - ours: kvarn_jax.paged_decode_attention(impl="pallas") per scheme (device time per call, from a
-    lax.scan of dependent calls, and the plain dispatch loop time);
+    lax.scan of dependent calls, and the plain dispatch loop time), and for the fastest variant the
+    span of one call's kernels on the device from torch's profiler (no scan overhead; `span`);
   - fp16 SDPA: torch scaled_dot_product_attention on contiguous K/V (if torch with CUDA is present);
   - jax paged: JAX's own Pallas GPU paged attention on fp16 pages (if it runs);
   - roofline: bytes the kernel must read / measured copy bandwidth.
@@ -108,6 +109,51 @@ def loop_time(fn, args, reps=50):
     return (time.perf_counter() - t) / reps
 
 
+def kernel_events(fn, args, calls):
+    """[(name, start_us, duration_us)] of every CUDA kernel run during `calls` calls of fn."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    f = jax.jit(fn)
+    for _ in range(3):
+        f(*args).block_until_ready()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            f(*args).block_until_ready()  # one call at a time: its kernels form one span
+        torch.cuda.synchronize()
+    out = []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
+            out.append((e.name, e.time_range.start, e.device_time))
+    return sorted(out, key=lambda x: x[1])
+
+
+def spans(events, calls):
+    """Split the sorted events into `calls` groups at the largest gaps; (first start, last end) each."""
+    if not events:
+        return []
+    ends = [s + d for _, s, d in events]
+    gaps = sorted(range(1, len(events)), key=lambda i: events[i][1] - ends[i - 1], reverse=True)[:calls - 1]
+    cuts = [0] + sorted(gaps) + [len(events)]
+    return [(events[a][1], max(ends[a:b])) for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+def profile_span(fn, args, calls=20):
+    """(median span of one call from its first kernel's start to its last kernel's end, the sum of
+    its kernels' durations), in seconds, from torch's profiler; None without torch and CUDA."""
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return None
+    except ImportError:
+        return None
+    ev = kernel_events(fn, args, calls)
+    sp = spans(ev, calls)
+    if not sp:
+        return None
+    return float(np.median([b - a for a, b in sp])) * 1e-6, sum(d for _, _, d in ev) / calls * 1e-6
+
+
 def copy_bandwidth():
     """Device-to-device copy bandwidth (bytes read + written per second): torch's copy_ when available
     (how DESIGN.md §3 measured 4.3 TB/s), else a jax elementwise pass."""
@@ -196,19 +242,23 @@ def jax_paged_time(batch, ctx, hq, hk, d, bs):
 
 
 def variant_kwargs(var: str, scheme: str) -> dict | None:
-    """Kernel keyword arguments of a variant name wWsS[a][t][f][m][pP] ("default": none); None if
-    the variant does not apply to the scheme (tokens-major is for KVarN/KIVI only)."""
+    """Kernel keyword arguments of a variant name wWsS[a][t][f][m][pP][iI][rR] ("default": none; "rR"
+    alone: the defaults with a register cap of R); None if the variant does not apply to the scheme
+    (tokens-major is for KVarN/KIVI only)."""
     if var == "default":
         return {}
-    m = re.fullmatch(r"w(\d+)s(\d+)([atfm]*)(?:p(\d+))?", var)
+    m = re.fullmatch(r"r(\d+)", var)
+    if m:
+        return {"maxnreg": int(m.group(1))}
+    m = re.fullmatch(r"w(\d+)s(\d+)([atfm]*)(?:p(\d+))?(?:i(\d+))?(?:r(\d+))?", var)
     if not m:
-        raise SystemExit(f"bad variant {var!r} (expected wWsS[a][t][f][pP])")
+        raise SystemExit(f"bad variant {var!r} (expected wWsS[a][t][f][m][pP][iI][rR] or rR)")
     fl = m.group(3)
     if "t" in fl and kj.parse(scheme).method not in ("kvarn", "kivi"):
         return None
     return dict(num_warps=int(m.group(1)), num_stages=int(m.group(2)), unpack="asm" if "a" in fl else "magic",
                 orient="tokens" if "t" in fl else "heads", fold="f" in fl, parts=int(m.group(4) or 1),
-                sums="mma" if "m" in fl else "reduce")
+                sums="mma" if "m" in fl else "reduce", steps=int(m.group(5) or 1), maxnreg=int(m.group(6)) if m.group(6) else None)
 
 
 def check(cfg, hq, hk, d, bs, kw=None, window=None):
@@ -241,7 +291,8 @@ def main():
     p.add_argument("--splits", default="", help="comma list of num_splits to try (default: heuristic only)")
     p.add_argument("--variants", default="", help="comma list of kernel variants wWsS[a][t][f][m][pP] (num_warps W, num_stages S; "
                    "flags: a the PTX unpack `_planes_asm`, t tokens-major products (orient='tokens'), f the "
-                   "magic bias folded into the sums (fold=True), m those sums as products with a ones matrix (sums='mma'); pP: tokens-major tiles in P parts); default: the kernel's own defaults")
+                   "magic bias folded into the sums (fold=True), m those sums as products with a ones matrix (sums='mma'); pP: tokens-major tiles in P parts; "
+                   "iI: I tile-loop iterations per tile (steps); rR: at most R registers per thread (maxnreg); rR alone: the defaults with that cap); default: the kernel's own defaults")
     p.add_argument("--no-baselines", action="store_true")
     p.add_argument("--check", action="store_true")
     p.add_argument("--json", default="")
@@ -305,7 +356,12 @@ def main():
                     variants[f"{var}_splits{ns}"] = t_dev
                     if best is None or t_dev < best["device_s"]:
                         best = {"device_s": t_dev, "num_splits": ns, "variant": var}
+                        best_fn = fn
             best["variants"] = variants
+            # the same call's kernels on the device, without the scan's per-iteration overhead
+            # (~20-27 us on the H200, benchmarks/results/2026-12-01_decode_maxnreg_h200.md)
+            prof = profile_span(best_fn, (q, cache, tables, lens))
+            best["span_s"], best["kernels_s"] = prof if prof else (None, None)
             fn = lambda q, c, t, l, ns=best["num_splits"]: kj.paged_decode_attention(q, c, t, l, impl="pallas", num_splits=ns)
             best["loop_s"] = loop_time(fn, (q, cache, tables, lens))
             best["entry_device_s"] = device_time(fn, (q, cache, tables, lens))
@@ -318,7 +374,7 @@ def main():
         ms = lambda x: "   -   " if x is None else f"{x * 1e3:7.3f}"
         print(f"B={batch:<4d} L={ctx:<7d} fp16 SDPA {ms(row.get('fp16_sdpa_s'))} ms | jax paged fp16 {ms(row.get('jax_paged_fp16_s'))} ms")
         for s, r in row["schemes"].items():
-            print(f"    {s:<18s} {ms(r['device_s'])} ms  (loop {ms(r['loop_s'])} ms)  roofline {ms(r['roofline_s'])} ms"
+            print(f"    {s:<18s} {ms(r['device_s'])} ms  (loop {ms(r['loop_s'])} ms, span {ms(r['span_s'])} ms)  roofline {ms(r['roofline_s'])} ms"
                   f"  {100 * r['roofline_frac']:5.1f}% of roofline  splits={r['num_splits']} {r['variant']}"
                   f"  entry {ms(r['entry_device_s'])} ms")
     if args.json:

@@ -1,7 +1,7 @@
 """Registers and instruction counts of the Pallas GPU kernels, without a GPU.
 
     python benchmarks/kernel_sass.py decode kvarn_k4v2_g128 [--warps 1] [--stages 2] [--orient tokens|heads]
-        [--fold on|off] [--sums mma|reduce] [--parts 1]
+        [--fold on|off] [--sums mma|reduce] [--parts 1] [--steps 1] [--maxnreg 168]
     python benchmarks/kernel_sass.py quantize kvarn_k4v2_g128 --side k [--warps 16]
         [--triton-python /path/to/venv/bin/python]
 
@@ -45,18 +45,21 @@ usage = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "--dump-resource-usa
                        capture_output=True, text=True).stdout
 sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "--dump-sass", src + ".cubin"],
                       capture_output=True, text=True).stdout
-json.dump({"usage": usage, "sass": sass}, sys.stdout)
+json.dump({"usage": usage, "sass": sass, "shared": k.metadata.shared}, sys.stdout)
 """
 
 
 def triton_ir(kind: str, scheme: str, side: str, warps: int, stages: int, orient: str | None = None,
-              fold: bool | None = None, parts: int = 1, sums: str | None = None) -> str:
+              fold: bool | None = None, parts: int = 1, sums: str | None = None, maxnreg: int | None = None,
+              steps: int = 1) -> str:
     """The Triton IR (text) jax emits for one kernel, captured at lowering."""
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.triton import pallas_call_registration as reg
 
     import kvarn_jax as kj
+    from kvarn_jax import triton_options
+    triton_options.install()  # first, so that the module captured below carries the register cap
     captured = []
     original = reg.lowering.lower_jaxpr_to_triton_module
 
@@ -75,7 +78,7 @@ def triton_ir(kind: str, scheme: str, side: str, warps: int, stages: int, orient
             args = (jnp.zeros((32, 32, 128), jnp.float32), cache, jnp.zeros((32, 32), jnp.int32),
                     jnp.full((32,), 4096, jnp.int32), jnp.arange(32, dtype=jnp.int32))
             fn = lambda q, c, t, l, s: pdp.paged_decode_pallas(  # noqa: E731
-                q, c, t, l, s, scale=0.1, window=None, unpack="asm", num_warps=warps, num_stages=stages, orient=orient, fold=fold, parts=parts, sums=sums)
+                q, c, t, l, s, scale=0.1, window=None, unpack="asm", num_warps=warps, num_stages=stages, orient=orient, fold=fold, parts=parts, sums=sums, maxnreg=maxnreg, steps=steps)
         else:
             from kvarn_jax.cache.quantize_pallas import quantize_blocks_pallas
             args = (jnp.zeros((64, 8, 128, 128), jnp.float16),)
@@ -122,6 +125,8 @@ def main():
     p.add_argument("--sums", default=None, choices=["reduce", "mma"], help="decode: tokens-major bias/zero sums")
     p.add_argument("--parts", type=int, default=1, help="decode: tokens-major tile parts")
     p.add_argument("--fold", default=None, choices=["on", "off"], help="decode: magic bias folded into the sums")
+    p.add_argument("--steps", type=int, default=1, help="decode: tokens-major tile-loop iterations per tile")
+    p.add_argument("--maxnreg", type=int, default=None, help="decode: register cap per thread")
     p.add_argument("--orient", default=None, choices=["heads", "tokens"], help="decode: layout of the products")
     p.add_argument("--triton-python", default=os.environ.get("TRITON_PYTHON", "python3"),
                    help="a Python with triton installed (default: $TRITON_PYTHON or python3)")
@@ -137,7 +142,8 @@ def main():
         from kvarn_jax.cache.quantize_pallas import default_num_warps
         warps = args.warps or default_num_warps(cfg)
         stages = args.stages or 1
-    ir = triton_ir(args.kind, args.scheme, args.side, warps, stages, args.orient, {"on": True, "off": False}.get(args.fold), args.parts, args.sums)
+    ir = triton_ir(args.kind, args.scheme, args.side, warps, stages, args.orient, {"on": True, "off": False}.get(args.fold), args.parts, args.sums, args.maxnreg,
+                   args.steps)
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "kernel.ttir")
         with open(src, "w") as f:
@@ -151,9 +157,11 @@ def main():
     ins = parse_sass(out["sass"])
     res = {"kind": args.kind, "scheme": args.scheme, "side": args.side, "warps": warps, "stages": stages,
            "registers": int(usage.get("REG", 0)), "stack_bytes": int(usage.get("STACK", 0)),
+           "shared_bytes": int(out.get("shared", 0)),
            "instructions": len(ins), "mix": dict(mix(ins).most_common()), "loops": []}
     print(f"{args.kind} {args.scheme}{' ' + args.side if args.kind == 'quantize' else ''}: {warps} warps, "
-          f"{res['registers']} registers/thread, {res['stack_bytes']} B stack, {len(ins)} instructions")
+          f"{res['registers']} registers/thread, {res['stack_bytes']} B stack, {res['shared_bytes']} B shared, "
+          f"{len(ins)} instructions")
     for lo, hi in loops(ins)[:3]:
         body = ins[lo:hi + 1]
         c = mix(body)

@@ -112,7 +112,8 @@ def test_gpu_kernel_layouts(cfg, rng):
     """Every product layout of the GPU kernel against the reference: heads-major (M = 16 head rows),
     tokens-major (N = 8 heads; the default for tiled schemes) with and without the plane-bias fold,
     with the bias/zero-point sums as reductions or as products with a ones matrix, and tiles walked
-    in parts. The defaults are measured choices; the others must stay correct."""
+    in parts and in several loop iterations (steps). The defaults are measured choices; the others
+    must stay correct."""
     from kvarn_jax.attention import paged_decode_pallas as pdp
     from kvarn_jax.hadamard import rotate, unrotate
     c = kj.parse(cfg)
@@ -123,7 +124,7 @@ def test_gpu_kernel_layouts(cfg, rng):
     refs = {w: np.asarray(kj.paged_decode_attention(q, cache, bt, sl, impl="reference", window=w))
             for w in (None, bs + 5)}
     variants = (dict(orient="heads"), dict(orient="tokens", fold=False), dict(orient="tokens", fold=True),
-                dict(orient="tokens", parts=2), dict(orient="tokens", sums="reduce"),
+                dict(orient="tokens", parts=2, steps=2), dict(orient="tokens", sums="reduce"),
                 dict(orient="tokens", sums="reduce", fold=False, parts=2))
     for i, kw in enumerate(variants):
         # every variant once per scheme, with a window for one of the two schemes (the suite's time)
@@ -146,14 +147,34 @@ def test_gpu_kernel_layout_errors(rng):
         call(per_token, orient="tokens")
     tiled = kj.PagedKVCache.create("kvarn_k4v2_g32", num_blocks=4, block_size=32, num_kv_heads=1, head_dim=64,
                                    max_seqs=1)
-    with pytest.raises(ValueError, match="fold, parts and sums apply to orient='tokens' only"):
+    with pytest.raises(ValueError, match="fold, parts, steps and sums apply to orient='tokens' only"):
         call(tiled, orient="heads", fold=True)
-    with pytest.raises(ValueError, match="fold, parts and sums apply to orient='tokens' only"):
+    with pytest.raises(ValueError, match="fold, parts, steps and sums apply to orient='tokens' only"):
         call(tiled, orient="heads", sums="mma")
     with pytest.raises(ValueError, match="sums must be 'reduce' or 'mma'"):
         call(tiled, sums="dot")
-    with pytest.raises(ValueError, match="parts=3 must divide the 32-token tile"):
+    with pytest.raises(ValueError, match="parts=3 x steps=1 must divide the 32-token tile"):
         call(tiled, parts=3)
+    with pytest.raises(ValueError, match="maxnreg must be an int in \\[24, 255\\]"):
+        call(tiled, maxnreg=300)
+
+
+def test_register_cap_reaches_the_triton_module():
+    """maxnreg is set on the Triton module the kernel lowers to (as `ttg.maxnreg`, the attribute
+    Triton turns into the kernel's register limit), and only on that kernel's module."""
+    from kvarn_jax.attention import paged_decode_pallas as pdp
+    cache = kj.PagedKVCache.create("kvarn_k4v2_g64", num_blocks=8, block_size=64, num_kv_heads=2, head_dim=64,
+                                   max_seqs=2)
+    args = (jnp.zeros((2, 8, 64), jnp.float32), cache, jnp.zeros((2, 4), jnp.int32),
+            jnp.full((2,), 200, jnp.int32), jnp.arange(2, dtype=jnp.int32))
+    texts = {}
+    for cap in (None, 184):
+        fn = lambda q, c, t, l, s, cap=cap: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1, window=None,  # noqa: E731
+                                                                   maxnreg=cap)
+        texts[cap] = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "ttg.maxnreg" not in texts[None] and "kvarn_paged_decode_kvarn_k4v2_g64_maxnreg184" in texts[184]
+    assert "ttg.maxnreg" in texts[184]
+    assert pdp.programs_per_sm(1, 184) == 11 and pdp.programs_per_sm(1, 200) == 10 and pdp.programs_per_sm(1) == 8
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

@@ -39,6 +39,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .. import triton_options
 from ..config import KVQuantConfig
 from ..validation import is_power_of_two as _pow2
 
@@ -134,6 +135,15 @@ def _dot_tn(a, b, min_n: int = 16):
     if min(a.shape[0], a.shape[1]) < 16 or b.shape[1] < min_n:
         return jnp.sum(a.astype(jnp.float32)[:, :, None] * b.astype(jnp.float32)[:, None, :], axis=0)
     return lax.dot_general(_f16(a), _f16(b), (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _columns(x):
+    """[R, n] -> the n columns [R] each, by masked sums along the (in-thread) minor axis. Loading a
+    small strided vector (one plane's scales, x[:, j]) reads 2-byte elements, which Triton cannot
+    copy asynchronously, so it was a plain load waited on in every tile; the whole [R, n] block is
+    contiguous and is pipelined with the codes."""
+    col = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    return [jnp.sum(jnp.where(col == j, x, 0.0), axis=1) for j in range(x.shape[1])]
 
 
 def _interleave(cs):
@@ -318,15 +328,17 @@ class _Plan:
             zero = _dot_t(ones, zero, min_n=8)
             bias = None if bias is None else _dot_t(ones, bias, min_n=8)
         n_tok = ks[0].shape[0]
+        if cfg.method == "kvarn":  # token scales per class: [T/kc] each (whole-block load, `_columns`)
+            st = f["scale_tok"]
+            sts = ([st[blk, sub, pl.ds(part * n_tok, n_tok)].astype(jnp.float32)] if self.k_whole
+                   else _columns(st[blk, sub, pl.ds(part * rows, rows)].astype(jnp.float32)))
         out = []
         for j, k in enumerate(ks):
             s = _dot_t(k, qs, min_n=8) + zero
             if bias is not None:
                 s = s - (2.0 ** (10 - j * cfg.k_bits)) * bias
             if cfg.method == "kvarn":
-                st = f["scale_tok"]
-                st = st[blk, sub, pl.ds(part * n_tok, n_tok)] if self.k_whole else st[blk, sub, pl.ds(part * rows, rows), j]
-                s = s * st.astype(jnp.float32)[:, None]
+                s = s * sts[j][:, None]
             out.append(s)
         return out
 
@@ -359,8 +371,9 @@ class _Plan:
                 psum = jnp.sum(p16.astype(jnp.float32), axis=0) if self.fold else None
                 corr = [(zp - (2.0 ** (10 - n * cfg.v_bits)) * psum if self.fold else zp)[None, :] for n in range(vp)]
             out = [_dot(planes[n], p16, min_n=8) + corr[n] for n in range(vp)]
-            if chan is not None:
-                out = [o * chan[blk, sub, :, n].astype(jnp.float32)[:, None] for n, o in enumerate(out)]
+            if chan is not None:  # channel scales per plane (whole-block load, `_columns`)
+                chans = _columns(chan[blk, sub].astype(jnp.float32)) if vp > 1 else [chan[blk, sub, :, 0].astype(jnp.float32)]
+                out = [o * c[:, None] for o, c in zip(out, chans)]
             return out
         planes = self.planes(codes, cfg.v_bits)                             # vp x [D/vp, G/parts]
         cgp = cfg.channel_group("v", self.d) // vp
@@ -413,7 +426,7 @@ class _Plan:
 
 # ----------------------------------------------------------------------------- the kernel
 def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tiles_per_block,
-            num_splits, sm_scale, window, tokens_major, parts):
+            num_splits, sm_scale, window, tokens_major, parts, steps):
     d, vp, t_tok = plan.d, plan.vp, plan.t
     # tokens_major: scores [T, Gp] and accumulator [D/vp, Gp] (the matrix unit's N is the head
     # axis, 8 wide); otherwise scores [Gp, T] and accumulator [Gp, D/vp] (M = heads, 16 wide)
@@ -476,18 +489,21 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     # (passthrough caches also read the partial last tile from their pages)
     tiles_partial = window is not None or not has_hp
 
-    def tile_body(t, carry):
+    def tile_body(i, carry):
+        t, step = (i // steps, i % steps) if steps > 1 else (i, 0)
         blk = bt_ref[b, t // tpb]
         sub = t % tpb
         if tokens_major:  # softmax per token class; only the probabilities are put in token order
             qside = plan.query_t(q, pages, blk, sub)
-            for part in range(parts):  # parts of a tile one after the other: fewer live registers
-                ss = plan.scores_t(qside, pages, blk, sub, part, parts)
-                nc, n_tok = len(ss), t_tok // parts
+            n_parts = steps * parts
+            for k in range(parts):  # parts of a step one after the other: fewer live registers
+                part = step * parts + k
+                ss = plan.scores_t(qside, pages, blk, sub, part, n_parts)
+                nc, n_tok = len(ss), t_tok // n_parts
                 poss = [t * t_tok + part * n_tok + jnp.arange(n_tok // nc, dtype=jnp.int32) * nc + j
                         for j in range(nc)]
                 vfn = lambda ps, part=part: plan.values_t(ps[0] if len(ps) == 1 else _tokens_from_planes(ps),
-                                                          pages, blk, sub, part, parts)
+                                                          pages, blk, sub, part, n_parts)
                 carry = update(carry, ss, poss, vfn, masked=tiles_partial)
             return carry
         ss = [_token_order(plan.scores(q, q_planes, pages, st, blk, sub), gp)]
@@ -497,7 +513,7 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     acc_shape = (d // vp, gp) if tokens_major else (gp, d // vp)
     carry = (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32),
              tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(vp)))
-    carry = lax.fori_loop(lo, jnp.maximum(lo, hi), tile_body, carry)
+    carry = lax.fori_loop(lo * steps, jnp.maximum(lo, hi) * steps, tile_body, carry)
 
     # ---- high-precision sink and partial tail (split 0 only)
     if has_hp:
@@ -554,27 +570,45 @@ def default_num_warps(cfg: KVQuantConfig) -> int:
     return 2 if cfg.method == "fp8" else 4
 
 
-def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int, num_warps: int = 2) -> int:
+def default_maxnreg(cfg: KVQuantConfig, num_warps: int) -> int | None:
+    """Register cap per thread (None: Triton's choice). See `programs_per_sm`."""
+    return None
+
+
+def programs_per_sm(num_warps: int, maxnreg: int | None = None) -> int:
+    """Programs that fit one H100/H200 SM at once. Uncapped, our kernels take ~255 registers per
+    thread: 8 one-warp or 4 two-warp programs (4 for wider ones too: those use fewer registers).
+    Capped, the register file (64K per SM, allocated in 8-register steps) decides, up to 11: the
+    shared memory of one-warp KVarN programs (18.9 KB each, ncu) fits 11."""
+    if maxnreg is None:
+        return max(4, 8 // max(1, num_warps))
+    regs = -(-maxnreg // 8) * 8
+    return max(1, min(65536 // (regs * 32 * max(1, num_warps)), 11))
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int, num_warps: int = 2,
+                       maxnreg: int | None = None) -> int:
     """Splits of each sequence's tiles along the KV length, for an H100/H200-class chip (132 SMs).
-    Register use (~255 per thread) keeps 8 one-warp or 4 two-warp programs per SM: a wave is
-    1056 or 528 programs (528 for wider programs too). Measured on the H200
-    (benchmarks/results/2026-12-01_decode_splits_*_h200.json, 2026-12-01_decode_tokens_major_h200.md):
+    A wave is 132 x `programs_per_sm` programs (1056 for uncapped one-warp programs). Measured on
+    the H200 (benchmarks/results/2026-12-01_decode_splits_*_h200.json, 2026-12-01_decode_tokens_major_h200.md):
     - >= 132 (sequence, kv head) pairs: as many splits as still fit one wave (B=32/L=32K, 1 warp:
       4 splits 0.457 ms, 2 splits 0.693; 2 warps: 2 splits 0.63, 3 splits (1.45 waves) 0.85);
     - fewer pairs: a program walks its tiles one after the other, so ~4 waves of programs with at
       least 4 tiles each (B=1/L=128K, 1 warp: 256 splits 0.094-0.103 ms vs 128 splits 0.113-0.117)."""
-    wave = 132 * max(4, 8 // max(1, num_warps))
+    wave = 132 * programs_per_sm(num_warps, maxnreg)
     pairs = max(1, batch * num_kv_heads)
     want = max(1, wave // pairs) if pairs >= 132 else -(-4 * wave // pairs)
     return int(max(1, min(want, max_tiles // 4, wave // 4)))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "num_splits", "interpret", "num_warps",
-                                             "num_stages", "unpack", "orient", "fold", "parts", "sums"))
+                                             "num_stages", "unpack", "orient", "fold", "parts", "sums", "maxnreg",
+                                             "steps"))
 def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale: float, window: int | None,
                         num_splits: int | None = None, interpret: bool = False, num_warps: int | None = None,
                         num_stages: int = 2, unpack: str | None = None, orient: str | None = None,
-                        fold: bool | None = None, parts: int = 1, sums: str | None = None):
+                        fold: bool | None = None, parts: int = 1, sums: str | None = None,
+                        maxnreg: int | str | None = "default", steps: int = 1):
     """Kernel entry: q_rot [B, Hq, D] in the stored frame -> output [B, Hq, D] fp32 in the stored frame.
 
     Launch and layout options (defaults from the H200 sweeps; the results are the same up to fp32
@@ -589,6 +623,13 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         formed: "mma" (default: products with a ones matrix on the matrix unit, which leaves every
         row holding the sum and needs no cross-lane reduction) or "reduce" (jnp sums).
       parts: tokens-major only - walk each tile in this many parts (fewer live registers).
+      steps: tokens-major only - walk each tile in this many iterations of the tile loop (a part
+        each). Triton's pipeline copies an iteration's codes into shared memory while the one before
+        computes, in num_stages - 1 buffers of one iteration's size: with steps=2 and num_stages=3
+        the copies overlap the compute at the shared memory of one tile (with one tile per
+        iteration and 2 stages, a tile's copies wait until the previous tile is done with the buffer).
+      maxnreg: registers per thread the compiled kernel may use (`default_maxnreg`; None: no cap,
+        Triton's choice). Fewer registers, more programs per SM (`triton_options`).
     """
     unpack = unpack or ("magic" if interpret else "asm")
     if unpack not in ("magic", "asm") or (unpack == "asm" and interpret):
@@ -602,12 +643,17 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     sums = sums or ("mma" if tokens_major else "reduce")
     if sums not in ("reduce", "mma"):
         raise ValueError(f"sums must be 'reduce' or 'mma', got {sums!r}")
-    if (fold or parts != 1 or sums != "reduce") and not tokens_major:
-        raise ValueError(f"fold, parts and sums apply to orient='tokens' only (got fold={fold}, parts={parts}, "
+    if (fold or parts != 1 or steps != 1 or sums != "reduce") and not tokens_major:
+        raise ValueError(f"fold, parts, steps and sums apply to orient='tokens' only (got fold={fold}, parts={parts}, steps={steps}, "
                          f"sums={sums!r})")
-    if tokens_major and (parts < 1 or cfg.tile_tokens % parts or (cfg.tile_tokens // parts) % (8 // cfg.k_bits)):
-        raise ValueError(f"parts={parts} must divide the {cfg.tile_tokens}-token tile into whole bytes of key codes")
+    n_parts = parts * steps
+    if tokens_major and (parts < 1 or steps < 1 or cfg.tile_tokens % n_parts
+                         or (cfg.tile_tokens // n_parts) % (8 // cfg.k_bits)):
+        raise ValueError(f"parts={parts} x steps={steps} must divide the {cfg.tile_tokens}-token tile into whole "
+                         f"bytes of key codes")
     warps = num_warps or default_num_warps(cfg)
+    if maxnreg == "default":
+        maxnreg = None if interpret else default_maxnreg(cfg, warps)
     nbt, hq, d = q_rot.shape
     hk = cache.num_kv_heads
     grp = hq // hk
@@ -615,7 +661,7 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     mb = block_tables.shape[1]
     t_tok = cfg.tile_tokens if cfg.tile_tokens > 1 else min(TOKEN_CHUNK, cache.block_size)
     tiles_per_block = cache.block_size // t_tok
-    splits = num_splits or default_num_splits(nbt, hk, mb * tiles_per_block, warps)
+    splits = num_splits or default_num_splits(nbt, hk, mb * tiles_per_block, warps, maxnreg)
     plan = _Plan(cfg, d, t_tok, unpack, fold=fold, sums=sums)
 
     qg = q_rot.astype(jnp.float32).reshape(nbt, hk, grp, d)
@@ -655,7 +701,8 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     kernel = functools.partial(
         _kernel, plan=plan, names=names, static_names=static_names, has_hp=cache.has_hp,
         block_size=cache.block_size, tail_len=max(cache.tail_len, 1), tiles_per_block=tiles_per_block,
-        num_splits=splits, sm_scale=scale, window=window, tokens_major=tokens_major, parts=parts)
+        num_splits=splits, sm_scale=scale, window=window, tokens_major=tokens_major, parts=parts,
+        steps=steps)
     vp = plan.vp
     acc_shape = (d // vp, gp) if tokens_major else (gp, d // vp)
     out_shape = [jax.ShapeDtypeStruct((nbt, hk, splits, vp) + acc_shape, jnp.float32),
@@ -670,7 +717,8 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         params["compiler_params"] = plgpu.CompilerParams(num_warps=warps, num_stages=num_stages)
     acc, m, l = pl.pallas_call(kernel, grid=(nbt, hk, splits), in_specs=specs, out_specs=out_specs,
                                out_shape=out_shape, interpret=interpret,
-                               name=f"kvarn_paged_decode_{cfg.name}", **params)(*operands)
+                               name=triton_options.kernel_name(f"kvarn_paged_decode_{cfg.name}", maxnreg),
+                               **params)(*operands)
     # merge the splits (flash-decoding) and re-interleave the value planes: channel vp*i + n
     m_all = jnp.max(m, axis=2, keepdims=True)
     w = jnp.exp2(m - m_all)                                            # m is in base-2 units

@@ -1,0 +1,88 @@
+"""Where a decode call's device time goes: every GPU kernel of one call, with its duration.
+
+    python benchmarks/decode_profile.py [--shapes 1x131072,8x16384] [--schemes kvarn_k4v2_g128]
+                                        [--entry kernel|public] [--calls 20] [--json out.json]
+
+`decode.py` times whole calls (a scan of dependent calls); at small batch that time is far above the
+byte roofline, and this script says which kernels make it up. It runs `--calls` calls of the kernel
+entry (`paged_decode_pallas`, as decode.py times it) or the public `paged_decode_attention` under
+torch's profiler, whose CUPTI tracing records every kernel of the process, JAX's included. It prints,
+per kernel name, the launches per call and the device microseconds per call, the sum of all kernels,
+the span of one call from its first kernel's start to its last kernel's end (gaps included), and the
+scan-loop time decode.py reports, so the three can be compared. Needs torch with CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import kvarn_jax as kj  # noqa: E402
+from decode import device_time, kernel_events, random_cache, spans  # noqa: E402
+from kvarn_jax.attention import paged_decode_pallas as pdp  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="1x131072,8x16384,32x32768")
+    p.add_argument("--schemes", default="kvarn_k4v2_g128")
+    p.add_argument("--entry", default="kernel", choices=["kernel", "public"])
+    p.add_argument("--splits", type=int, default=None)
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--hq", type=int, default=32)
+    p.add_argument("--hk", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--json", default="")
+    args = p.parse_args()
+    hq, hk, d, bs = args.hq, args.hk, args.head_dim, args.block_size
+    res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "entry": args.entry,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "rows": []}
+    for shape in args.shapes.split(","):
+        batch, ctx = (int(x) for x in shape.split("x"))
+        for s in args.schemes.split(","):
+            cache, tables, lens = random_cache(s, batch, ctx, hk, d, bs, jnp.float16)
+            q = jax.random.normal(jax.random.PRNGKey(9), (batch, hq, d), jnp.float16)
+            sid = jnp.arange(batch, dtype=jnp.int32)
+            if args.entry == "kernel":
+                fn = lambda q, c, t, l: pdp.paged_decode_pallas(  # noqa: E731
+                    q, c, t, l, sid, scale=1.0 / np.sqrt(d), window=None, num_splits=args.splits)
+            else:
+                fn = lambda q, c, t, l: kj.paged_decode_attention(q, c, t, l, impl="pallas",  # noqa: E731
+                                                                  num_splits=args.splits)
+            ev = kernel_events(fn, (q, cache, tables, lens), args.calls)
+            per = collections.defaultdict(lambda: [0, 0.0])
+            for name, _, dur in ev:
+                per[name][0] += 1
+                per[name][1] += dur
+            sp = spans(ev, args.calls)
+            span_us = float(np.median([b - a for a, b in sp])) if sp else float("nan")
+            total_us = sum(v[1] for v in per.values()) / args.calls
+            scan_us = device_time(fn, (q, cache, tables, lens)) * 1e6
+            row = {"batch": batch, "ctx": ctx, "scheme": s, "kernel_sum_us": total_us, "span_us": span_us,
+                   "scan_us": scan_us,
+                   "kernels": {n: {"per_call": c / args.calls, "us_per_call": t / args.calls}
+                               for n, (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1])}}
+            res["rows"].append(row)
+            print(f"B={batch} L={ctx} {s} ({args.entry}): kernels {total_us:.1f} us/call, one call's span "
+                  f"{span_us:.1f} us, scan-loop time {scan_us:.1f} us")
+            for n, v in row["kernels"].items():
+                print(f"    {v['us_per_call']:8.1f} us  x{v['per_call']:.0f}  {n[:110]}")
+            del cache
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
