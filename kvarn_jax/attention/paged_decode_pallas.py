@@ -342,9 +342,10 @@ class _Plan:
             out.append(s)
         return out
 
-    def values_t(self, p, pages, blk, sub, part=0, parts: int = 1):
+    def values_t(self, p, pages, blk, sub, part=0, parts: int = 1, chan_tile=None):
         """Tokens-major values of a tiled scheme: probabilities [T / parts, Gp] in token order (of
-        part `part` of the tile) -> list over channel planes of [D / vp, Gp]."""
+        part `part` of the tile) -> list over channel planes of [D / vp, Gp]. chan_tile: KVarN's value
+        channel scales of the tile [D/vp, vp] if already loaded."""
         cfg, vp = self.cfg, self.vp
         f = pages["v"]
         n_tok = self.t // parts
@@ -372,7 +373,8 @@ class _Plan:
                 corr = [(zp - (2.0 ** (10 - n * cfg.v_bits)) * psum if self.fold else zp)[None, :] for n in range(vp)]
             out = [_dot(planes[n], p16, min_n=8) + corr[n] for n in range(vp)]
             if chan is not None:  # channel scales per plane (whole-block load, `_columns`)
-                chans = _columns(chan[blk, sub].astype(jnp.float32)) if vp > 1 else [chan[blk, sub, :, 0].astype(jnp.float32)]
+                block = chan[blk, sub] if chan_tile is None else chan_tile
+                chans = _columns(block.astype(jnp.float32)) if vp > 1 else [block[:, 0].astype(jnp.float32)]
                 out = [o * c[:, None] for o, c in zip(out, chans)]
             return out
         planes = self.planes(codes, cfg.v_bits)                             # vp x [D/vp, G/parts]
@@ -489,11 +491,26 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     # (passthrough caches also read the partial last tile from their pages)
     tiles_partial = window is not None or not has_hp
 
+    # KVarN's value channel scales multiply the results of the value products: no matrix product
+    # waits on them, so Triton does not pipeline their load, and the tile would wait on it. They
+    # are loaded one tile ahead instead, through the loop carry (`chan_block`).
+    prefetch = tokens_major and steps == 1 and plan.cfg.method == "kvarn"
+
+    def chan_block(t, valid):
+        """Tile t's value channel scales [D/vp, vp]; page 0's where `valid` is false (no read
+        through a block-table entry that no tile of this program uses)."""
+        blk = jnp.where(valid, bt_ref[b, jnp.where(valid, t, 0) // tpb], 0)
+        return pages["v"]["scale_chan"][blk, jnp.where(valid, t, 0) % tpb]
+
     def tile_body(i, carry):
         t, step = (i // steps, i % steps) if steps > 1 else (i, 0)
         blk = bt_ref[b, t // tpb]
         sub = t % tpb
         if tokens_major:  # softmax per token class; only the probabilities are put in token order
+            chan = None
+            if prefetch:
+                carry, chan = carry[:3], carry[3]
+                chan_next = chan_block(jnp.minimum(t + 1, hi - 1), t + 1 < hi)
             qside = plan.query_t(q, pages, blk, sub)
             n_parts = steps * parts
             for k in range(parts):  # parts of a step one after the other: fewer live registers
@@ -503,9 +520,9 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
                 poss = [t * t_tok + part * n_tok + jnp.arange(n_tok // nc, dtype=jnp.int32) * nc + j
                         for j in range(nc)]
                 vfn = lambda ps, part=part: plan.values_t(ps[0] if len(ps) == 1 else _tokens_from_planes(ps),
-                                                          pages, blk, sub, part, n_parts)
+                                                          pages, blk, sub, part, n_parts, chan_tile=chan)
                 carry = update(carry, ss, poss, vfn, masked=tiles_partial)
-            return carry
+            return carry + (chan_next,) if prefetch else carry
         ss = [_token_order(plan.scores(q, q_planes, pages, st, blk, sub), gp)]
         poss = [t * t_tok + tok]
         return update(carry, ss, poss, lambda ps: plan.values(ps, pages, st, blk, sub), masked=tiles_partial)
@@ -513,7 +530,10 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     acc_shape = (d // vp, gp) if tokens_major else (gp, d // vp)
     carry = (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32),
              tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(vp)))
+    if prefetch:
+        carry = carry + (chan_block(lo, lo < hi),)
     carry = lax.fori_loop(lo * steps, jnp.maximum(lo, hi) * steps, tile_body, carry)
+    carry = carry[:3]
 
     # ---- high-precision sink and partial tail (split 0 only)
     if has_hp:
@@ -578,12 +598,14 @@ def default_maxnreg(cfg: KVQuantConfig, num_warps: int) -> int | None:
 def programs_per_sm(num_warps: int, maxnreg: int | None = None) -> int:
     """Programs that fit one H100/H200 SM at once. Uncapped, our kernels take ~255 registers per
     thread: 8 one-warp or 4 two-warp programs (4 for wider ones too: those use fewer registers).
-    Capped, the register file (64K per SM, allocated in 8-register steps) decides, up to 11: the
-    shared memory of one-warp KVarN programs (18.9 KB each, ncu) fits 11."""
+    Capped, the register file decides, up to 11 (the shared memory of one-warp KVarN programs,
+    18.9 KB each, fits 11): a warp lives on one of the SM's 4 schedulers, each with 16K registers
+    allocated to warps in 8-register steps per thread, so a cap of 184 still leaves 2 warps per
+    scheduler (ncu: 8 blocks per SM) and one of 168 fits 3."""
     if maxnreg is None:
         return max(4, 8 // max(1, num_warps))
-    regs = -(-maxnreg // 8) * 8
-    return max(1, min(65536 // (regs * 32 * max(1, num_warps)), 11))
+    per_scheduler = 16384 // (-(-maxnreg // 8) * 8 * 32)
+    return max(1, min(4 * per_scheduler // max(1, num_warps), 11))
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int, num_warps: int = 2,
