@@ -269,8 +269,8 @@ class _Plan:
             if cfg.static:
                 s = 0.0
                 for n in range(self.pk):
-                    k = (planes[n].astype(jnp.float32) * st["k"]["scale"][:, n][None, :]
-                         + st["k"]["zero"][:, n][None, :])
+                    k = (planes[n].astype(jnp.float32) * st["k"]["scale"][n][None, :]
+                         + st["k"]["zero"][n][None, :])
                     s = s + _dot_t(q_planes[n], k)
                 return [s]
             sc = f["scale"][blk, sub].astype(jnp.float32)                  # [T, D/cg]
@@ -407,8 +407,8 @@ class _Plan:
         if cfg.method == "int":
             planes = self.planes(f["codes"][blk, sub], cfg.v_bits)          # vp x [T, D/vp]
             if cfg.static:
-                return [_dot(p, planes[n].astype(jnp.float32) * st["v"]["scale"][:, n][None, :]
-                             + st["v"]["zero"][:, n][None, :]) for n in range(vp)]
+                return [_dot(p, planes[n].astype(jnp.float32) * st["v"]["scale"][n][None, :]
+                             + st["v"]["zero"][n][None, :]) for n in range(vp)]
             sc = f["scale"][blk, sub].astype(jnp.float32)
             zr = f["zero"][blk, sub].astype(jnp.float32)
             if sc.shape[1] == 1:
@@ -453,7 +453,10 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     q = q_ref[...].astype(jnp.float32) * (sm_scale * LOG2E)                  # [Gp, D]
     q_planes = [qp_ref[n] * (sm_scale * LOG2E) for n in range(plan.pk)] if qp_ref is not None else [q]
     gp = q.shape[0]
-    st = {side: {n: r[...] for n, r in static[side].items()} for side in ("k", "v")}
+    # static int parameters [D/planes, planes] -> one [D/planes] vector per plane (Triton cannot
+    # slice a loaded block: `_columns`); fp8's [1] scale as it is
+    st = {side: {n: (_columns(r[...].astype(jnp.float32)) if plan.cfg.method == "int" else r[...])
+                 for n, r in static[side].items()} for side in ("k", "v")}
 
     def update(carry, ss, poss, value_fn, masked=True):
         """Online softmax (base 2) over score blocks `ss` (positions `poss`), then acc += value_fn(probabilities).
