@@ -1,0 +1,44 @@
+"""Every scheme's GPU kernels (paged decode, quantize-on-write) lower to Triton for CUDA here, on CPU.
+
+Interpret mode runs a kernel's jnp on the CPU, so it accepts operations that jax's Triton lowering
+does not implement (a slice of a loaded block was one: `int_k8v4_static`'s decode kernel passed
+every interpreted test and failed to lower on the H200). Lowering for an abstract CUDA platform is
+the check that needs no GPU: a kernel that cannot lower raises here.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvarn_jax as kj
+from kvarn_jax.attention import paged_decode_pallas as pdp
+from kvarn_jax.cache.quantize_pallas import quantize_blocks_pallas
+
+SCHEMES = ["kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k2v8_g64", "kvarn_k8v8_g32", "kivi_k2v2_g128",
+           "kivi_k2v4_g32", "kivi_k4v4_g32", "int8", "int4", "int2_g32", "int8_g16", "int_k8v2", "int_k8v4",
+           "fp8", "fp16", "bf16", "int8_static", "int_k8v4_static", "int4_static", "fp8_static"]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_gpu_kernels_lower_for_cuda(scheme):
+    cfg = kj.parse(scheme)
+    bs = max(cfg.tile_tokens, 32)
+    for d in (64, 128):
+        cal = None
+        if cfg.static:
+            k = jnp.asarray(np.random.default_rng(0).standard_normal((256, 2, d)), jnp.float32)
+            cal = kj.calibrate((k, k), scheme)
+        cache = kj.PagedKVCache.create(scheme, num_blocks=8, block_size=bs, num_kv_heads=2, head_dim=d, max_seqs=2,
+                                       calibration=cal)
+        args = (jnp.zeros((2, 8, d), jnp.float32), cache, jnp.zeros((2, 4), jnp.int32),
+                jnp.full((2,), 3 * bs + 1, jnp.int32), jnp.arange(2, dtype=jnp.int32))
+        for window in (None, 37):
+            fn = lambda q, c, t, l, s, w=window: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1, window=w)  # noqa: E731
+            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert f"kvarn_paged_decode_{cfg.name}" in text
+        for side in ("k", "v"):
+            static = cache.static[side] if cfg.static else None
+            fn = lambda x, side=side, static=static: quantize_blocks_pallas(x, static, cfg=cfg, side=side)  # noqa: E731
+            text = jax.jit(fn).trace(jnp.zeros((4, 2, bs, d), jnp.float16)).lower(lowering_platforms=("cuda",)).as_text()
+            assert f"kvarn_quantize_{cfg.name}_{side}" in text
