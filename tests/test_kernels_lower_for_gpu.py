@@ -6,7 +6,6 @@ every interpreted test and failed to lower on the H200). Lowering for an abstrac
 the check that needs no GPU: a kernel that cannot lower raises here.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ import pytest
 import kvarn_jax as kj
 from kvarn_jax.attention import paged_decode_pallas as pdp
 from kvarn_jax.cache.quantize_pallas import quantize_blocks_pallas
+from helpers import lower_for_cuda
 
 SCHEMES = ["kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k2v8_g64", "kvarn_k8v8_g32", "kivi_k2v2_g128",
            "kivi_k2v4_g32", "kivi_k4v4_g32", "int8", "int4", "int2_g32", "int8_g16", "int_k8v2", "int_k8v4",
@@ -35,10 +35,10 @@ def test_gpu_kernels_lower_for_cuda(scheme):
                 jnp.full((2,), 3 * bs + 1, jnp.int32), jnp.arange(2, dtype=jnp.int32))
         for window in (None, 37):
             fn = lambda q, c, t, l, s, w=window: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1, window=w)  # noqa: E731
-            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            text = lower_for_cuda(fn, *args)
             assert f"kvarn_paged_decode_{cfg.name}" in text
         for side in ("k", "v"):
             static = cache.static[side] if cfg.static else None
             fn = lambda x, side=side, static=static: quantize_blocks_pallas(x, static, cfg=cfg, side=side)  # noqa: E731
-            text = jax.jit(fn).trace(jnp.zeros((4, 2, bs, d), jnp.float16)).lower(lowering_platforms=("cuda",)).as_text()
+            text = lower_for_cuda(fn, jnp.zeros((4, 2, bs, d), jnp.float16))
             assert f"kvarn_quantize_{cfg.name}_{side}" in text

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import kvarn_jax as kj
-from helpers import allocate_tables, random_kv, serve_writes
+from helpers import allocate_tables, lower_for_cuda, random_kv, serve_writes
 
 INTERPRET = jax.default_backend() == "cpu"
 
@@ -181,7 +181,7 @@ def test_register_cap_reaches_the_triton_module(monkeypatch):
     for cap in (None, 184):
         fn = lambda q, c, t, l, s, cap=cap: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1, window=None,  # noqa: E731
                                                                    maxnreg=cap)
-        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+        lower_for_cuda(fn, *args)
     assert len(modules) == 2
     assert triton_options.register_cap(modules[0]) is None and "module @kvarn_paged_decode_kvarn_k4v2_g64 " in modules[0]
     assert triton_options.register_cap(modules[1]) == 184
