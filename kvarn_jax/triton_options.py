@@ -8,8 +8,10 @@ kernel to a Triton module sets the attribute on modules so named. Nothing else i
 modules whose name ends that way are touched.
 
 Why: the decode kernel is latency-bound at one warp per program with ~255 registers per thread,
-which leaves 8 warps per SM. Capping the registers lets more programs share an SM
-(benchmarks/results/2026-12-01_decode_maxnreg_h200.md).
+which leaves 8 warps per SM; a cap can let more programs share an SM. Measured on the H200
+(benchmarks/results/2026-12-01_decode_maxnreg_h200.md), every cap from 216 down to 168 made the
+decode kernel slower (spills; only <= 168 adds a warp per scheduler), so no kernel uses one by
+default: it is an option (`paged_decode_pallas(..., maxnreg=N)`) for experiments.
 """
 
 from __future__ import annotations

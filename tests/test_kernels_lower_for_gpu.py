@@ -24,7 +24,7 @@ SCHEMES = ["kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k2v8_g64", "kvarn_k8v8_g3
 def test_gpu_kernels_lower_for_cuda(scheme):
     cfg = kj.parse(scheme)
     bs = max(cfg.tile_tokens, 32)
-    for d in (64, 128):
+    for d, window in ((64, 37), (128, None)):  # both head sizes, with and without a window
         cal = None
         if cfg.static:
             k = jnp.asarray(np.random.default_rng(0).standard_normal((256, 2, d)), jnp.float32)
@@ -33,10 +33,9 @@ def test_gpu_kernels_lower_for_cuda(scheme):
                                        calibration=cal)
         args = (jnp.zeros((2, 8, d), jnp.float32), cache, jnp.zeros((2, 4), jnp.int32),
                 jnp.full((2,), 3 * bs + 1, jnp.int32), jnp.arange(2, dtype=jnp.int32))
-        for window in (None, 37):
-            fn = lambda q, c, t, l, s, w=window: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1, window=w)  # noqa: E731
-            text = lower_for_cuda(fn, *args)
-            assert f"kvarn_paged_decode_{cfg.name}" in text
+        fn = lambda q, c, t, l, s, w=window: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1, window=w)  # noqa: E731
+        text = lower_for_cuda(fn, *args)
+        assert f"kvarn_paged_decode_{cfg.name}" in text
         for side in ("k", "v"):
             static = cache.static[side] if cfg.static else None
             fn = lambda x, side=side, static=static: quantize_blocks_pallas(x, static, cfg=cfg, side=side)  # noqa: E731

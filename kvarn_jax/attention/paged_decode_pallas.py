@@ -593,11 +593,6 @@ def default_num_warps(cfg: KVQuantConfig) -> int:
     return 2 if cfg.method == "fp8" else 4
 
 
-def default_maxnreg(cfg: KVQuantConfig, num_warps: int) -> int | None:
-    """Register cap per thread (None: Triton's choice). See `programs_per_sm`."""
-    return None
-
-
 def programs_per_sm(num_warps: int, maxnreg: int | None = None) -> int:
     """Programs that fit one H100/H200 SM at once. Uncapped, our kernels take ~255 registers per
     thread: 8 one-warp or 4 two-warp programs (4 for wider ones too: those use fewer registers).
@@ -633,7 +628,7 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
                         num_splits: int | None = None, interpret: bool = False, num_warps: int | None = None,
                         num_stages: int = 2, unpack: str | None = None, orient: str | None = None,
                         fold: bool | None = None, parts: int = 1, sums: str | None = None,
-                        maxnreg: int | str | None = "default", steps: int = 1):
+                        maxnreg: int | None = None, steps: int = 1):
     """Kernel entry: q_rot [B, Hq, D] in the stored frame -> output [B, Hq, D] fp32 in the stored frame.
 
     Launch and layout options (defaults from the H200 sweeps; the results are the same up to fp32
@@ -653,8 +648,9 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         computes, in num_stages - 1 buffers of one iteration's size: with steps=2 and num_stages=3
         the copies overlap the compute at the shared memory of one tile (with one tile per
         iteration and 2 stages, a tile's copies wait until the previous tile is done with the buffer).
-      maxnreg: registers per thread the compiled kernel may use (`default_maxnreg`; None: no cap,
-        Triton's choice). Fewer registers, more programs per SM (`triton_options`).
+      maxnreg: registers per thread the compiled kernel may use (None, the default: Triton's
+        choice, ~255 for KVarN/KIVI). Fewer registers, more programs per SM (`triton_options`,
+        `programs_per_sm`); every cap measured on the H200 was slower (spills).
     """
     unpack = unpack or ("magic" if interpret else "asm")
     if unpack not in ("magic", "asm") or (unpack == "asm" and interpret):
@@ -677,8 +673,6 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         raise ValueError(f"parts={parts} x steps={steps} must divide the {cfg.tile_tokens}-token tile into whole "
                          f"bytes of key codes")
     warps = num_warps or default_num_warps(cfg)
-    if maxnreg == "default":
-        maxnreg = None if interpret else default_maxnreg(cfg, warps)
     nbt, hq, d = q_rot.shape
     hk = cache.num_kv_heads
     grp = hq // hk
