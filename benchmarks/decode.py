@@ -359,7 +359,7 @@ def main():
                         best_fn = fn
             best["variants"] = variants
             # the same call's kernels on the device, without the scan's per-iteration overhead
-            # (~20-27 us on the H200, benchmarks/results/2026-12-01_decode_maxnreg_h200.md)
+            # (17-27 us on the H200, benchmarks/results/2026-12-01_decode_maxnreg_h200.md)
             prof = profile_span(best_fn, (q, cache, tables, lens))
             best["span_s"], best["kernels_s"] = prof if prof else (None, None)
             fn = lambda q, c, t, l, ns=best["num_splits"]: kj.paged_decode_attention(q, c, t, l, impl="pallas", num_splits=ns)

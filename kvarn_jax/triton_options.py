@@ -54,7 +54,6 @@ def install():
                 op.attributes["ttg.maxnreg"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), int(m.group(1)))
         return result
 
-    lower_with_register_cap.__wrapped__ = original
     lowering.lower_jaxpr_to_triton_module = lower_with_register_cap
     _installed = True
 

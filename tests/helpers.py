@@ -3,8 +3,10 @@ numpy (float64) oracle of what decode attention must return."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import kvarn_jax as kj
 
@@ -117,8 +119,6 @@ def lower_for_cuda(fn, *args) -> str:
     """The StableHLO text of jit(fn) lowered for an abstract CUDA platform (Pallas kernels lowered to
     Triton). jax up to 0.10 emits the Triton module at lowering; later versions also compile it
     there, which needs a GPU: without one the test is skipped, not failed."""
-    import jax
-    import pytest
     try:
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     except RuntimeError as e:

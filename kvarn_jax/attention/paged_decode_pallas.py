@@ -298,18 +298,21 @@ class _Plan:
     def query_t(self, q, pages, blk, sub):
         """Per-tile query side of the tokens-major key product, shared by the tile's parts:
         (qs, zero, bias). qs: the query scaled by the tile's channel scales, fp16 [Gp, D].
-        sums="reduce": zero = sum(q*z) and bias = sum(qs) (with `fold`, else None), as [1, Gp];
-        sums="mma": zero = q*z and bias = qs (or None), fp16 [Gp, D] - `scores_t` sums them as
-        products with a ones matrix."""
+        zero = sum(q*z) as [1, Gp] in fp32 (as a ones-matrix product it would be a sum of fp16
+        roundings of q*z, which for 8-bit keys with outlier channels put the kernel 1.5x outside the
+        tests' tolerance). bias (with `fold`, else None): sums="reduce": sum(qs) as [1, Gp];
+        sums="mma": qs itself, which `scores_t` sums as a product with a ones matrix (exact: qs is
+        the fp16 operand of the score product)."""
         f = pages["k"]
         sc, zc = ("scale_chan", "zero_chan") if self.cfg.method == "kvarn" else ("scale", "zero")
         qs = _f16(q * f[sc][blk, sub].astype(jnp.float32)[None, :])
         qz = q * f[zc][blk, sub].astype(jnp.float32)[None, :]
         # planes fed as 2^(10 - j*b) + code (fold): remove 2^(10 - j*b) * sum(qs) per score instead
         fold = self.fold and not self.k_whole
-        if self.sums == "mma":
-            return qs, _f16(qz), qs if fold else None
-        return qs, jnp.sum(qz, axis=1)[None, :], jnp.sum(qs.astype(jnp.float32), axis=1)[None, :] if fold else None
+        zero = jnp.sum(qz, axis=1)[None, :]
+        if not fold:
+            return qs, zero, None
+        return qs, zero, qs if self.sums == "mma" else jnp.sum(qs.astype(jnp.float32), axis=1)[None, :]
 
     def scores_t(self, qside, pages, blk, sub, part=0, parts: int = 1):
         """Tokens-major scores of a tiled scheme: list over token classes j of [T / kc, Gp] (tokens
@@ -323,10 +326,8 @@ class _Plan:
         qs, zero, bias = qside
         planes = self.planes(codes, cfg.k_bits, biased=bias is not None)   # kc x [G/kc, D]
         ks = [_tokens_from_planes(planes)] if self.k_whole else planes     # short planes: one tile
-        if self.sums == "mma":  # every row of ones @ x^T holds the sum, in the scores' layout
-            ones = jnp.ones(ks[0].shape, jnp.float16)
-            zero = _dot_t(ones, zero, min_n=8)
-            bias = None if bias is None else _dot_t(ones, bias, min_n=8)
+        if self.sums == "mma" and bias is not None:  # every row of ones @ qs^T holds sum(qs), in the scores' layout
+            bias = _dot_t(jnp.ones(ks[0].shape, jnp.float16), bias, min_n=8)
         n_tok = ks[0].shape[0]
         if cfg.method == "kvarn":  # token scales per class: [T/kc] each (whole-block load, `_columns`)
             st = f["scale_tok"]
@@ -374,8 +375,7 @@ class _Plan:
             out = [_dot(planes[n], p16, min_n=8) + corr[n] for n in range(vp)]
             if chan is not None:  # channel scales per plane (whole-block load, `_columns`)
                 block = chan[blk, sub] if chan_tile is None else chan_tile
-                chans = _columns(block.astype(jnp.float32)) if vp > 1 else [block[:, 0].astype(jnp.float32)]
-                out = [o * c[:, None] for o, c in zip(out, chans)]
+                out = [o * c[:, None] for o, c in zip(out, _columns(block.astype(jnp.float32)))]
             return out
         planes = self.planes(codes, cfg.v_bits)                             # vp x [D/vp, G/parts]
         cgp = cfg.channel_group("v", self.d) // vp
@@ -639,15 +639,15 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
       fold: tokens-major only - feed the planes' biased values (magic + code, one `lop3` per two
         codes) to the products and subtract magic * (sum of the fp16 query / probabilities) from
         the results instead of one fp16 subtraction per two codes. Default True for tokens-major.
-      sums: tokens-major only - how the zero-point terms (sum of q*z, of p*vz) and the fold's sums are
+      sums: tokens-major only - how the fold's sums and the value zero-point term (sum of p*vz) are
         formed: "mma" (default: products with a ones matrix on the matrix unit, which leaves every
-        row holding the sum and needs no cross-lane reduction) or "reduce" (jnp sums).
+        row holding the sum and needs no cross-lane reduction) or "reduce" (jnp sums). The key
+        zero-point term (sum of q*z) is an fp32 sum either way (`query_t`).
       parts: tokens-major only - walk each tile in this many parts (fewer live registers).
       steps: tokens-major only - walk each tile in this many iterations of the tile loop (a part
-        each). Triton's pipeline copies an iteration's codes into shared memory while the one before
-        computes, in num_stages - 1 buffers of one iteration's size: with steps=2 and num_stages=3
-        the copies overlap the compute at the shared memory of one tile (with one tile per
-        iteration and 2 stages, a tile's copies wait until the previous tile is done with the buffer).
+        each), so that Triton's pipeline (num_stages - 1 buffers of one iteration's codes) can copy
+        a part while the previous one computes. Measured on the H200 with num_stages=3: slower
+        (29% more instructions per tile, and the sink/tail loop's buffers set the shared memory).
       maxnreg: registers per thread the compiled kernel may use (None, the default: Triton's
         choice, ~255 for KVarN/KIVI). Fewer registers, more programs per SM (`triton_options`,
         `programs_per_sm`); every cap measured on the H200 was slower (spills).
