@@ -135,8 +135,11 @@ def main():
     import kvarn_jax as kj
     cfg = kj.parse(args.scheme)
     if args.kind == "decode":
-        from kvarn_jax.attention.paged_decode_pallas import default_num_warps
-        warps = args.warps or default_num_warps(cfg)
+        from kvarn_jax.attention.paged_decode_pallas import default_launch
+        warps, cap = default_launch(cfg, 32, 8)  # the shape lowered below: B=32, 8 kv heads
+        if args.warps:
+            warps, cap = args.warps, None
+        args.maxnreg = args.maxnreg or cap
         stages = args.stages or 2
     else:
         from kvarn_jax.cache.quantize_pallas import default_num_warps

@@ -188,15 +188,28 @@ def test_register_cap_reaches_the_triton_module(monkeypatch):
                                    max_seqs=2)
     args = (jnp.zeros((2, 8, 64), jnp.float32), cache, jnp.zeros((2, 4), jnp.int32),
             jnp.full((2,), 200, jnp.int32), jnp.arange(2, dtype=jnp.int32))
-    for cap in (None, 184):
-        fn = lambda q, c, t, l, s, cap=cap: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1, window=None,  # noqa: E731
-                                                                   maxnreg=cap)
+    # explicit warps, no cap; explicit cap; the default launch (4 (sequence, head) pairs: 2 warps
+    # capped at 128 registers, `default_launch`)
+    for kw in (dict(num_warps=1), dict(maxnreg=184), {}):
+        fn = lambda q, c, t, l, s, kw=kw: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1, window=None, **kw)  # noqa: E731
         lower_for_cuda(fn, *args)
-    assert len(modules) == 2
+    assert len(modules) == 3
     assert triton_options.register_cap(modules[0]) is None and "module @kvarn_paged_decode_kvarn_k4v2_g64 " in modules[0]
     assert triton_options.register_cap(modules[1]) == 184
     assert "module @kvarn_paged_decode_kvarn_k4v2_g64_maxnreg184 " in modules[1]
+    assert triton_options.register_cap(modules[2]) == 128
     assert pdp.programs_per_sm(1, 168) == 11 and pdp.programs_per_sm(1, 184) == 8 and pdp.programs_per_sm(1) == 8
+    assert pdp.programs_per_sm(2, 128) == 8
+
+
+@pytest.mark.parametrize("cfg,batch,want", [("kvarn_k4v2_g128", 32, (1, None)), ("kvarn_k4v2_g128", 8, (2, 128)),
+                                            ("kivi_k2v2_g128", 1, (2, 128)), ("kvarn_k4v4_g128", 32, (2, 128)),
+                                            ("int8", 1, (4, None)), ("fp8", 32, (2, None))])
+def test_default_launch(cfg, batch, want):
+    """The launch the H200 sweeps chose (2026-12-01_decode_zero_term_h200.md), 8 kv heads: one
+    uncapped warp for large batches of <= 2-bit values, else two warps capped at 128 registers."""
+    from kvarn_jax.attention import paged_decode_pallas as pdp
+    assert pdp.default_launch(kj.parse(cfg), batch, 8) == want
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

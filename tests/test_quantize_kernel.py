@@ -27,6 +27,28 @@ def _poisoned(cfg, rng, **kw):
     return jax.tree_util.tree_map(junk, cache)
 
 
+def _assert_near_tie(c, side, name, a, b):
+    """Pages of the non-KVarN schemes, kernel compiled on a GPU vs the reference writer run by XLA
+    there. The kernel divides in IEEE fp32 (`div.rn`, as NumPy and XLA's CPU backend do); XLA's GPU
+    backend does not: on the H200, of 8.4 M int8 codes XLA's differed from the CPU's in 186 K
+    (2.2%: fp16 data puts many quotients exactly on .5, where round-half-even is decided) and the
+    kernel's in 99, and an int4 scale (max - min) / 15 once rounded to the other fp16 neighbour
+    (benchmarks/results/2026-12-01_quantize_parity_h200.md). So on the GPU a scale may differ by
+    one fp16 step and the codes by one step (fp8: the adjacent e4m3 value) in at most 5% of places."""
+    if name != "codes":
+        np.testing.assert_allclose(b.astype(np.float32), a.astype(np.float32), rtol=2.0 ** -10, atol=0,
+                                   err_msg=f"{side}/{name}")
+        return
+    if c.method == "fp8":
+        ua, ub = a.astype(np.int16), b.astype(np.int16)
+    else:
+        ua = np.asarray(unpack(jnp.asarray(a), c.bits(side))).astype(np.int16)
+        ub = np.asarray(unpack(jnp.asarray(b), c.bits(side))).astype(np.int16)
+    diff = np.abs(ua - ub)
+    assert diff.max() <= 1, f"{side} codes differ by {diff.max()} steps"
+    assert (diff > 0).mean() <= 0.05, f"{side}: {(diff > 0).mean():.1%} of the codes differ"
+
+
 @pytest.mark.parametrize("cfg", ["kvarn_k4v2_g32", "kvarn_k2v8_g64", "kivi_k2v4_g32", "int4", "int8_g16",
                                  "int_k8v2", "fp8", "int8_static", "fp8_static"])
 def test_kernel_write_equals_reference_write(cfg, rng):
@@ -47,8 +69,10 @@ def test_kernel_write_equals_reference_write(cfg, rng):
     for side in ("k", "v"):
         for name in ref_pages[side]:
             a, b = np.asarray(ref_pages[side][name]), np.asarray(ker_pages[side][name])
-            if c.method != "kvarn":
+            if c.method != "kvarn" and INTERPRET:
                 np.testing.assert_array_equal(a, b, err_msg=f"{side}/{name}")
+            elif c.method != "kvarn":  # compiled on a GPU: see _assert_near_tie
+                _assert_near_tie(c, side, name, a, b)
             elif name == "codes":
                 ua = np.asarray(unpack(jnp.asarray(a), c.bits(side))).reshape(a.shape[:3] + (-1,))
                 ub = np.asarray(unpack(jnp.asarray(b), c.bits(side))).reshape(a.shape[:3] + (-1,))

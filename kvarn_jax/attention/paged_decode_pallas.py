@@ -295,22 +295,24 @@ class _Plan:
         return [_dot_t(q, f["values"][blk, sub].astype(jnp.float32))]
 
     # ---------------------------------------------------------------- tokens-major (tiled schemes)
-    def query_t(self, q, pages, blk, sub):
+    def query_t(self, q, pages, blk, sub, z=None):
         """Per-tile query side of the tokens-major key product, shared by the tile's parts:
         (qs, zero, bias). qs: the query scaled by the tile's channel scales, fp16 [Gp, D].
-        zero = sum(q*z) as [1, Gp] in fp32 (as a ones-matrix product it would be a sum of fp16
-        roundings of q*z, which for 8-bit keys with outlier channels put the kernel 1.5x outside the
-        tests' tolerance). bias (with `fold`, else None): sums="reduce": sum(qs) as [1, Gp];
-        sums="mma": qs itself, which `scores_t` sums as a product with a ones matrix (exact: qs is
-        the fp16 operand of the score product)."""
+        zero: the key zero-point term sum_d q[g, d] * z[d] as [1, Gp], an fp32 sum (z: the tile's
+        zero points [D] if already loaded). As a product with a ones matrix it would be a sum of
+        fp16 roundings of q*z, which for 8-bit keys with outlier channels put the kernel 1.5x
+        outside the tests' tolerance; as a product of z with the query's two fp16 halves it is exact
+        but keeps those halves live in the loop (the H200 then ran 1.8x slower: spills).
+        bias (with `fold`, else None): sums="reduce": sum(qs) as [1, Gp]; sums="mma": qs itself,
+        which `scores_t` sums as a product with a ones matrix (exact: qs is the fp16 operand of
+        the score product)."""
         f = pages["k"]
         sc, zc = ("scale_chan", "zero_chan") if self.cfg.method == "kvarn" else ("scale", "zero")
         qs = _f16(q * f[sc][blk, sub].astype(jnp.float32)[None, :])
-        qz = q * f[zc][blk, sub].astype(jnp.float32)[None, :]
+        z = f[zc][blk, sub] if z is None else z
+        zero = jnp.sum(q * z.astype(jnp.float32)[None, :], axis=1)[None, :]
         # planes fed as 2^(10 - j*b) + code (fold): remove 2^(10 - j*b) * sum(qs) per score instead
-        fold = self.fold and not self.k_whole
-        zero = jnp.sum(qz, axis=1)[None, :]
-        if not fold:
+        if not (self.fold and not self.k_whole):
             return qs, zero, None
         return qs, zero, qs if self.sums == "mma" else jnp.sum(qs.astype(jnp.float32), axis=1)[None, :]
 
@@ -494,27 +496,35 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     # (passthrough caches also read the partial last tile from their pages)
     tiles_partial = window is not None or not has_hp
 
-    # KVarN's value channel scales multiply the results of the value products: no matrix product
-    # waits on them, so Triton does not pipeline their load, and the tile would wait on it. They
-    # are loaded one tile ahead instead, through the loop carry (`chan_block`).
-    prefetch = tokens_major and steps == 1 and plan.cfg.method == "kvarn"
+    # What a tile needs that no matrix product waits on - the key zero points (their fp32 sum
+    # with the query, `_Plan.query_t`) and KVarN's value channel scales (they multiply the value
+    # products' results) - Triton does not pipeline, so the tile would wait on plain loads. They
+    # are loaded one tile ahead instead, through the loop carry (`tile_ahead`). On the H200 this
+    # took kvarn_k4v2_g128 at B=32/L=32K from 0.378 to 0.340 ms for the zero points (as fast as
+    # the inexact one-product form before: 0.341; benchmarks/results/2026-12-01_decode_zero_term_h200.md),
+    # and 6-7% off at B=128/256 for the channel scales (2026-12-01_decode_maxnreg_h200.md).
+    ahead = tokens_major and steps == 1
 
-    def chan_block(t, valid):
-        """Tile t's value channel scales [D/vp, vp]; page 0's where `valid` is false (no read
-        through a block-table entry that no tile of this program uses)."""
-        blk = jnp.where(valid, bt_ref[b, jnp.where(valid, t, 0) // tpb], 0)
-        return pages["v"]["scale_chan"][blk, jnp.where(valid, t, 0) % tpb]
+    def tile_ahead(t, valid):
+        """(key zero points [D], KVarN: value channel scales [D/vp, vp]) of tile t; page 0's where
+        `valid` is false (no read through a block-table entry that no tile of this program uses)."""
+        tv = jnp.where(valid, t, 0)
+        blk, sub = jnp.where(valid, bt_ref[b, tv // tpb], 0), tv % tpb
+        if plan.cfg.method == "kvarn":
+            return pages["k"]["zero_chan"][blk, sub], pages["v"]["scale_chan"][blk, sub]
+        return (pages["k"]["zero"][blk, sub],)
 
     def tile_body(i, carry):
         t, step = (i // steps, i % steps) if steps > 1 else (i, 0)
         blk = bt_ref[b, t // tpb]
         sub = t % tpb
         if tokens_major:  # softmax per token class; only the probabilities are put in token order
-            chan = None
-            if prefetch:
-                carry, chan = carry[:3], carry[3]
-                chan_next = chan_block(jnp.minimum(t + 1, hi - 1), t + 1 < hi)
-            qside = plan.query_t(q, pages, blk, sub)
+            z, chan = None, None
+            if ahead:
+                carry, here = carry[:3], carry[3:]
+                z, chan = here[0], (here[1] if len(here) > 1 else None)
+                next_tile = tile_ahead(jnp.minimum(t + 1, hi - 1), t + 1 < hi)
+            qside = plan.query_t(q, pages, blk, sub, z)
             n_parts = steps * parts
             for k in range(parts):  # parts of a step one after the other: fewer live registers
                 part = step * parts + k
@@ -525,7 +535,7 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
                 vfn = lambda ps, part=part: plan.values_t(ps[0] if len(ps) == 1 else _tokens_from_planes(ps),
                                                           pages, blk, sub, part, n_parts, chan_tile=chan)
                 carry = update(carry, ss, poss, vfn, masked=tiles_partial)
-            return carry + (chan_next,) if prefetch else carry
+            return carry + next_tile if ahead else carry
         ss = [_token_order(plan.scores(q, q_planes, pages, st, blk, sub), gp)]
         poss = [t * t_tok + tok]
         return update(carry, ss, poss, lambda ps: plan.values(ps, pages, st, blk, sub), masked=tiles_partial)
@@ -533,8 +543,8 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     acc_shape = (d // vp, gp) if tokens_major else (gp, d // vp)
     carry = (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32),
              tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(vp)))
-    if prefetch:
-        carry = carry + (chan_block(lo, lo < hi),)
+    if ahead:
+        carry = carry + tile_ahead(lo, lo < hi)
     carry = lax.fori_loop(lo * steps, jnp.maximum(lo, hi) * steps, tile_body, carry)
     carry = carry[:3]
 
@@ -582,15 +592,23 @@ def default_orient(cfg: KVQuantConfig) -> str:
     return "tokens" if cfg.method in ("kvarn", "kivi") else "heads"
 
 
-def default_num_warps(cfg: KVQuantConfig) -> int:
-    """Warps per program, from the H200 sweeps: 1 for KVarN/KIVI (tokens-major: one warp owns the
-    whole tile, so no reduction or layout change crosses warps; kvarn_k4v2_g128 B=32/L=32K 0.381 ms
-    vs 0.463 with 2 warps, and 0.457 vs 0.547 before the ones-matrix sums;
-    2026-12-01_decode_tokens_major_h200.md); 2 for fp8 and 4 for the int and passthrough schemes
-    (2026-12-01_decode_splits_h200.json)."""
+def default_launch(cfg: KVQuantConfig, batch: int, num_kv_heads: int) -> tuple[int, int | None]:
+    """(num_warps, maxnreg) per program, from the H200 sweeps (by span, kvarn_k4v2_g128 unless
+    said; benchmarks/results/2026-12-01_decode_zero_term_h200.md):
+    - KVarN/KIVI (tokens-major): two warps capped at 128 registers - 4 warps per scheduler where
+      uncapped one-warp programs (~255 registers) leave 2, for 29% more instructions per tile - win
+      when latency rules: with fewer than 132 (sequence, kv head) pairs (the split regime; B=1/128K
+      0.063 vs 0.070 ms, B=8/16K 0.065 vs 0.076, kivi_k2v2_g128 0.062 vs 0.066) and for 4-bit
+      values (kvarn_k4v4_g128 B=32/32K 0.396 vs 0.439, B=8/16K 0.073 vs 0.088). Otherwise one
+      uncapped warp, which owns the whole tile (B=32/32K 0.340 vs 0.359; kivi_k2v2_g128 0.292 vs
+      0.337).
+    - 2 warps for fp8 and 4 for the int and passthrough schemes (heads-major;
+      2026-12-01_decode_splits_h200.json), uncapped."""
     if cfg.method in ("kvarn", "kivi"):
-        return 1
-    return 2 if cfg.method == "fp8" else 4
+        if cfg.v_bits >= 4 or batch * num_kv_heads < 132:
+            return 2, 128
+        return 1, None
+    return (2 if cfg.method == "fp8" else 4), None
 
 
 def programs_per_sm(num_warps: int, maxnreg: int | None = None) -> int:
@@ -635,22 +653,24 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     rounding, which the tests check):
       unpack: how codes become fp16 - "asm" (`_planes_asm`, PTX; the default when compiled,
         bit-identical) or "magic" (`_planes`, jnp; the default interpreted, where PTX cannot run).
-      orient: "tokens" or "heads" (`default_orient`); num_warps (`default_num_warps`), num_stages;
+      orient: "tokens" or "heads" (`default_orient`); num_warps (default: `default_launch`), num_stages;
       fold: tokens-major only - feed the planes' biased values (magic + code, one `lop3` per two
         codes) to the products and subtract magic * (sum of the fp16 query / probabilities) from
         the results instead of one fp16 subtraction per two codes. Default True for tokens-major.
       sums: tokens-major only - how the fold's sums and the value zero-point term (sum of p*vz) are
         formed: "mma" (default: products with a ones matrix on the matrix unit, which leaves every
         row holding the sum and needs no cross-lane reduction) or "reduce" (jnp sums). The key
-        zero-point term (sum of q*z) is an fp32 sum either way (`query_t`).
+        zero-point term (sum of q*z) is an fp32 sum either way (`_Plan.query_t`).
       parts: tokens-major only - walk each tile in this many parts (fewer live registers).
       steps: tokens-major only - walk each tile in this many iterations of the tile loop (a part
         each), so that Triton's pipeline (num_stages - 1 buffers of one iteration's codes) can copy
         a part while the previous one computes. Measured on the H200 with num_stages=3: slower
         (29% more instructions per tile, and the sink/tail loop's buffers set the shared memory).
-      maxnreg: registers per thread the compiled kernel may use (None, the default: Triton's
-        choice, ~255 for KVarN/KIVI). Fewer registers, more programs per SM (`triton_options`,
-        `programs_per_sm`); every cap measured on the H200 was slower (spills).
+      maxnreg: registers per thread the compiled kernel may use (None: Triton's choice, ~255 for
+        KVarN/KIVI; with num_warps left to the default, `default_launch`'s cap). Fewer registers,
+        more programs per SM (`triton_options`, `programs_per_sm`). For one-warp programs every cap
+        measured on the H200 was slower (spills); two-warp programs at 128 are the default where
+        `default_launch` says.
     """
     unpack = unpack or ("magic" if interpret else "asm")
     if unpack not in ("magic", "asm") or (unpack == "asm" and interpret):
@@ -672,9 +692,13 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
                          or (cfg.tile_tokens // n_parts) % (8 // cfg.k_bits)):
         raise ValueError(f"parts={parts} x steps={steps} must divide the {cfg.tile_tokens}-token tile into whole "
                          f"bytes of key codes")
-    warps = num_warps or default_num_warps(cfg)
     nbt, hq, d = q_rot.shape
     hk = cache.num_kv_heads
+    if num_warps is None:  # the default launch; its register cap applies unless one is given
+        warps, cap = default_launch(cfg, nbt, hk)
+        maxnreg = cap if maxnreg is None else maxnreg
+    else:
+        warps = num_warps
     grp = hq // hk
     gp = max(8 if tokens_major else 16, 1 << (grp - 1).bit_length())
     mb = block_tables.shape[1]

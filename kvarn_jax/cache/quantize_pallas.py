@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .. import schemes
+from ..schemes.arith import JNP, Arith
 from ..config import KVQuantConfig
 from ..validation import is_power_of_two as _pow2
 
@@ -46,13 +47,28 @@ def _lg2_approx(x):
     return y
 
 
-def _kernel(*refs, cfg, side, names, has_static, fast_log2):
+def _div_rn(a, b):
+    """IEEE fp32 division (`div.rn.f32`, as XLA's): Triton lowers `/` to the approximate
+    `div.full.f32`, whose codes differed from the reference writer's at near-ties on the H200."""
+    from jax.experimental.pallas import triton as plgpu
+    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    shape = a.shape  # Triton's inline asm takes blocks, not scalars (KVarN's imbalance ratio is one)
+    a, b = a.reshape(shape or (1,)), b.reshape(shape or (1,))
+    (y,) = plgpu.elementwise_inline_asm("div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
+                                        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
+    return y.reshape(shape)
+
+
+GPU_ARITH = Arith(log2=_lg2_approx, div=_div_rn)
+
+
+def _kernel(*refs, cfg, side, names, has_static, gpu_arith):
     x_ref = refs[0]
     static = {n: r[...] for n, r in zip(has_static, refs[1:1 + len(has_static)])}
     outs = refs[1 + len(has_static):]
     # the loaded per-head params ([D] int, [1] fp8) line up with the tile like canonical ones do
     fields = schemes.quantize_side(x_ref[...], cfg, side, schemes.expand_static(cfg, static, 0) if cfg.static else None,
-                                   log2=_lg2_approx if fast_log2 else jnp.log2)
+                                   ar=GPU_ARITH if gpu_arith else JNP)
     for n, o in zip(names, outs):
         o[...] = fields[n].astype(o.dtype)
 
@@ -86,7 +102,7 @@ def quantize_blocks_pallas(blocks: jnp.ndarray, static: dict | None, *, cfg: KVQ
         from jax.experimental.pallas import triton as plgpu
         params["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps or default_num_warps(cfg), num_stages=1)
     kernel = functools.partial(_kernel, cfg=cfg, side=side, names=names, has_static=has_static,
-                               fast_log2=not interpret)
+                               gpu_arith=not interpret)
     outs = pl.pallas_call(kernel,
                           grid=(m, hk, n_t), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                           interpret=interpret, name=f"kvarn_quantize_{cfg.name}_{side}", **params)(*operands)

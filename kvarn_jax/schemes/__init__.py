@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from ..config import KVQuantConfig
 from . import kivi, kvarn, per_token
+from .arith import JNP, Arith
 
 SIDES = ("k", "v")
 
@@ -58,19 +59,19 @@ def expand_static(cfg: KVQuantConfig, params: dict | None, between: int) -> dict
 
 
 def quantize_side(x: jnp.ndarray, cfg: KVQuantConfig, side: str, static: dict | None = None,
-                  log2=jnp.log2) -> dict:
-    """log2: the base-2 log KVarN's Sinkhorn uses (a kernel may pass a faster one)."""
+                  ar: Arith = JNP) -> dict:
+    """ar: the log2 and division the math uses (`arith.Arith`; a kernel may pass its own)."""
     b = cfg.bits(side)
     if cfg.method == "kvarn":
-        return kvarn.quantize(x, side, b, cfg.sinkhorn_iters, log2)
+        return kvarn.quantize(x, side, b, cfg.sinkhorn_iters, ar)
     if cfg.method == "kivi":
-        return kivi.quantize(x, side, b, cfg.group)
+        return kivi.quantize(x, side, b, cfg.group, ar)
     if cfg.method == "int":
         if cfg.static:
-            return per_token.int_static_quantize(x, b, static["scale"], static["zero"])
-        return per_token.int_quantize(x, b, cfg.channel_group(side, x.shape[-1]))
+            return per_token.int_static_quantize(x, b, static["scale"], static["zero"], ar)
+        return per_token.int_quantize(x, b, cfg.channel_group(side, x.shape[-1]), ar)
     if cfg.method == "fp8":
-        return per_token.fp8_quantize(x, static["scale"] if cfg.static else None)
+        return per_token.fp8_quantize(x, static["scale"] if cfg.static else None, ar)
     return {"values": x.astype(cfg.dtype)}
 
 

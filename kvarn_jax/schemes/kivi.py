@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ..packing import load_tiled, store_tiled
+from .arith import JNP, Arith
 from .rtn import rtn_dequant, rtn_fp16
 
 
@@ -23,16 +24,16 @@ def fields(side: str, bits: int, group: int, head_dim: int):
             "zero": ((g, d // cg), jnp.float16)}
 
 
-def quantize(x: jnp.ndarray, side: str, bits: int, group: int) -> dict:
+def quantize(x: jnp.ndarray, side: str, bits: int, group: int, ar: Arith = JNP) -> dict:
     """x: tiles [..., G, D] -> fields."""
     t = x.astype(jnp.float32)
     if side == "k":
-        codes, scale, zero = rtn_fp16(jnp.swapaxes(t, -1, -2), bits)  # rows = channels
+        codes, scale, zero = rtn_fp16(jnp.swapaxes(t, -1, -2), bits, ar)  # rows = channels
         return {"codes": store_tiled(codes, bits), "scale": scale, "zero": zero}
     d = t.shape[-1]
     cg = min(group, d)
     rows = t.reshape(*t.shape[:-1], d // cg, cg)
-    codes, scale, zero = rtn_fp16(rows, bits)
+    codes, scale, zero = rtn_fp16(rows, bits, ar)
     return {"codes": store_tiled(codes.reshape(t.shape), bits), "scale": scale, "zero": zero}
 
 

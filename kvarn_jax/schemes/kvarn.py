@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ..packing import load_tiled, store_tiled
+from .arith import JNP, Arith
 from .rtn import rtn_codes, rtn_params
 
 
@@ -31,11 +32,11 @@ def _var(x: jnp.ndarray, axis: int) -> jnp.ndarray:
     return _var_from_sums(jnp.sum(x, axis=axis), jnp.sum(x * x, axis=axis), x.shape[axis])
 
 
-def _imbalance(col_var: jnp.ndarray, row_var: jnp.ndarray) -> jnp.ndarray:
+def _imbalance(col_var: jnp.ndarray, row_var: jnp.ndarray, ar: Arith = JNP) -> jnp.ndarray:
     """max/min of the column stds + max/min of the row stds (min floored at 1e-8), from variances:
     sqrt(max var / max(min var, 1e-16)) is the same number with two square roots instead of 2 x 128."""
-    return (jnp.sqrt(jnp.max(col_var, -1) / jnp.maximum(jnp.min(col_var, -1), 1e-16))
-            + jnp.sqrt(jnp.max(row_var, -1) / jnp.maximum(jnp.min(row_var, -1), 1e-16)))
+    return (jnp.sqrt(ar.div(jnp.max(col_var, -1), jnp.maximum(jnp.min(col_var, -1), 1e-16)))
+            + jnp.sqrt(ar.div(jnp.max(row_var, -1), jnp.maximum(jnp.min(row_var, -1), 1e-16))))
 
 
 def _weighted_var(t, t2, w, w2, scale2, axis: int):
@@ -53,7 +54,7 @@ def _log2_std(var, log2):
     return 0.5 * log2(jnp.clip(var, 1e-6, 1e6))
 
 
-def sinkhorn_log_scales(t: jnp.ndarray, iters: int, log2=jnp.log2):
+def sinkhorn_log_scales(t: jnp.ndarray, iters: int, ar: Arith = JNP):
     """Log-domain variance normalization of `t` [..., R, C] (fp32).
 
     Returns (lc [..., C], lr [..., R]), the base-2 logs of the column and row scales of the iterate
@@ -66,7 +67,7 @@ def sinkhorn_log_scales(t: jnp.ndarray, iters: int, log2=jnp.log2):
     as forming the normalized matrix and taking stds, up to float rounding, at a fraction of the
     per-element work (no divisions; this loop dominates the cost of quantizing a tile). Stds enter
     only through log(std) = log(var)/2 and ratios, so no square root is taken per row or column.
-    `log2`: the base-2 log to use (the GPU quantize kernel passes the one-instruction `lg2.approx`).
+    `ar`: the log2 and division to use (`arith.Arith`; the GPU quantize kernel passes its own).
     """
     t2 = t * t
     lc = jnp.zeros(t.shape[:-2] + t.shape[-1:], jnp.float32)
@@ -82,14 +83,14 @@ def sinkhorn_log_scales(t: jnp.ndarray, iters: int, log2=jnp.log2):
     # from: computed once and carried. The row moments of an iteration serve both its row update
     # and its imbalance (they depend on a only): 2 weighted passes over the tile per iteration.
     col = _var(t, -2)
-    best_lc, best_lr, best_imb = lc, lr, _imbalance(col, _var(t, -1))
+    best_lc, best_lr, best_imb = lc, lr, _imbalance(col, _var(t, -1), ar)
     for _ in range(iters):
-        lc = jnp.clip(lc + _log2_std(col, log2), LOG_LO, LOG_HI)
+        lc = jnp.clip(lc + _log2_std(col, ar.log2), LOG_LO, LOG_HI)
         a = jnp.exp2(-lc)
-        lr = jnp.clip(lr + _log2_std(row_var(a, jnp.exp2(-2.0 * lr)), log2), LOG_LO, LOG_HI)
+        lr = jnp.clip(lr + _log2_std(row_var(a, jnp.exp2(-2.0 * lr)), ar.log2), LOG_LO, LOG_HI)
         b = jnp.exp2(-lr)
         col = col_var(a * a, b)
-        imb = _imbalance(col, row_var(a, b * b))
+        imb = _imbalance(col, row_var(a, b * b), ar)
         # Ties go to the later iterate. Iterates that differ by a uniform factor moved between rows
         # and columns have the same imbalance up to float rounding, so "tie" means equal within
         # TIE_RTOL; otherwise summation order (device, library) would decide which one is kept.
@@ -100,13 +101,13 @@ def sinkhorn_log_scales(t: jnp.ndarray, iters: int, log2=jnp.log2):
     return best_lc, best_lr
 
 
-def _quantize_matrix(t: jnp.ndarray, bits: int, iters: int, log2=jnp.log2):
+def _quantize_matrix(t: jnp.ndarray, bits: int, iters: int, ar: Arith = JNP):
     """Balance `t` [..., R, C], RTN per row. Returns codes [..., R, C], row scale/zero (folded), col scale."""
-    lc, lr = sinkhorn_log_scales(t, iters, log2)
+    lc, lr = sinkhorn_log_scales(t, iters, ar)
     s_col, s_row = jnp.exp2(lc), jnp.exp2(lr)
     bal = t * jnp.exp2(-lc)[..., None, :] * jnp.exp2(-lr)[..., :, None]
-    mn, scale = rtn_params(bal, bits)
-    codes = rtn_codes(bal, mn, scale, bits)
+    mn, scale = rtn_params(bal, bits, ar=ar)
+    codes = rtn_codes(bal, mn, scale, bits, ar)
     return (codes, (s_row * scale).astype(jnp.float16), (s_row * mn).astype(jnp.float16),
             s_col.astype(jnp.float16))
 
@@ -120,14 +121,14 @@ def fields(side: str, bits: int, group: int, head_dim: int):
             "scale_tok": ((g,), jnp.float16), "zero_tok": ((g,), jnp.float16)}
 
 
-def quantize(x: jnp.ndarray, side: str, bits: int, iters: int, log2=jnp.log2) -> dict:
-    """x: rotated tiles [..., G, D] -> stored fields (see `fields`). log2: see `sinkhorn_log_scales`."""
+def quantize(x: jnp.ndarray, side: str, bits: int, iters: int, ar: Arith = JNP) -> dict:
+    """x: rotated tiles [..., G, D] -> stored fields (see `fields`). ar: see `sinkhorn_log_scales`."""
     t = x.astype(jnp.float32)
     if side == "k":
-        codes, scale_chan, zero_chan, scale_tok = _quantize_matrix(jnp.swapaxes(t, -1, -2), bits, iters, log2)
+        codes, scale_chan, zero_chan, scale_tok = _quantize_matrix(jnp.swapaxes(t, -1, -2), bits, iters, ar)
         return {"codes": store_tiled(codes, bits), "scale_chan": scale_chan, "zero_chan": zero_chan,
                 "scale_tok": scale_tok}
-    codes, scale_tok, zero_tok, scale_chan = _quantize_matrix(t, bits, iters, log2)
+    codes, scale_tok, zero_tok, scale_chan = _quantize_matrix(t, bits, iters, ar)
     return {"codes": store_tiled(codes, bits), "scale_chan": scale_chan, "scale_tok": scale_tok,
             "zero_tok": zero_tok}
 

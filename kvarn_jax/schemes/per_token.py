@@ -12,6 +12,7 @@ from jax import lax
 
 from ..config import FP8_E4M3_MAX
 from ..packing import pack, unpack
+from .arith import JNP, Arith
 from .rtn import FP16_TINY, round_half_even, rtn_dequant, rtn_fp16
 
 FP8 = jnp.float8_e4m3fn
@@ -24,11 +25,11 @@ def int_fields(bits: int, channel_group: int, head_dim: int):
             "zero": ((n,), jnp.float16)}
 
 
-def int_quantize(x: jnp.ndarray, bits: int, channel_group: int) -> dict:
+def int_quantize(x: jnp.ndarray, bits: int, channel_group: int, ar: Arith = JNP) -> dict:
     t = x.astype(jnp.float32)
     d = t.shape[-1]
     rows = t.reshape(*t.shape[:-1], d // channel_group, channel_group)
-    codes, scale, zero = rtn_fp16(rows, bits)
+    codes, scale, zero = rtn_fp16(rows, bits, ar)
     return {"codes": pack(codes.reshape(t.shape), bits), "scale": scale, "zero": zero}
 
 
@@ -50,9 +51,9 @@ def int_static_params(lo: jnp.ndarray, hi: jnp.ndarray, bits: int):
     return scale, lo.astype(jnp.float16)
 
 
-def int_static_quantize(x: jnp.ndarray, bits: int, scale: jnp.ndarray, zero: jnp.ndarray) -> dict:
+def int_static_quantize(x: jnp.ndarray, bits: int, scale: jnp.ndarray, zero: jnp.ndarray, ar: Arith = JNP) -> dict:
     """scale/zero broadcast against x [..., D] (per channel). Values outside the calibrated range clip."""
-    q = round_half_even((x.astype(jnp.float32) - zero.astype(jnp.float32)) / scale.astype(jnp.float32))
+    q = round_half_even(ar.div(x.astype(jnp.float32) - zero.astype(jnp.float32), scale.astype(jnp.float32)))
     return {"codes": pack(jnp.clip(q, 0, 2 ** bits - 1).astype(jnp.uint8), bits)}
 
 
@@ -69,8 +70,8 @@ def fp8_fields(head_dim: int, static: bool):
     return f
 
 
-def fp8_scale_from_amax(amax: jnp.ndarray) -> jnp.ndarray:
-    return jnp.maximum(amax / FP8_E4M3_MAX, FP16_TINY).astype(jnp.float16)
+def fp8_scale_from_amax(amax: jnp.ndarray, ar: Arith = JNP) -> jnp.ndarray:
+    return jnp.maximum(ar.div(amax, jnp.float32(FP8_E4M3_MAX)), FP16_TINY).astype(jnp.float16)
 
 
 def _to_fp8_bits(y: jnp.ndarray) -> jnp.ndarray:
@@ -78,13 +79,13 @@ def _to_fp8_bits(y: jnp.ndarray) -> jnp.ndarray:
     return lax.bitcast_convert_type(y.astype(FP8), jnp.uint8)
 
 
-def fp8_quantize(x: jnp.ndarray, scale: jnp.ndarray | None = None) -> dict:
+def fp8_quantize(x: jnp.ndarray, scale: jnp.ndarray | None = None, ar: Arith = JNP) -> dict:
     """Dynamic (scale=None: per-token amax/448) or static (scale broadcast against x[..., :1])."""
     t = x.astype(jnp.float32)
     if scale is None:
-        s = fp8_scale_from_amax(jnp.max(jnp.abs(t), axis=-1))
-        return {"codes": _to_fp8_bits(t / s.astype(jnp.float32)[..., None]), "scale": s}
-    return {"codes": _to_fp8_bits(t / scale.astype(jnp.float32))}
+        s = fp8_scale_from_amax(jnp.max(jnp.abs(t), axis=-1), ar)
+        return {"codes": _to_fp8_bits(ar.div(t, s.astype(jnp.float32)[..., None])), "scale": s}
+    return {"codes": _to_fp8_bits(ar.div(t, scale.astype(jnp.float32)))}
 
 
 def fp8_dequantize(f: dict, scale: jnp.ndarray | None = None) -> jnp.ndarray:

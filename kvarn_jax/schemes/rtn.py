@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from .arith import JNP, Arith
+
 # Smallest positive fp16 (subnormal): scales stored in fp16 must not flush to zero.
 FP16_TINY = 2.0 ** -24
 
@@ -20,31 +22,31 @@ def round_half_even(x: jnp.ndarray) -> jnp.ndarray:
     return jnp.where(tie & odd, r - 1.0, r)
 
 
-def rtn_params(x: jnp.ndarray, bits: int, floor: float = 1e-10):
+def rtn_params(x: jnp.ndarray, bits: int, floor: float = 1e-10, ar: Arith = JNP):
     """(min, scale) of rows of `x` (fp32) over the last axis; `scale = max((max-min)/(2^b-1), floor)`."""
     mn = jnp.min(x, axis=-1)
     mx = jnp.max(x, axis=-1)
-    scale = jnp.maximum((mx - mn) / (2 ** bits - 1), floor)
+    scale = jnp.maximum(ar.div(mx - mn, jnp.float32(2 ** bits - 1)), floor)
     return mn, scale
 
 
-def rtn_codes(x: jnp.ndarray, mn: jnp.ndarray, scale: jnp.ndarray, bits: int) -> jnp.ndarray:
+def rtn_codes(x: jnp.ndarray, mn: jnp.ndarray, scale: jnp.ndarray, bits: int, ar: Arith = JNP) -> jnp.ndarray:
     """`clip(round_half_even((x - mn) / scale), 0, 2^b - 1)` with mn/scale broadcast over the last axis."""
-    q = round_half_even((x - mn[..., None]) / scale[..., None])
+    q = round_half_even(ar.div(x - mn[..., None], scale[..., None]))
     return jnp.clip(q, 0, 2 ** bits - 1).astype(jnp.uint8)
 
 
-def rtn_fp16(x: jnp.ndarray, bits: int):
+def rtn_fp16(x: jnp.ndarray, bits: int, ar: Arith = JNP):
     """RTN whose codes are computed against the fp16-rounded (min, scale) that get stored.
 
     Rounding the metadata first and then choosing codes against it makes the stored triple
     self-consistent (strictly lower error than rounding scales after choosing codes).
     Returns codes [..., n] uint8, scale [...] fp16, zero [...] fp16.
     """
-    mn, scale = rtn_params(x, bits, floor=FP16_TINY)
+    mn, scale = rtn_params(x, bits, floor=FP16_TINY, ar=ar)
     scale16 = scale.astype(jnp.float16)
     zero16 = mn.astype(jnp.float16)
-    codes = rtn_codes(x, zero16.astype(jnp.float32), scale16.astype(jnp.float32), bits)
+    codes = rtn_codes(x, zero16.astype(jnp.float32), scale16.astype(jnp.float32), bits, ar)
     return codes, scale16, zero16
 
 

@@ -1,0 +1,105 @@
+"""A/B of decode kernel versions (files) and launch variants, by span, in one process.
+
+    git show e48a09b:kvarn_jax/attention/paged_decode_pallas.py > /tmp/pdp_e48a09b.py
+    python3 benchmarks/decode_ab.py --version old=/tmp/pdp_e48a09b.py \\
+        --version new=kvarn_jax/attention/paged_decode_pallas.py --variants default,w2r128 \\
+        --shapes 32x32768,1x131072,8x16384,256x8192 [--rounds 2] [--json out.json]
+
+Each version is a copy of `kvarn_jax/attention/paged_decode_pallas.py` (e.g. from an older commit)
+loaded as a module of the package, so the versions and variants are timed side by side on the same
+caches and the same device, interleaved `--rounds` times: commits compared this way differ by
+their kernel only. Every (version, variant) is first checked against the reference on a small
+cache. Timing: `decode.profile_span` (first kernel start to last kernel end of one call, median of
+20 calls; torch's profiler). Variants: "default" (the version's own defaults) or "wWrR" (num_warps
+W, maxnreg R).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import decode as bench  # noqa: E402
+import kvarn_jax as kj  # noqa: E402
+from kvarn_jax.hadamard import rotate, unrotate  # noqa: E402
+
+
+def load_version(name: str, path: str):
+    """The kernel file at `path` as module kvarn_jax.attention._ab_<name> (its relative imports work)."""
+    mod_name = f"kvarn_jax.attention._ab_{name}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def variant_kwargs(var: str) -> dict:
+    if var == "default":
+        return {}
+    m = re.fullmatch(r"w(\d+)(?:r(\d+))?", var)
+    if not m:
+        raise SystemExit(f"bad variant {var!r} (expected default or wW[rR])")
+    return dict(num_warps=int(m.group(1)), maxnreg=int(m.group(2)) if m.group(2) else None)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--version", action="append", required=True, help="name=path of a paged_decode_pallas.py copy")
+    p.add_argument("--variants", default="default")
+    p.add_argument("--scheme", default="kvarn_k4v2_g128")
+    p.add_argument("--shapes", default="32x32768,1x131072,8x16384,256x8192")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--json", default="")
+    args = p.parse_args()
+    hq, hk, d, bs = 32, 8, 128, 128
+    versions = {n: load_version(n, path) for n, path in (v.split("=", 1) for v in args.version)}
+    runs = {f"{n}/{var}": (mod, variant_kwargs(var)) for n, mod in versions.items() for var in args.variants.split(",")}
+    rot = kj.parse(args.scheme).rotated
+
+    def call(mod, kw):
+        return lambda q, c, t, l: mod.paged_decode_pallas(q, c, t, l, jnp.arange(q.shape[0], dtype=jnp.int32),
+                                                          scale=1 / np.sqrt(d), window=None, **kw)
+
+    out = {"device": jax.devices()[0].device_kind, "scheme": args.scheme, "versions": dict(v.split("=", 1) for v in args.version),
+           "checks": {}, "rows": []}
+    cache, tables, _ = bench.random_cache(args.scheme, 4, 4 * bs + 37, hk, d, bs, jnp.float16, seed=7)
+    lens = jnp.array([4 * bs + 37, 3 * bs, bs - 5, 2 * bs + 1], jnp.int32)
+    q = jax.random.normal(jax.random.PRNGKey(5), (4, hq, d), jnp.float32)
+    ref = kj.paged_decode_attention(q, cache, tables, lens, impl="reference")
+    for name, (mod, kw) in runs.items():
+        o = jax.jit(call(mod, kw))(rotate(q) if rot else q, cache, tables, lens)
+        o = unrotate(o) if rot else o
+        err = float(jnp.max(jnp.abs(o - ref)) / jnp.max(jnp.abs(ref)))
+        out["checks"][name] = err
+        print(f"check {name}: max|kernel - reference| / max|reference| {err:.2e}", flush=True)
+    for shape in filter(None, args.shapes.split(",")):
+        b, ctx = (int(x) for x in shape.split("x"))
+        cache, tables, lens = bench.random_cache(args.scheme, b, ctx, hk, d, bs, jnp.float16)
+        q = jax.random.normal(jax.random.PRNGKey(9), (b, hq, d), jnp.float16)
+        row = {"batch": b, "ctx": ctx, "span_ms": {}}
+        for _ in range(args.rounds):
+            for name, (mod, kw) in runs.items():
+                span = bench.profile_span(call(mod, kw), (q, cache, tables, lens))
+                row["span_ms"].setdefault(name, []).append(None if span is None else span[0] * 1e3)
+        fmt = lambda v: "/".join("-" if x is None else f"{x:.4f}" for x in v)  # noqa: E731
+        print(f"B={b} L={ctx}: " + "  ".join(f"{k} {fmt(v)}" for k, v in row["span_ms"].items()), flush=True)
+        out["rows"].append(row)
+        del cache
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

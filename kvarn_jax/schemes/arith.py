@@ -1,0 +1,26 @@
+"""The float primitives of the scheme math that a kernel may swap for its own instructions.
+
+The reference (XLA) and the Pallas quantize kernel run the same scheme functions; where Triton
+lowers a primitive differently from XLA, the kernel passes its own `Arith`:
+  - div: Triton lowers an fp32 division to `div.full.f32` (approximate, up to 2 ulp), XLA to the
+    IEEE `div.rn.f32`; the codes of (x - min) / scale then differ at near-ties, so the GPU kernel
+    passes an IEEE division in inline PTX and writes the same codes as the reference.
+  - log2: the GPU kernel passes the one-instruction `lg2.approx.f32` (KVarN's Sinkhorn takes ~2
+    logs per row and column per iteration; libdevice's polynomial costs ~20 instructions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Arith:
+    log2: Callable = jnp.log2
+    div: Callable = jnp.divide
+
+
+JNP = Arith()
