@@ -41,3 +41,32 @@ def test_gpu_kernels_lower_for_cuda(scheme):
             fn = lambda x, side=side, static=static: quantize_blocks_pallas(x, static, cfg=cfg, side=side)  # noqa: E731
             text = lower_for_cuda(fn, jnp.zeros((4, 2, bs, d), jnp.float16))
             assert f"kvarn_quantize_{cfg.name}_{side}" in text
+
+
+@pytest.mark.parametrize("scheme", ["kvarn_k4v2_g128", "kivi_k2v4_g32", "int8", "int4_static", "fp8"])
+def test_quantize_kernel_inline_asm(scheme, monkeypatch):
+    """The quantize kernels' PTX (`schemes.arith`): lg2.approx for KVarN, IEEE division (div.rn) for
+    the other schemes, and only on blocks - Triton rejects inline asm on scalars when it parses the
+    module (KVarN's imbalance ratio is one), which jax's lowering alone does not catch."""
+    from jax._src.pallas.triton import lowering
+    modules, original = [], lowering.lower_jaxpr_to_triton_module
+
+    def capture(*a, **k):
+        r = original(*a, **k)
+        modules.append(r.module.operation.get_asm(enable_debug_info=False))
+        return r
+
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", capture)
+    cfg = kj.parse(scheme)
+    static = None
+    if cfg.static:
+        k = jnp.asarray(np.random.default_rng(0).standard_normal((256, 2, 64)), jnp.float32)
+        static = kj.PagedKVCache.create(scheme, num_blocks=2, block_size=32, num_kv_heads=2, head_dim=64, max_seqs=1,
+                                        calibration=kj.calibrate((k, k), scheme)).static["k"]
+    bs = max(cfg.tile_tokens, 32)
+    lower_for_cuda(lambda x: quantize_blocks_pallas(x, static, cfg=cfg, side="k"), jnp.zeros((2, 2, bs, 64), jnp.float16))
+    (ir,) = modules
+    asm = [line for line in ir.splitlines() if "tt.elementwise_inline_asm" in line]
+    assert all("tensor<" in line.split(":")[-1] for line in asm), [line for line in asm if "tensor<" not in line]
+    assert any("lg2.approx.f32" in line for line in asm) == (cfg.method == "kvarn")
+    assert any("div.rn.f32" in line for line in asm) == (cfg.method != "kvarn")

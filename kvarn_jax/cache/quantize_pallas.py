@@ -59,7 +59,12 @@ def _div_rn(a, b):
     return y.reshape(shape)
 
 
-GPU_ARITH = Arith(log2=_lg2_approx, div=_div_rn)
+# KVarN keeps Triton's approximate division: its codes are compared with the reference's allowing
+# near-tie flips anyway (its Sinkhorn sums run in another order), and `div.rn` there cost 8% more
+# instructions offline (5.06 ms on the H200 for the benchmark's 1.05 M token-heads, against 4.50
+# ms the session before: benchmarks/results/2026-12-01_quantize_parity_h200.md).
+GPU_ARITH = {"kvarn": Arith(log2=_lg2_approx)}
+GPU_ARITH_EXACT = Arith(log2=_lg2_approx, div=_div_rn)
 
 
 def _kernel(*refs, cfg, side, names, has_static, gpu_arith):
@@ -68,7 +73,7 @@ def _kernel(*refs, cfg, side, names, has_static, gpu_arith):
     outs = refs[1 + len(has_static):]
     # the loaded per-head params ([D] int, [1] fp8) line up with the tile like canonical ones do
     fields = schemes.quantize_side(x_ref[...], cfg, side, schemes.expand_static(cfg, static, 0) if cfg.static else None,
-                                   ar=GPU_ARITH if gpu_arith else JNP)
+                                   ar=GPU_ARITH.get(cfg.method, GPU_ARITH_EXACT) if gpu_arith else JNP)
     for n, o in zip(names, outs):
         o[...] = fields[n].astype(o.dtype)
 
