@@ -337,9 +337,10 @@ WRITE_IMPLS = ("auto", "pallas", "reference")
 
 
 def auto_quantizer(cache: PagedKVCache) -> str:
-    """The quantizer `write(impl="auto")` uses: the Pallas kernel on GPUs for KVarN, KIVI and fp8
-    (faster than XLA there), the jnp path otherwise."""
-    if jax.default_backend() == "gpu" and cache.cfg.method in ("kvarn", "kivi", "fp8") \
+    """The quantizer `write(impl="auto")` uses: the Pallas kernel on GPUs for KVarN and fp8 (faster
+    than XLA there), the jnp path otherwise (KIVI since its kernel divides in IEEE fp32: 1.45 vs
+    1.39 ms on the H200, benchmarks/results/2026-12-01_quantize_parity_h200.md)."""
+    if jax.default_backend() == "gpu" and cache.cfg.method in ("kvarn", "fp8") \
             and not pallas_quantize_supports(cache.cfg, cache.block_size, cache.head_dim):
         return "pallas"
     return "reference"
@@ -366,11 +367,13 @@ def write(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp
 
     impl: how completed blocks are quantized - "pallas" (the kernel in `quantize_pallas.py`;
     interpreted when `interpret` is true, the default on CPU), "reference" (jnp, compiled by XLA) or
-    "auto": the kernel on GPUs for the schemes where it beats XLA on the H200 (KVarN, KIVI, fp8:
-    benchmarks/results/2026-11-29_quantize_warps_h200.md), the jnp path otherwise (int schemes,
-    CPU, TPU). Interpreted, the kernel's pages equal the jnp path's bit for bit, except that KVarN's
-    Sinkhorn sums reduce in a shape-dependent order, so a few codes may flip at near-ties (within
-    the golden-tile tolerance) and fp16 scales may differ in their last bits.
+    "auto": the kernel on GPUs for the schemes where it beats XLA on the H200 (KVarN, fp8:
+    benchmarks/results/2026-12-01_quantize_parity_h200.md), the jnp path otherwise (KIVI and the
+    int schemes, CPU, TPU). Interpreted, the kernel's pages equal the jnp path's bit for bit, except
+    that KVarN's Sinkhorn sums reduce in a shape-dependent order, so a few codes may flip at
+    near-ties (within the golden-tile tolerance) and fp16 scales may differ in their last bits.
+    Compiled on a GPU, the kernel divides in IEEE fp32 as the CPU does and XLA's GPU build does
+    not, so there the two differ at exact .5 quotients by one code step (`schemes/arith.py`).
     """
     if impl not in WRITE_IMPLS:
         raise ValueError(f"impl must be one of {list(WRITE_IMPLS)}, got {impl!r}")
