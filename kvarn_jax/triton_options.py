@@ -8,10 +8,13 @@ kernel to a Triton module sets the attribute on modules so named. Nothing else i
 modules whose name ends that way are touched.
 
 Why: the decode kernel is latency-bound at one warp per program with ~255 registers per thread,
-which leaves 8 warps per SM; a cap can let more programs share an SM. Measured on the H200
-(benchmarks/results/2026-12-01_decode_maxnreg_h200.md), every cap from 216 down to 168 made the
-decode kernel slower (spills; only <= 168 adds a warp per scheduler), so no kernel uses one by
-default: it is an option (`paged_decode_pallas(..., maxnreg=N)`) for experiments.
+which leaves 8 warps per SM; a cap can let more programs share an SM. Measured on the H200: every
+cap from 216 down to 168 on one-warp programs was slower (spills; only <= 168 adds a warp per
+scheduler; benchmarks/results/2026-12-01_decode_maxnreg_h200.md), but two-warp programs capped at
+128 registers are faster for small batches and 4-bit values, so the decode kernel's default launch
+uses them there (`paged_decode_pallas.default_launch`;
+benchmarks/results/2026-12-01_decode_zero_term_h200.md). Without this hook that launch falls back to
+one uncapped warp; an explicit `maxnreg=N` raises instead.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def kernel_name(base: str, maxnreg: int | None) -> str:
         raise ValueError(f"maxnreg must be an int in [24, 255] (registers per thread), got {maxnreg!r}")
     if not available():
         raise RuntimeError("maxnreg: this jax's Pallas-Triton lowering has no lower_jaxpr_to_triton_module to "
-                           "attach a register cap to; pass maxnreg=None")
+                           "attach a register cap to; do not pass maxnreg")
     install()
     return f"{base}_maxnreg{maxnreg}"
 

@@ -64,9 +64,12 @@ def test_quantize_kernel_inline_asm(scheme, monkeypatch):
         static = kj.PagedKVCache.create(scheme, num_blocks=2, block_size=32, num_kv_heads=2, head_dim=64, max_seqs=1,
                                         calibration=kj.calibrate((k, k), scheme)).static["k"]
     bs = max(cfg.tile_tokens, 32)
-    lower_for_cuda(lambda x: quantize_blocks_pallas(x, static, cfg=cfg, side="k"), jnp.zeros((2, 2, bs, 64), jnp.float16))
-    (ir,) = modules
-    asm = [line for line in ir.splitlines() if "tt.elementwise_inline_asm" in line]
-    assert all("tensor<" in line.split(":")[-1] for line in asm), [line for line in asm if "tensor<" not in line]
-    assert any("lg2.approx.f32" in line for line in asm) == (cfg.method == "kvarn")
-    assert any("div.rn.f32" in line for line in asm) == (cfg.method != "kvarn")
+    for side in ("k", "v"):
+        lower_for_cuda(lambda x, side=side: quantize_blocks_pallas(x, static, cfg=cfg, side=side),
+                       jnp.zeros((2, 2, bs, 64), jnp.float16))
+    assert len(modules) == 2
+    for ir in modules:
+        asm = [line for line in ir.splitlines() if "tt.elementwise_inline_asm" in line]
+        assert all("tensor<" in line.split(":")[-1] for line in asm), [line for line in asm if "tensor<" not in line]
+        assert any("lg2.approx.f32" in line for line in asm) == (cfg.method == "kvarn")
+        assert any("div.rn.f32" in line for line in asm) == (cfg.method != "kvarn")

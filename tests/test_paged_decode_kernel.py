@@ -200,16 +200,30 @@ def test_register_cap_reaches_the_triton_module(monkeypatch):
     assert triton_options.register_cap(modules[2]) == 128
     assert pdp.programs_per_sm(1, 168) == 11 and pdp.programs_per_sm(1, 184) == 8 and pdp.programs_per_sm(1) == 8
     assert pdp.programs_per_sm(2, 128) == 8
+    # a jax whose lowering the cap cannot attach to: the default launch runs uncapped (one warp),
+    # an explicit cap raises (another batch size, so that the kernel is traced again)
+    monkeypatch.setattr(triton_options, "available", lambda: False)
+    args3 = (jnp.zeros((3, 8, 64), jnp.float32), cache, jnp.zeros((3, 4), jnp.int32),
+             jnp.full((3,), 200, jnp.int32), jnp.arange(3, dtype=jnp.int32))
+    lower_for_cuda(lambda q, c, t, l, s: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1, window=None), *args3)
+    assert len(modules) == 4 and triton_options.register_cap(modules[3]) is None
+    with pytest.raises(RuntimeError, match="do not pass maxnreg"):
+        lower_for_cuda(lambda q, c, t, l, s: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1, window=None,
+                                                                       maxnreg=128), *args3)
 
 
-@pytest.mark.parametrize("cfg,batch,want", [("kvarn_k4v2_g128", 32, (1, None)), ("kvarn_k4v2_g128", 8, (2, 128)),
-                                            ("kivi_k2v2_g128", 1, (2, 128)), ("kvarn_k4v4_g128", 32, (2, 128)),
-                                            ("int8", 1, (4, None)), ("fp8", 32, (2, None))])
-def test_default_launch(cfg, batch, want):
-    """The launch the H200 sweeps chose (2026-12-01_decode_zero_term_h200.md), 8 kv heads: one
-    uncapped warp for large batches of <= 2-bit values, else two warps capped at 128 registers."""
+@pytest.mark.parametrize("cfg,batch,kw,want", [
+    ("kvarn_k4v2_g128", 32, {}, (1, None)), ("kvarn_k4v2_g128", 16, {}, (2, 128)),   # 128 pairs < 132
+    ("kvarn_k4v2_g128", 17, {}, (1, None)), ("kivi_k2v2_g128", 1, {}, (2, 128)),
+    ("kvarn_k4v4_g128", 32, {}, (2, 128)), ("kvarn_k2v8_g64", 1, {}, (1, None)), ("kvarn_k8v8_g32", 32, {}, (1, None)),
+    ("kvarn_k4v2_g128", 1, dict(orient="heads"), (1, None)), ("kvarn_k4v2_g128", 1, dict(parts=2), (1, None)),
+    ("kvarn_k4v2_g128", 1, dict(steps=2), (1, None)), ("int8", 1, {}, (4, None)), ("fp8", 32, {}, (2, None))])
+def test_default_launch(cfg, batch, kw, want):
+    """The launch the H200 sweeps chose (2026-12-01_decode_zero_term_h200.md), 8 kv heads: two
+    warps capped at 128 registers for whole tokens-major tiles of 4-bit values or of <= 2-bit
+    values at small batch, otherwise what was measured uncapped."""
     from kvarn_jax.attention import paged_decode_pallas as pdp
-    assert pdp.default_launch(kj.parse(cfg), batch, 8) == want
+    assert pdp.default_launch(kj.parse(cfg), batch, 8, **kw) == want
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

@@ -27,18 +27,13 @@ def _poisoned(cfg, rng, **kw):
     return jax.tree_util.tree_map(junk, cache)
 
 
-def _assert_near_tie(c, side, name, a, b):
-    """Pages of the non-KVarN schemes, kernel compiled on a GPU vs the reference writer run by XLA
-    there. The kernel divides in IEEE fp32 (`div.rn`, as NumPy and XLA's CPU backend do); XLA's GPU
-    backend does not: on the H200, of 8.4 M int8 codes XLA's differed from the CPU's in 186 K
-    (2.2%: fp16 data puts many quotients exactly on .5, where round-half-even is decided) and the
-    kernel's in 99, and an int4 scale (max - min) / 15 once rounded to the other fp16 neighbour
-    (benchmarks/results/2026-12-01_quantize_parity_h200.md). So on the GPU a scale may differ by
-    one fp16 step and the codes by one step (fp8: the adjacent e4m3 value) in at most 5% of places."""
-    if name != "codes":
-        np.testing.assert_allclose(b.astype(np.float32), a.astype(np.float32), rtol=2.0 ** -10, atol=0,
-                                   err_msg=f"{side}/{name}")
-        return
+def _assert_codes_within_a_step(c, side, a, b, blocks):
+    """Non-KVarN codes, kernel compiled on a GPU vs the reference writer run on the CPU (IEEE fp32
+    division, as the kernel's `div.rn`; Triton's own division and XLA's GPU build of the reference
+    are approximate and moved 2.2% of int8 codes by a step: benchmarks/results/2026-12-01_quantize_parity_h200.md).
+    On the H200 the kernel's codes differed from the CPU's in 99 of 8.4 M (cause not found): here at
+    most 0.1% of the written blocks' codes (and 2) may differ, by one step (fp8: the adjacent e4m3 value)."""
+    a, b = a[blocks], b[blocks]
     if c.method == "fp8":
         ua, ub = a.astype(np.int16), b.astype(np.int16)
     else:
@@ -46,7 +41,7 @@ def _assert_near_tie(c, side, name, a, b):
         ub = np.asarray(unpack(jnp.asarray(b), c.bits(side))).astype(np.int16)
     diff = np.abs(ua - ub)
     assert diff.max() <= 1, f"{side} codes differ by {diff.max()} steps"
-    assert (diff > 0).mean() <= 0.05, f"{side}: {(diff > 0).mean():.1%} of the codes differ"
+    assert (diff > 0).sum() <= max(2, 1e-3 * diff.size), f"{side}: {(diff > 0).sum()} of {diff.size} codes differ"
 
 
 @pytest.mark.parametrize("cfg", ["kvarn_k4v2_g32", "kvarn_k2v8_g64", "kivi_k2v4_g32", "int4", "int8_g16",
@@ -63,16 +58,19 @@ def test_kernel_write_equals_reference_write(cfg, rng):
     caches = []
     for impl in ("reference", "pallas"):
         write = lambda *a, impl=impl, **k: kj.write(*a, impl=impl, interpret=INTERPRET, **k)
-        poisoned = _poisoned(cfg, np.random.default_rng(seed), **kw)
-        caches.append(serve_writes(poisoned, tables, seqs, np.random.default_rng(seed), write=write))
+        # the reference writer runs on the CPU (IEEE division) even when the kernel runs on a GPU
+        with jax.default_device(jax.devices("cpu")[0] if impl == "reference" else jax.devices()[0]):
+            poisoned = _poisoned(cfg, np.random.default_rng(seed), **kw)
+            caches.append(serve_writes(poisoned, tables, seqs, np.random.default_rng(seed), write=write))
     ref_pages, ker_pages = caches[0].pages, caches[1].pages
+    written = np.unique(np.concatenate([tables[i, :-(-L // bs)] for i, L in enumerate(lens)]))
     for side in ("k", "v"):
         for name in ref_pages[side]:
             a, b = np.asarray(ref_pages[side][name]), np.asarray(ker_pages[side][name])
-            if c.method != "kvarn" and INTERPRET:
+            if c.method != "kvarn" and (INTERPRET or name != "codes"):
                 np.testing.assert_array_equal(a, b, err_msg=f"{side}/{name}")
-            elif c.method != "kvarn":  # compiled on a GPU: see _assert_near_tie
-                _assert_near_tie(c, side, name, a, b)
+            elif c.method != "kvarn":  # compiled on a GPU
+                _assert_codes_within_a_step(c, side, a, b, written)
             elif name == "codes":
                 ua = np.asarray(unpack(jnp.asarray(a), c.bits(side))).reshape(a.shape[:3] + (-1,))
                 ub = np.asarray(unpack(jnp.asarray(b), c.bits(side))).reshape(a.shape[:3] + (-1,))

@@ -592,20 +592,27 @@ def default_orient(cfg: KVQuantConfig) -> str:
     return "tokens" if cfg.method in ("kvarn", "kivi") else "heads"
 
 
-def default_launch(cfg: KVQuantConfig, batch: int, num_kv_heads: int) -> tuple[int, int | None]:
+def default_launch(cfg: KVQuantConfig, batch: int, num_kv_heads: int, orient: str | None = None,
+                   parts: int = 1, steps: int = 1) -> tuple[int, int | None]:
     """(num_warps, maxnreg) per program, from the H200 sweeps (by span, kvarn_k4v2_g128 unless
     said; benchmarks/results/2026-12-01_decode_zero_term_h200.md):
-    - KVarN/KIVI (tokens-major): two warps capped at 128 registers - 4 warps per scheduler where
-      uncapped one-warp programs (~255 registers) leave 2, for 29% more instructions per tile - win
-      when latency rules: with fewer than 132 (sequence, kv head) pairs (the split regime; B=1/128K
-      0.063 vs 0.070 ms, B=8/16K 0.065 vs 0.076, kivi_k2v2_g128 0.062 vs 0.066) and for 4-bit
-      values (kvarn_k4v4_g128 B=32/32K 0.396 vs 0.439, B=8/16K 0.073 vs 0.088). Otherwise one
+    - KVarN/KIVI tokens-major, whole tiles (parts = steps = 1), 2- or 4-bit values: two warps
+      capped at 128 registers - 4 warps per scheduler where uncapped one-warp programs (~255
+      registers) leave 2, for 29% more instructions per tile - win when latency rules: with fewer
+      than 132 (sequence, kv head) pairs (the split regime; B=1/128K 0.063 vs 0.070 ms, B=8/16K
+      0.065 vs 0.076, kivi_k2v2_g128 0.0615 vs 0.066) and for 4-bit values (kvarn_k4v4_g128
+      B=32/32K 0.396 vs 0.439, B=8/16K 0.073 vs 0.088). With 2-bit values and >= 132 pairs, one
       uncapped warp, which owns the whole tile (B=32/32K 0.340 vs 0.359; kivi_k2v2_g128 0.292 vs
-      0.337).
+      0.337); at B=256/8K an earlier form of the kernel ran 0.736 vs 0.724 ms with two capped
+      warps, so that rule rests on B=32.
+    - Other tokens-major launches (8-bit values: 104-120 B of spills at 128 registers offline;
+      parts or steps > 1; not timed capped) and heads-major KVarN/KIVI: one uncapped warp.
     - 2 warps for fp8 and 4 for the int and passthrough schemes (heads-major;
       2026-12-01_decode_splits_h200.json), uncapped."""
     if cfg.method in ("kvarn", "kivi"):
-        if cfg.v_bits >= 4 or batch * num_kv_heads < 132:
+        whole = (orient or default_orient(cfg)) == "tokens" and parts == 1 and steps == 1
+        pairs = batch * num_kv_heads
+        if whole and (cfg.v_bits == 4 or (cfg.v_bits <= 2 and pairs < 132)):
             return 2, 128
         return 1, None
     return (2 if cfg.method == "fp8" else 4), None
@@ -666,8 +673,8 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         each), so that Triton's pipeline (num_stages - 1 buffers of one iteration's codes) can copy
         a part while the previous one computes. Measured on the H200 with num_stages=3: slower
         (29% more instructions per tile, and the sink/tail loop's buffers set the shared memory).
-      maxnreg: registers per thread the compiled kernel may use (None: Triton's choice, ~255 for
-        KVarN/KIVI; with num_warps left to the default, `default_launch`'s cap). Fewer registers,
+      maxnreg: registers per thread the compiled kernel may use (None: `default_launch`'s cap when
+        num_warps is left to the default, else none - Triton's choice, ~255 for KVarN/KIVI). Fewer registers,
         more programs per SM (`triton_options`, `programs_per_sm`). For one-warp programs every cap
         measured on the H200 was slower (spills); two-warp programs at 128 are the default where
         `default_launch` says.
@@ -695,7 +702,11 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     nbt, hq, d = q_rot.shape
     hk = cache.num_kv_heads
     if num_warps is None:  # the default launch; its register cap applies unless one is given
-        warps, cap = default_launch(cfg, nbt, hk)
+        warps, cap = default_launch(cfg, nbt, hk, orient, parts, steps)
+        if cap is not None and (interpret or not triton_options.available()):
+            # interpreted, launch options change nothing (and need no lowering hook); without the
+            # hook no cap can be set, and uncapped two-warp programs were slower than one warp
+            warps, cap = 1, None
         maxnreg = cap if maxnreg is None else maxnreg
     else:
         warps = num_warps

@@ -5,9 +5,10 @@ lowers a primitive differently from XLA, the kernel passes its own `Arith`:
   - div: Triton lowers an fp32 division to `div.full.f32` (approximate, up to 2 ulp); NumPy and
     XLA's CPU backend divide in IEEE. With fp16 data many quotients (x - min) / scale fall exactly
     on .5, where round-half-even decides, so an approximate division changes codes. The GPU kernel
-    passes an IEEE division in inline PTX (`div.rn.f32`) for the non-KVarN schemes and then writes
-    the CPU reference's pages (on the H200: 99 of 8.4 M int8 codes differed; XLA's own GPU build of
-    the reference differed from the CPU's in 186 K).
+    passes an IEEE division in inline PTX (`div.rn.f32`) for the non-KVarN schemes, and its codes
+    then come within 0.001-0.008% of the CPU reference's (on the H200: 99 of 8.4 M int8 codes
+    differed, for a reason not found; XLA's own GPU build of the reference differed in 186 K).
+    KVarN keeps the fast division (`quantize_pallas.GPU_ARITH`).
   - log2: the GPU kernel passes the one-instruction `lg2.approx.f32` (KVarN's Sinkhorn takes ~2
     logs per row and column per iteration; libdevice's polynomial costs ~20 instructions).
 """

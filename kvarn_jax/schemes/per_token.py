@@ -71,7 +71,7 @@ def fp8_fields(head_dim: int, static: bool):
 
 
 def fp8_scale_from_amax(amax: jnp.ndarray, ar: Arith = JNP) -> jnp.ndarray:
-    return jnp.maximum(ar.div(amax, jnp.float32(FP8_E4M3_MAX)), FP16_TINY).astype(jnp.float16)
+    return jnp.maximum(ar.div(amax, jnp.asarray(FP8_E4M3_MAX, amax.dtype)), FP16_TINY).astype(jnp.float16)
 
 
 def _to_fp8_bits(y: jnp.ndarray) -> jnp.ndarray:

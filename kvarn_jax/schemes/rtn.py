@@ -26,7 +26,7 @@ def rtn_params(x: jnp.ndarray, bits: int, floor: float = 1e-10, ar: Arith = JNP)
     """(min, scale) of rows of `x` (fp32) over the last axis; `scale = max((max-min)/(2^b-1), floor)`."""
     mn = jnp.min(x, axis=-1)
     mx = jnp.max(x, axis=-1)
-    scale = jnp.maximum(ar.div(mx - mn, jnp.float32(2 ** bits - 1)), floor)
+    scale = jnp.maximum(ar.div(mx - mn, jnp.asarray(2 ** bits - 1, mx.dtype)), floor)
     return mn, scale
 
 
