@@ -136,7 +136,8 @@ def main():
     cfg = kj.parse(args.scheme)
     if args.kind == "decode":
         from kvarn_jax.attention.paged_decode_pallas import default_launch
-        warps, cap = default_launch(cfg, 32, 8)  # the shape lowered below: B=32, 8 kv heads
+        # the shape lowered below (B=32, 8 kv heads) and the layout asked for
+        warps, cap = default_launch(cfg, 32, 8, args.orient, args.parts, args.steps)
         if args.warps:
             warps, cap = args.warps, None
         args.maxnreg = args.maxnreg or cap

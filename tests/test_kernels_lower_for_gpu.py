@@ -47,7 +47,8 @@ def test_gpu_kernels_lower_for_cuda(scheme):
 def test_quantize_kernel_inline_asm(scheme, monkeypatch):
     """The quantize kernels' PTX (`schemes.arith`): lg2.approx for KVarN, IEEE division (div.rn) for
     the other schemes, and only on blocks - Triton rejects inline asm on scalars when it parses the
-    module (KVarN's imbalance ratio is one), which jax's lowering alone does not catch."""
+    module (the first `div.rn` build did that for KVarN's imbalance ratio on the H200), which jax's
+    lowering alone does not catch."""
     from jax._src.pallas.triton import lowering
     modules, original = [], lowering.lower_jaxpr_to_triton_module
 

@@ -48,23 +48,23 @@ def _lg2_approx(x):
 
 
 def _div_rn(a, b):
-    """IEEE fp32 division (`div.rn.f32`, as XLA's): Triton lowers `/` to the approximate
-    `div.full.f32`, whose codes differed from the reference writer's at near-ties on the H200."""
+    """IEEE fp32 division (`div.rn.f32`, as NumPy and XLA's CPU backend divide): Triton lowers `/`
+    to the approximate `div.full.f32`, whose codes differed from the CPU reference's at exact .5
+    quotients on the H200. Blocks only: Triton rejects inline asm on scalars (no scheme divides
+    scalars with it; `tests/test_kernels_lower_for_gpu.py` checks)."""
     from jax.experimental.pallas import triton as plgpu
     a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-    shape = a.shape  # Triton's inline asm takes blocks, not scalars (KVarN's imbalance ratio is one)
-    a, b = a.reshape(shape or (1,)), b.reshape(shape or (1,))
     (y,) = plgpu.elementwise_inline_asm("div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
                                         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
-    return y.reshape(shape)
+    return y
 
 
+GPU_ARITH = Arith(log2=_lg2_approx, div=_div_rn)
 # KVarN keeps Triton's approximate division: its codes are compared with the reference's allowing
 # near-tie flips anyway (its Sinkhorn sums run in another order), and `div.rn` there cost 8% more
 # instructions offline (5.06 ms on the H200 for the benchmark's 1.05 M token-heads, against 4.50
 # ms the session before: benchmarks/results/2026-12-01_quantize_parity_h200.md).
-GPU_ARITH = {"kvarn": Arith(log2=_lg2_approx)}
-GPU_ARITH_EXACT = Arith(log2=_lg2_approx, div=_div_rn)
+GPU_ARITH_KVARN = Arith(log2=_lg2_approx)
 
 
 def _kernel(*refs, cfg, side, names, has_static, gpu_arith):
@@ -73,7 +73,7 @@ def _kernel(*refs, cfg, side, names, has_static, gpu_arith):
     outs = refs[1 + len(has_static):]
     # the loaded per-head params ([D] int, [1] fp8) line up with the tile like canonical ones do
     fields = schemes.quantize_side(x_ref[...], cfg, side, schemes.expand_static(cfg, static, 0) if cfg.static else None,
-                                   ar=GPU_ARITH.get(cfg.method, GPU_ARITH_EXACT) if gpu_arith else JNP)
+                                   ar=(GPU_ARITH_KVARN if cfg.method == "kvarn" else GPU_ARITH) if gpu_arith else JNP)
     for n, o in zip(names, outs):
         o[...] = fields[n].astype(o.dtype)
 

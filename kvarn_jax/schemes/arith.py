@@ -8,7 +8,7 @@ lowers a primitive differently from XLA, the kernel passes its own `Arith`:
     passes an IEEE division in inline PTX (`div.rn.f32`) for the non-KVarN schemes, and its codes
     then come within 0.001-0.008% of the CPU reference's (on the H200: 99 of 8.4 M int8 codes
     differed, for a reason not found; XLA's own GPU build of the reference differed in 186 K).
-    KVarN keeps the fast division (`quantize_pallas.GPU_ARITH`).
+    KVarN keeps the fast division (`quantize_pallas.GPU_ARITH_KVARN`).
   - log2: the GPU kernel passes the one-instruction `lg2.approx.f32` (KVarN's Sinkhorn takes ~2
     logs per row and column per iteration; libdevice's polynomial costs ~20 instructions).
 """
