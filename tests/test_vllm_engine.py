@@ -142,9 +142,22 @@ def _close(llm):
     gc.collect()
 
 
+_RUNS: dict = {}  # the engine runs, once per process (see `runs`)
+
+
 @pytest.fixture(scope="module")
 def runs(model):
-    """{run name: outputs, blocks and bridge counters} for vLLM's own attention and each scheme."""
+    """{run name: outputs, blocks and bridge counters} for vLLM's own attention and each scheme.
+
+    Computed once per process: the xdist worker that runs this module's group may run another
+    module's tests between two of this module's, which tears a module-scoped fixture down and sets
+    it up again (it did in CI: six engine starts twice, ~220 s)."""
+    if not _RUNS:
+        _RUNS.update(_engine_runs(model))
+    return _RUNS
+
+
+def _engine_runs(model):
     params = vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     out = {}
     for name, scheme in RUNS:
