@@ -11,7 +11,8 @@ caches and the same device, interleaved `--rounds` times: commits compared this 
 their kernel only. Every (version, variant) is first checked against the reference on a small
 cache. Timing: `decode.profile_span` (first kernel start to last kernel end of one call, median of
 20 calls; torch's profiler). Variants: "default" (the version's own defaults) or "wWrR" (num_warps
-W, maxnreg R).
+W, maxnreg R), either with the suffix "-pm" (the splits merged by the Pallas kernel, merge="pallas",
+for versions that have it): e.g. `--variants default,default-pm,w2r128-pm`.
 """
 
 from __future__ import annotations
@@ -48,11 +49,15 @@ def load_version(name: str, path: str):
 
 
 def variant_kwargs(var: str) -> dict:
+    """default or wW[rR] (num_warps W, register cap R), either with the suffix -pm (merge="pallas":
+    only for kernel versions that have the option)."""
+    if var.endswith("-pm"):
+        return {**variant_kwargs(var[:-3]), "merge": "pallas"}
     if var == "default":
         return {}
     m = re.fullmatch(r"w(\d+)(?:r(\d+))?", var)
     if not m:
-        raise SystemExit(f"bad variant {var!r} (expected default or wW[rR])")
+        raise SystemExit(f"bad variant {var!r} (expected default or wW[rR], optionally with -pm)")
     return dict(num_warps=int(m.group(1)), maxnreg=int(m.group(2)) if m.group(2) else None)
 
 

@@ -4,6 +4,7 @@
         [--fold on|off] [--sums mma|reduce] [--parts 1] [--steps 1] [--maxnreg 168]
     python benchmarks/kernel_sass.py quantize kvarn_k4v2_g128 --side k [--warps 16]
         [--triton-python /path/to/venv/bin/python]
+    python benchmarks/kernel_sass.py merge kvarn_k4v2_g128     # the Pallas split merge at B=1 / 128K
 
 Lowers the kernel for CUDA on this machine (jax lowers Pallas to Triton IR in Python), compiles that
 IR for sm_90 with a pip `triton` (its bundled ptxas), and prints the registers per thread, stack
@@ -71,7 +72,15 @@ def triton_ir(kind: str, scheme: str, side: str, warps: int, stages: int, orient
     reg.lowering.lower_jaxpr_to_triton_module = capture
     try:
         cfg = kj.parse(scheme)
-        if kind == "decode":
+        if kind == "merge":  # B=1 / 128K: the decode call's second Triton module is the merge
+            from kvarn_jax.attention import paged_decode_pallas as pdp
+            cache = kj.PagedKVCache.create(cfg, num_blocks=1024, block_size=128, num_kv_heads=8, head_dim=128,
+                                           max_seqs=1, dtype=jnp.float16)
+            args = (jnp.zeros((1, 32, 128), jnp.float32), cache, jnp.zeros((1, 1024), jnp.int32),
+                    jnp.full((1,), 131072, jnp.int32), jnp.arange(1, dtype=jnp.int32))
+            fn = lambda q, c, t, l, s: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1, window=None,  # noqa: E731
+                                                               merge="pallas")
+        elif kind == "decode":
             from kvarn_jax.attention import paged_decode_pallas as pdp
             cache = kj.PagedKVCache.create(cfg, num_blocks=1024, block_size=128, num_kv_heads=8, head_dim=128,
                                            max_seqs=32, dtype=jnp.float16)
@@ -86,7 +95,19 @@ def triton_ir(kind: str, scheme: str, side: str, warps: int, stages: int, orient
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     finally:
         reg.lowering.lower_jaxpr_to_triton_module = original
-    return captured[0]
+    return captured[1 if kind == "merge" else 0]
+
+
+def merge_warps(cfg) -> int:
+    """The warps `split_merge.merge_splits_pallas` launches with for `kernel_sass.py merge`'s shape."""
+    from kvarn_jax.attention import paged_decode_pallas as pdp, split_merge as sm
+    tokens = pdp.default_orient(cfg) == "tokens"
+    warps, cap = pdp.default_launch(cfg, 1, 8)
+    splits = pdp.default_num_splits(1, 8, 1024, warps, cap)
+    vp = pdp._Plan(cfg, 128, cfg.tile_tokens if cfg.tile_tokens > 1 else pdp.TOKEN_CHUNK).vp
+    gp = 8 if tokens else 16
+    s_pad = sm.padded_splits(splits)
+    return sm.merge_num_warps(s_pad, gp, sm.merge_chunk(1, 8, vp, s_pad, gp, 128 // vp))
 
 
 def parse_sass(sass: str):
@@ -117,7 +138,7 @@ def mix(ins):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("kind", choices=["decode", "quantize"])
+    p.add_argument("kind", choices=["decode", "quantize", "merge"])
     p.add_argument("scheme")
     p.add_argument("--side", default="k", choices=["k", "v"], help="quantize: which side's kernel")
     p.add_argument("--warps", type=int, default=None)
@@ -142,6 +163,8 @@ def main():
             warps, cap = args.warps, None
         args.maxnreg = args.maxnreg or cap
         stages = args.stages or 2
+    elif args.kind == "merge":
+        warps, stages = args.warps or merge_warps(cfg), args.stages or 1
     else:
         from kvarn_jax.cache.quantize_pallas import default_num_warps
         warps = args.warps or default_num_warps(cfg)

@@ -6,7 +6,7 @@ One program per (sequence, kv head, split). Each program walks its share of the 
 quantized tiles, reading codes and scales straight from the pages (never materializing fp16 K/V in
 HBM), and keeps an fp32 online softmax for the query heads of its KV head (its GQA group). Split 0
 also covers the high-precision sink block and the partial tail. The splits are merged afterwards
-(flash-decoding), so that small batches still fill the chip.
+(flash-decoding, `split_merge.py`), so that small batches still fill the chip.
 
 Two layouts of the products (`orient`): tokens-major for the tiled schemes (KVarN, KIVI; scores
 [T, Gp] = codes @ q^T, the GQA group padded to the matrix unit's 8-wide N, one warp per program,
@@ -40,6 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .. import triton_options
+from . import split_merge
 from ..config import KVQuantConfig
 from ..validation import is_power_of_two as _pow2
 
@@ -648,12 +649,12 @@ def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int, num_warps:
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "num_splits", "interpret", "num_warps",
                                              "num_stages", "unpack", "orient", "fold", "parts", "sums", "maxnreg",
-                                             "steps"))
+                                             "steps", "merge"))
 def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale: float, window: int | None,
                         num_splits: int | None = None, interpret: bool = False, num_warps: int | None = None,
                         num_stages: int = 2, unpack: str | None = None, orient: str | None = None,
                         fold: bool | None = None, parts: int = 1, sums: str | None = None,
-                        maxnreg: int | None = None, steps: int = 1):
+                        maxnreg: int | None = None, steps: int = 1, merge: str = "xla"):
     """Kernel entry: q_rot [B, Hq, D] in the stored frame -> output [B, Hq, D] fp32 in the stored frame.
 
     Launch and layout options (defaults from the H200 sweeps; the results are the same up to fp32
@@ -678,6 +679,9 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         more programs per SM (`triton_options`, `programs_per_sm`). For one-warp programs every cap
         measured on the H200 was slower (spills); two-warp programs at 128 are the default where
         `default_launch` says.
+      merge: how the splits are merged (`split_merge.py`): "xla" (jnp, the default: several XLA
+        fusions) or "pallas" (one kernel; the kernel's split outputs are then padded to a power of
+        two). Not yet timed on a GPU.
     """
     unpack = unpack or ("magic" if interpret else "asm")
     if unpack not in ("magic", "asm") or (unpack == "asm" and interpret):
@@ -689,6 +693,8 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     tokens_major = orient == "tokens"
     fold = tokens_major if fold is None else bool(fold)
     sums = sums or ("mma" if tokens_major else "reduce")
+    if merge not in ("xla", "pallas"):
+        raise ValueError(f"merge must be 'xla' or 'pallas', got {merge!r}")
     if sums not in ("reduce", "mma"):
         raise ValueError(f"sums must be 'reduce' or 'mma', got {sums!r}")
     if (fold or parts != 1 or steps != 1 or sums != "reduce") and not tokens_major:
@@ -759,9 +765,11 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         steps=steps)
     vp = plan.vp
     acc_shape = (d // vp, gp) if tokens_major else (gp, d // vp)
-    out_shape = [jax.ShapeDtypeStruct((nbt, hk, splits, vp) + acc_shape, jnp.float32),
-                 jax.ShapeDtypeStruct((nbt, hk, splits, gp), jnp.float32),
-                 jax.ShapeDtypeStruct((nbt, hk, splits, gp), jnp.float32)]
+    # the Pallas merge loads all splits at once: a power-of-two axis (the padding is never written)
+    s_out = split_merge.padded_splits(splits) if merge == "pallas" else splits
+    out_shape = [jax.ShapeDtypeStruct((nbt, hk, s_out, vp) + acc_shape, jnp.float32),
+                 jax.ShapeDtypeStruct((nbt, hk, s_out, gp), jnp.float32),
+                 jax.ShapeDtypeStruct((nbt, hk, s_out, gp), jnp.float32)]
     out_specs = [pl.BlockSpec((None, None, None, vp) + acc_shape, lambda b, h, s: (b, h, s, 0, 0, 0)),
                  pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0)),
                  pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0))]
@@ -773,12 +781,13 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
                                out_shape=out_shape, interpret=interpret,
                                name=triton_options.kernel_name(f"kvarn_paged_decode_{cfg.name}", maxnreg),
                                **params)(*operands)
-    # merge the splits (flash-decoding) and re-interleave the value planes: channel vp*i + n
-    m_all = jnp.max(m, axis=2, keepdims=True)
-    w = jnp.exp2(m - m_all)                                            # m is in base-2 units
-    l_all = jnp.sum(w * l, axis=2)
+    # merge the splits (flash-decoding), then re-interleave the value planes: channel vp*i + n
+    heads_axis = -1 if tokens_major else -2
+    if merge == "pallas":
+        o = split_merge.merge_splits_pallas(acc, m, l, splits=splits, heads_axis=heads_axis, interpret=interpret)
+    else:
+        o = split_merge.merge_splits_reference(acc, m, l, splits, heads_axis)
     if tokens_major:  # [.., vp, D/vp, Gp] -> [.., vp, Gp, D/vp]
-        acc = jnp.swapaxes(acc, -1, -2)
-    o = jnp.sum(w[..., None, :, None] * acc, axis=2) / jnp.where(l_all > 0, l_all, 1.0)[..., None, :, None]
+        o = jnp.swapaxes(o, -1, -2)
     o = o.transpose(0, 1, 3, 4, 2).reshape(nbt, hk, gp, d)
     return o[:, :, :grp].reshape(nbt, hq, d)

@@ -1,0 +1,103 @@
+"""Merging the decode kernel's splits (flash-decoding): jnp reference and a one-launch Pallas kernel.
+
+The GPU decode kernel (`paged_decode_pallas.py`) runs several programs per (sequence, kv head) along
+the KV length. Each leaves an unnormalized partial output `acc` with its running max `m` (base-2
+logits) and softmax sum `l`; the merge rescales them to a common max and normalizes:
+
+    M = max_s m_s,   w_s = 2^(m_s - M),   o = Σ_s w_s · acc_s / Σ_s w_s · l_s
+
+`merge_splits_reference` is that formula in jnp (XLA makes 4-5 fusions of it on the H200: 8-11 µs
+of a B=1 / 128K call, benchmarks/results/2026-12-01_decode_maxnreg_h200.md). `merge_splits_pallas`
+is one kernel: a program per (sequence, kv head, value plane, channel chunk) loads every split of
+its chunk at once (the split axis padded to a power of two, as Triton needs; the padding is masked,
+whatever it holds), so small batches still spread the merge over the whole chip.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+MERGE_BLOCK = 8192       # fp32 elements a merge program loads at most (~64 per thread at 4 warps)
+MERGE_PROGRAMS = 264     # aim for at least two programs per H200 SM
+
+
+def padded_splits(splits: int) -> int:
+    """Length of the split axis the Pallas merge reads: the next power of two."""
+    return 1 << (max(1, splits) - 1).bit_length()
+
+
+def merge_splits_reference(acc, m, l, splits: int, heads_axis: int):
+    """acc [B, Hk, S, vp, X, Y], m and l [B, Hk, S, Gp] -> o [B, Hk, vp, X, Y] fp32.
+
+    Only the first `splits` entries along S are read. heads_axis: which of acc's last two axes is
+    the Gp one (-1: tokens-major [.., D/vp, Gp]; -2: heads-major [.., Gp, D/vp])."""
+    acc, m, l = acc[:, :, :splits], m[:, :, :splits], l[:, :, :splits]
+    m_all = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp2(m - m_all)                                            # m is in base-2 units
+    l_all = jnp.sum(w * l, axis=2)                                     # [B, Hk, Gp]
+    per_head = (lambda v: v[..., None, :]) if heads_axis == -1 else (lambda v: v[..., :, None])
+    o = jnp.sum(per_head(w)[:, :, :, None] * acc, axis=2)             # w: [B, Hk, S, 1, (Gp)]
+    return o / per_head(jnp.where(l_all > 0, l_all, 1.0))[:, :, None]
+
+
+def _merge_kernel(m_ref, l_ref, acc_ref, o_ref, *, splits: int, heads_axis: int):
+    s_pad = m_ref.shape[0]
+    valid = jnp.arange(s_pad, dtype=jnp.int32)[:, None] < splits       # [S, 1]
+    # entries past `splits` were never written: masked before any arithmetic reads them
+    m = jnp.where(valid, m_ref[...], -jnp.inf)                         # [S, Gp]
+    m_all = jnp.max(m, axis=0)                                         # finite: split 0 always exists
+    w = jnp.where(valid, jnp.exp2(m - m_all[None, :]), 0.0)
+    l_all = jnp.sum(jnp.where(valid, w * l_ref[...], 0.0), axis=0)     # [Gp]
+    wb = w[:, None, :] if heads_axis == -1 else w[:, :, None]
+    o = jnp.sum(jnp.where(valid[:, :, None], wb * acc_ref[...], 0.0), axis=0)
+    den = jnp.where(l_all > 0, l_all, 1.0)
+    o_ref[...] = o / (den[None, :] if heads_axis == -1 else den[:, None])
+
+
+def merge_chunk(batch: int, num_kv_heads: int, vp: int, s_pad: int, gp: int, width: int) -> int:
+    """Channels (of the `width` = D/vp per value plane) one merge program takes: as many as fit in
+    MERGE_BLOCK loaded elements while the grid keeps MERGE_PROGRAMS programs (powers of two), and
+    at least 4 (contiguous runs of >= 16 bytes)."""
+    c = width
+    while c > 4 and (s_pad * gp * c > MERGE_BLOCK or batch * num_kv_heads * vp * (width // c) < MERGE_PROGRAMS):
+        c //= 2
+    return c
+
+
+def merge_num_warps(s_pad: int, gp: int, chunk: int) -> int:
+    return 4 if s_pad * gp * chunk <= MERGE_BLOCK else 8
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "heads_axis", "interpret", "num_warps"))
+def merge_splits_pallas(acc, m, l, *, splits: int, heads_axis: int, interpret: bool = False,
+                        num_warps: int | None = None):
+    """Same result as `merge_splits_reference`, in one Pallas kernel. The split axis of acc, m and l
+    must be `padded_splits(splits)` long (entries from `splits` on are ignored)."""
+    b, hk, s_pad, vp, x, y = acc.shape
+    gp = m.shape[-1]
+    if s_pad != padded_splits(splits) or m.shape != (b, hk, s_pad, gp) or l.shape != m.shape:
+        raise ValueError(f"merge_splits_pallas: acc {acc.shape}, m {m.shape}, l {l.shape} do not hold "
+                         f"{padded_splits(splits)} (padded) splits of {splits}")
+    if heads_axis not in (-1, -2) or (y if heads_axis == -1 else x) != gp:
+        raise ValueError(f"merge_splits_pallas: heads_axis={heads_axis} does not name acc's Gp={gp} axis ({acc.shape})")
+    width = x if heads_axis == -1 else y
+    c = merge_chunk(b, hk, vp, s_pad, gp, width)
+    blk = (c, gp) if heads_axis == -1 else (gp, c)
+    at = (lambda j: (j, 0)) if heads_axis == -1 else (lambda j: (0, j))
+    in_specs = [pl.BlockSpec((None, None, s_pad, gp), lambda i, h, n, j: (i, h, 0, 0))] * 2 + [
+        pl.BlockSpec((None, None, s_pad, None) + blk, lambda i, h, n, j: (i, h, 0, n) + at(j))]
+    out_spec = pl.BlockSpec((None, None, None) + blk, lambda i, h, n, j: (i, h, n) + at(j))
+    params = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+        params["compiler_params"] = plgpu.CompilerParams(
+            num_warps=num_warps or merge_num_warps(s_pad, gp, c), num_stages=1)
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, splits=splits, heads_axis=heads_axis),
+        grid=(b, hk, vp, width // c), in_specs=in_specs, out_specs=out_spec,
+        out_shape=jax.ShapeDtypeStruct((b, hk, vp, x, y), jnp.float32), interpret=interpret,
+        name="kvarn_decode_split_merge", **params)(m, l, acc)

@@ -1,0 +1,100 @@
+"""The decode kernel's split merge: the Pallas kernel against the jnp reference (`split_merge.py`),
+and the whole decode kernel with each merge against the attention reference.
+
+The Pallas merge reads a split axis padded to a power of two whose padding the decode kernel never
+writes; here the padding holds NaN and inf, so a merge that let it into any sum fails. Tolerance:
+the two merges run the same fp32 formula, summing in other orders: <= 1e-5 relative.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import kvarn_jax as kj
+from kvarn_jax.attention import paged_decode_pallas as pdp, split_merge as sm
+from kvarn_jax.hadamard import rotate, unrotate
+from test_paged_decode_kernel import INTERPRET, build
+
+
+def partials(rng, b, hk, splits, vp, width, gp, heads_axis, empty=()):
+    """Random partial results with `splits` valid splits, the padding poisoned; (b, h) in `empty`
+    hold what the decode kernel leaves for a sequence with nothing to attend to (m = NEG, l = 0)."""
+    sp = sm.padded_splits(splits)
+    inner = (width, gp) if heads_axis == -1 else (gp, width)
+    acc = rng.standard_normal((b, hk, sp, vp) + inner).astype(np.float32)
+    m = (rng.standard_normal((b, hk, sp, gp)) * 8).astype(np.float32)
+    l = rng.uniform(0.1, 4.0, (b, hk, sp, gp)).astype(np.float32)
+    if splits > 2:  # some splits saw no tile
+        m[:, :, 1], l[:, :, 1], acc[:, :, 1] = pdp.NEG, 0.0, 0.0
+    for i, h in empty:
+        m[i, h], l[i, h], acc[i, h] = pdp.NEG, 0.0, 0.0
+    acc[:, :, splits:], m[:, :, splits:], l[:, :, splits:] = np.nan, np.inf, np.nan
+    return jnp.asarray(acc), jnp.asarray(m), jnp.asarray(l)
+
+
+@settings(max_examples=10)
+@given(b=st.integers(1, 3), hk=st.sampled_from([1, 2, 8]), splits=st.integers(1, 70), vp=st.sampled_from([1, 2, 4]),
+       width=st.sampled_from([8, 16, 32, 64]), gp=st.sampled_from([8, 16]), heads_axis=st.sampled_from([-1, -2]),
+       seed=st.integers(0, 2 ** 16))
+def test_pallas_merge_equals_reference(b, hk, splits, vp, width, gp, heads_axis, seed):
+    rng = np.random.default_rng(seed)
+    acc, m, l = partials(rng, b, hk, splits, vp, width, gp, heads_axis, empty=[(b - 1, hk - 1)])
+    ref = np.asarray(sm.merge_splits_reference(acc, m, l, splits, heads_axis))
+    out = np.asarray(sm.merge_splits_pallas(acc, m, l, splits=splits, heads_axis=heads_axis, interpret=INTERPRET))
+    assert np.isfinite(ref).all() and np.isfinite(out).all()
+    assert (out[b - 1, hk - 1] == 0).all()  # nothing to attend to: zeros, as the reference
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+
+
+def test_merge_is_spread_over_the_chip():
+    """B=1 / 128K on the H200 (256 splits of 8 kv heads, 4 value planes of 32 channels, Gp 8): 256
+    programs of 4 channels, each loading 8K elements; large batches keep whole planes."""
+    assert sm.merge_chunk(1, 8, 4, 256, 8, 32) == 4
+    assert sm.merge_chunk(32, 8, 4, 4, 8, 32) == 32
+    assert sm.merge_chunk(1, 1, 1, 512, 16, 64) == 4     # never below 4 channels
+    assert [sm.padded_splits(s) for s in (1, 2, 3, 7, 8, 200)] == [1, 2, 4, 8, 8, 256]
+
+
+def test_pallas_merge_rejects_unpadded_partials(rng):
+    acc, m, l = partials(rng, 1, 2, 5, 2, 16, 8, -1)
+    with pytest.raises(ValueError, match="do not hold 16 \\(padded\\) splits of 9"):
+        sm.merge_splits_pallas(acc, m, l, splits=9, heads_axis=-1, interpret=True)
+    with pytest.raises(ValueError, match="heads_axis=-2 does not name acc's Gp=8 axis"):
+        sm.merge_splits_pallas(acc, m, l, splits=5, heads_axis=-2, interpret=True)
+
+
+@pytest.mark.parametrize("cfg, orient", [("kvarn_k4v2_g32", "tokens"), ("int4", "heads")])
+def test_decode_with_the_pallas_merge(cfg, orient, rng):
+    """The decode kernel with merge='pallas' against the attention reference, with many splits
+    (more than some sequences have tiles), a sequence of length zero and a window; and equal to the
+    kernel with the XLA merge up to the merges' own rounding."""
+    cache, bt, sl, _ = build(cfg, [9 * 32 + 5, 40, 3 * 32], 2, 64, 32, rng)
+    bt = jnp.concatenate([bt, bt[:1]])
+    sl = jnp.concatenate([sl, jnp.zeros(1, jnp.int32)])
+    q = jnp.asarray(rng.standard_normal((4, 8, 64)), jnp.float32)
+    sid = jnp.array([0, 1, 2, 0], jnp.int32)
+    rot = kj.parse(cfg).rotated
+    for window, splits in ((None, 5), (50, 3)):
+        ref = np.asarray(kj.paged_decode_attention(q, cache, bt, sl, seq_ids=sid, impl="reference", window=window))
+        outs = {}
+        for merge in ("xla", "pallas"):
+            o = pdp.paged_decode_pallas(rotate(q) if rot else q, cache, bt, sl, sid, scale=0.125, window=window,
+                                        interpret=INTERPRET, num_splits=splits, orient=orient, merge=merge)
+            outs[merge] = np.asarray(unrotate(o) if rot else o)
+        np.testing.assert_allclose(outs["pallas"], ref, rtol=0, atol=4e-3 * np.abs(ref).max())
+        np.testing.assert_allclose(outs["pallas"], outs["xla"], rtol=0, atol=1e-5 * np.abs(ref).max())
+        assert (outs["pallas"][3] == 0).all()
+    with pytest.raises(ValueError, match="merge must be 'xla' or 'pallas'"):
+        pdp.paged_decode_pallas(q, cache, bt, sl, sid, scale=0.125, window=None, interpret=True, merge="kernel")
+
+
+def test_pallas_merge_lowers_for_cuda():
+    """Both layouts lower to Triton for CUDA (the split axis padded; 8 warps for large blocks)."""
+    from helpers import lower_for_cuda
+    for heads_axis, inner, splits in ((-1, (32, 8), 256), (-2, (16, 128), 200)):
+        gp = inner[1] if heads_axis == -1 else inner[0]
+        sp = sm.padded_splits(splits)
+        text = lower_for_cuda(lambda a, m, l: sm.merge_splits_pallas(a, m, l, splits=splits, heads_axis=heads_axis),
+                              jnp.zeros((1, 8, sp, 2) + inner), jnp.zeros((1, 8, sp, gp)), jnp.zeros((1, 8, sp, gp)))
+        assert "kvarn_decode_split_merge" in text
