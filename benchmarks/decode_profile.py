@@ -1,7 +1,7 @@
 """Where a decode call's device time goes: every GPU kernel of one call, with its duration.
 
     python benchmarks/decode_profile.py [--shapes 1x131072,8x16384] [--schemes kvarn_k4v2_g128]
-                                        [--entry kernel|public] [--calls 20] [--json out.json]
+                                        [--entry kernel|public] [--merge xla|pallas] [--calls 20] [--json out.json]
 
 `decode.py` times whole calls (a scan of dependent calls); at small batch that time is far above the
 byte roofline, and this script says which kernels make it up. It runs `--calls` calls of the kernel
@@ -38,6 +38,7 @@ def main():
     p.add_argument("--schemes", default="kvarn_k4v2_g128")
     p.add_argument("--entry", default="kernel", choices=["kernel", "public"])
     p.add_argument("--splits", type=int, default=None)
+    p.add_argument("--merge", default="xla", choices=["xla", "pallas"], help="kernel entry: how the splits are merged")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--hq", type=int, default=32)
     p.add_argument("--hk", type=int, default=8)
@@ -46,7 +47,9 @@ def main():
     p.add_argument("--json", default="")
     args = p.parse_args()
     hq, hk, d, bs = args.hq, args.hk, args.head_dim, args.block_size
-    res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "entry": args.entry,
+    if args.merge != "xla" and args.entry != "kernel":
+        p.error("--merge applies to --entry kernel (the public entry uses the kernel's default)")
+    res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "entry": args.entry, "merge": args.merge,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "rows": []}
     for shape in args.shapes.split(","):
         batch, ctx = (int(x) for x in shape.split("x"))
@@ -56,7 +59,7 @@ def main():
             sid = jnp.arange(batch, dtype=jnp.int32)
             if args.entry == "kernel":
                 fn = lambda q, c, t, l: pdp.paged_decode_pallas(  # noqa: E731
-                    q, c, t, l, sid, scale=1.0 / np.sqrt(d), window=None, num_splits=args.splits)
+                    q, c, t, l, sid, scale=1.0 / np.sqrt(d), window=None, num_splits=args.splits, merge=args.merge)
             else:
                 fn = lambda q, c, t, l: kj.paged_decode_attention(q, c, t, l, impl="pallas",  # noqa: E731
                                                                   num_splits=args.splits)
@@ -74,7 +77,7 @@ def main():
                    "kernels": {n: {"per_call": c / args.calls, "us_per_call": t / args.calls}
                                for n, (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1])}}
             res["rows"].append(row)
-            print(f"B={batch} L={ctx} {s} ({args.entry}): kernels {total_us:.1f} us/call, one call's span "
+            print(f"B={batch} L={ctx} {s} ({args.entry}, merge={args.merge}): kernels {total_us:.1f} us/call, one call's span "
                   f"{span_us:.1f} us, scan-loop time {scan_us:.1f} us")
             for n, v in row["kernels"].items():
                 print(f"    {v['us_per_call']:8.1f} us  x{v['per_call']:.0f}  {n[:110]}")

@@ -95,19 +95,23 @@ def triton_ir(kind: str, scheme: str, side: str, warps: int, stages: int, orient
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     finally:
         reg.lowering.lower_jaxpr_to_triton_module = original
-    return captured[1 if kind == "merge" else 0]
+    if kind == "merge":
+        return next(m for m in captured if "kvarn_decode_split_merge" in m)
+    return captured[0]
 
 
 def merge_warps(cfg) -> int:
-    """The warps `split_merge.merge_splits_pallas` launches with for `kernel_sass.py merge`'s shape."""
+    """The warps `split_merge.merge_splits_pallas` launches with for `kernel_sass.py merge`'s shape
+    (B=1, 8 kv heads, 1024 blocks of 128 tokens, the default splits rounded down to a power of two
+    as `paged_decode_pallas` does with merge="pallas")."""
     from kvarn_jax.attention import paged_decode_pallas as pdp, split_merge as sm
     tokens = pdp.default_orient(cfg) == "tokens"
     warps, cap = pdp.default_launch(cfg, 1, 8)
-    splits = pdp.default_num_splits(1, 8, 1024, warps, cap)
-    vp = pdp._Plan(cfg, 128, cfg.tile_tokens if cfg.tile_tokens > 1 else pdp.TOKEN_CHUNK).vp
-    gp = 8 if tokens else 16
-    s_pad = sm.padded_splits(splits)
-    return sm.merge_num_warps(s_pad, gp, sm.merge_chunk(1, 8, vp, s_pad, gp, 128 // vp))
+    t_tok = cfg.tile_tokens if cfg.tile_tokens > 1 else pdp.TOKEN_CHUNK
+    splits = pdp.default_num_splits(1, 8, 1024 * (128 // t_tok), warps, cap)
+    splits = 1 << (splits.bit_length() - 1)
+    vp = pdp._Plan(cfg, 128, t_tok).vp
+    return sm.merge_launch(1, 8, vp, splits, 8 if tokens else 16, 128 // vp, -1 if tokens else -2)[2]
 
 
 def parse_sass(sass: str):

@@ -680,8 +680,9 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         measured on the H200 was slower (spills); two-warp programs at 128 are the default where
         `default_launch` says.
       merge: how the splits are merged (`split_merge.py`): "xla" (jnp, the default: several XLA
-        fusions) or "pallas" (one kernel; the kernel's split outputs are then padded to a power of
-        two). Not yet timed on a GPU.
+        fusions) or "pallas" (one kernel, which writes the channels in order; the default split
+        count is then rounded down to a power of two, and an explicit one pads the split outputs
+        to the next). Tested interpreted; not yet compiled or timed on a GPU.
     """
     unpack = unpack or ("magic" if interpret else "asm")
     if unpack not in ("magic", "asm") or (unpack == "asm" and interpret):
@@ -722,6 +723,8 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     t_tok = cfg.tile_tokens if cfg.tile_tokens > 1 else min(TOKEN_CHUNK, cache.block_size)
     tiles_per_block = cache.block_size // t_tok
     splits = num_splits or default_num_splits(nbt, hk, mb * tiles_per_block, warps, maxnreg)
+    if merge == "pallas" and not num_splits:  # a power of two: the merge then reads no padding
+        splits = 1 << (splits.bit_length() - 1)
     plan = _Plan(cfg, d, t_tok, unpack, fold=fold, sums=sums)
 
     qg = q_rot.astype(jnp.float32).reshape(nbt, hk, grp, d)
@@ -787,7 +790,5 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         o = split_merge.merge_splits_pallas(acc, m, l, splits=splits, heads_axis=heads_axis, interpret=interpret)
     else:
         o = split_merge.merge_splits_reference(acc, m, l, splits, heads_axis)
-    if tokens_major:  # [.., vp, D/vp, Gp] -> [.., vp, Gp, D/vp]
-        o = jnp.swapaxes(o, -1, -2)
-    o = o.transpose(0, 1, 3, 4, 2).reshape(nbt, hk, gp, d)
+    o = o.reshape(nbt, hk, gp, d)                                     # [.., Gp, D/vp, vp]: channels in order
     return o[:, :, :grp].reshape(nbt, hq, d)

@@ -1,4 +1,4 @@
-"""Merging the decode kernel's splits (flash-decoding): jnp reference and a one-launch Pallas kernel.
+"""Merging the decode kernel's splits (flash-decoding): jnp reference and a Pallas kernel.
 
 The GPU decode kernel (`paged_decode_pallas.py`) runs several programs per (sequence, kv head) along
 the KV length. Each leaves an unnormalized partial output `acc` with its running max `m` (base-2
@@ -6,11 +6,14 @@ logits) and softmax sum `l`; the merge rescales them to a common max and normali
 
     M = max_s m_s,   w_s = 2^(m_s - M),   o = Σ_s w_s · acc_s / Σ_s w_s · l_s
 
-`merge_splits_reference` is that formula in jnp (XLA makes 4-5 fusions of it on the H200: 8-11 µs
-of a B=1 / 128K call, benchmarks/results/2026-12-01_decode_maxnreg_h200.md). `merge_splits_pallas`
-is one kernel: a program per (sequence, kv head, value plane, channel chunk) loads every split of
-its chunk at once (the split axis padded to a power of two, as Triton needs; the padding is masked,
-whatever it holds), so small batches still spread the merge over the whole chip.
+and puts the value planes back in channel order (channel vp·i + n is element i of plane n).
+
+`merge_splits_reference` is that in jnp (on the H200, XLA made 5 fusions of it: 10.6 µs of a
+B=1 / 128K call, benchmarks/results/2026-12-01_decode_maxnreg_h200.md). `merge_splits_pallas` is
+one kernel: a program per (sequence, kv head, value plane, channel chunk) loads every split of its
+chunk at once (the split axis padded to a power of two, as Triton needs; the padding is masked,
+whatever it holds) and writes its channels in their final places, so small batches still spread
+the merge over the whole chip and only the GQA padding's slice is left to XLA.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-MERGE_BLOCK = 8192       # fp32 elements a merge program loads at most (~64 per thread at 4 warps)
+MERGE_BLOCK = 8192       # fp32 partial-output elements per program the chunking aims for
 MERGE_PROGRAMS = 264     # aim for at least two programs per H200 SM
 
 
@@ -31,7 +34,8 @@ def padded_splits(splits: int) -> int:
 
 
 def merge_splits_reference(acc, m, l, splits: int, heads_axis: int):
-    """acc [B, Hk, S, vp, X, Y], m and l [B, Hk, S, Gp] -> o [B, Hk, vp, X, Y] fp32.
+    """acc [B, Hk, S, vp, X, Y], m and l [B, Hk, S, Gp] -> o [B, Hk, Gp, D/vp, vp] fp32, whose
+    reshape to [B, Hk, Gp, D] has the channels in order.
 
     Only the first `splits` entries along S are read. heads_axis: which of acc's last two axes is
     the Gp one (-1: tokens-major [.., D/vp, Gp]; -2: heads-major [.., Gp, D/vp])."""
@@ -41,7 +45,8 @@ def merge_splits_reference(acc, m, l, splits: int, heads_axis: int):
     l_all = jnp.sum(w * l, axis=2)                                     # [B, Hk, Gp]
     per_head = (lambda v: v[..., None, :]) if heads_axis == -1 else (lambda v: v[..., :, None])
     o = jnp.sum(per_head(w)[:, :, :, None] * acc, axis=2)             # w: [B, Hk, S, 1, (Gp)]
-    return o / per_head(jnp.where(l_all > 0, l_all, 1.0))[:, :, None]
+    o = o / per_head(jnp.where(l_all > 0, l_all, 1.0))[:, :, None]     # [B, Hk, vp, X, Y]
+    return o.transpose(0, 1, 4, 3, 2) if heads_axis == -1 else o.transpose(0, 1, 3, 4, 2)
 
 
 def _merge_kernel(m_ref, l_ref, acc_ref, o_ref, *, splits: int, heads_axis: int):
@@ -53,23 +58,29 @@ def _merge_kernel(m_ref, l_ref, acc_ref, o_ref, *, splits: int, heads_axis: int)
     w = jnp.where(valid, jnp.exp2(m - m_all[None, :]), 0.0)
     l_all = jnp.sum(jnp.where(valid, w * l_ref[...], 0.0), axis=0)     # [Gp]
     wb = w[:, None, :] if heads_axis == -1 else w[:, :, None]
-    o = jnp.sum(jnp.where(valid[:, :, None], wb * acc_ref[...], 0.0), axis=0)
+    o = jnp.sum(jnp.where(valid[:, :, None], wb * acc_ref[...], 0.0), axis=0)   # [c, Gp] or [Gp, c]
     den = jnp.where(l_all > 0, l_all, 1.0)
-    o_ref[...] = o / (den[None, :] if heads_axis == -1 else den[:, None])
+    if heads_axis == -1:
+        o_ref[...] = (o / den[None, :]).T
+    else:
+        o_ref[...] = o / den[:, None]
 
 
-def merge_chunk(batch: int, num_kv_heads: int, vp: int, s_pad: int, gp: int, width: int) -> int:
-    """Channels (of the `width` = D/vp per value plane) one merge program takes: as many as fit in
-    MERGE_BLOCK loaded elements while the grid keeps MERGE_PROGRAMS programs (powers of two), and
-    at least 4 (contiguous runs of >= 16 bytes)."""
+def merge_launch(batch: int, num_kv_heads: int, vp: int, splits: int, gp: int, width: int, heads_axis: int):
+    """(padded split axis, channels per program, warps) of `merge_splits_pallas`.
+
+    Channels: of the `width` = D/vp of a value plane, as many as keep a program's partial outputs
+    within MERGE_BLOCK elements while the grid keeps MERGE_PROGRAMS programs (powers of two); for
+    heads-major partials, whose chunks are runs of that many contiguous floats, at least 4. Warps:
+    4, more for larger blocks (up to 16: ~64 elements per thread at 32 K), so few splits of a big
+    GQA group still fit in registers."""
+    s_pad = padded_splits(splits)
+    floor = 1 if heads_axis == -1 else min(4, width)
     c = width
-    while c > 4 and (s_pad * gp * c > MERGE_BLOCK or batch * num_kv_heads * vp * (width // c) < MERGE_PROGRAMS):
+    while c > floor and (s_pad * gp * c > MERGE_BLOCK or batch * num_kv_heads * vp * (width // c) < MERGE_PROGRAMS):
         c //= 2
-    return c
-
-
-def merge_num_warps(s_pad: int, gp: int, chunk: int) -> int:
-    return 4 if s_pad * gp * chunk <= MERGE_BLOCK else 8
+    elems = s_pad * gp * c
+    return s_pad, c, 4 if elems <= MERGE_BLOCK else 8 if elems <= 2 * MERGE_BLOCK else 16
 
 
 @functools.partial(jax.jit, static_argnames=("splits", "heads_axis", "interpret", "num_warps"))
@@ -85,19 +96,20 @@ def merge_splits_pallas(acc, m, l, *, splits: int, heads_axis: int, interpret: b
     if heads_axis not in (-1, -2) or (y if heads_axis == -1 else x) != gp:
         raise ValueError(f"merge_splits_pallas: heads_axis={heads_axis} does not name acc's Gp={gp} axis ({acc.shape})")
     width = x if heads_axis == -1 else y
-    c = merge_chunk(b, hk, vp, s_pad, gp, width)
-    blk = (c, gp) if heads_axis == -1 else (gp, c)
-    at = (lambda j: (j, 0)) if heads_axis == -1 else (lambda j: (0, j))
+    if width & (width - 1) or gp & (gp - 1):
+        raise ValueError(f"merge_splits_pallas: channels per value plane ({width}) and Gp ({gp}) must be powers of two")
+    _, c, warps = merge_launch(b, hk, vp, splits, gp, width, heads_axis)
+    blk, at = ((c, gp), lambda j: (j, 0)) if heads_axis == -1 else ((gp, c), lambda j: (0, j))
     in_specs = [pl.BlockSpec((None, None, s_pad, gp), lambda i, h, n, j: (i, h, 0, 0))] * 2 + [
         pl.BlockSpec((None, None, s_pad, None) + blk, lambda i, h, n, j: (i, h, 0, n) + at(j))]
-    out_spec = pl.BlockSpec((None, None, None) + blk, lambda i, h, n, j: (i, h, n) + at(j))
+    # output [B, Hk, Gp, D/vp, vp]: plane n's chunk j is channels (j*c + i)*vp + n
+    out_spec = pl.BlockSpec((None, None, gp, c, None), lambda i, h, n, j: (i, h, 0, j, n))
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
-        params["compiler_params"] = plgpu.CompilerParams(
-            num_warps=num_warps or merge_num_warps(s_pad, gp, c), num_stages=1)
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps or warps, num_stages=1)
     return pl.pallas_call(
         functools.partial(_merge_kernel, splits=splits, heads_axis=heads_axis),
         grid=(b, hk, vp, width // c), in_specs=in_specs, out_specs=out_spec,
-        out_shape=jax.ShapeDtypeStruct((b, hk, vp, x, y), jnp.float32), interpret=interpret,
+        out_shape=jax.ShapeDtypeStruct((b, hk, gp, width, vp), jnp.float32), interpret=interpret,
         name="kvarn_decode_split_merge", **params)(m, l, acc)
