@@ -149,9 +149,10 @@ _RUNS: dict = {}  # the engine runs, once per process (see `runs`)
 def runs(model):
     """{run name: outputs, blocks and bridge counters} for vLLM's own attention and each scheme.
 
-    Computed once per process: the xdist worker that runs this module's group may run another
-    module's tests between two of this module's, which tears a module-scoped fixture down and sets
-    it up again (it did in CI: six engine starts twice, ~220 s)."""
+    Computed once per process: should a worker run another module's tests between two of this
+    module's, pytest tears the module fixture down, and the six engines (~275 s in CI) would start
+    again. (The double start CI showed had another cause: the group was lost, see
+    `test_engine_tests_share_one_worker`.)"""
     if not _RUNS:
         _RUNS.update(_engine_runs(model))
     return _RUNS
