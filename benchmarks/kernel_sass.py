@@ -72,7 +72,7 @@ def triton_ir(kind: str, scheme: str, side: str, warps: int, stages: int, orient
     reg.lowering.lower_jaxpr_to_triton_module = capture
     try:
         cfg = kj.parse(scheme)
-        if kind == "merge":  # B=1 / 128K: the decode call's second Triton module is the merge
+        if kind == "merge":  # B=1 / 128K with merge="pallas"; its merge module is picked by name below
             from kvarn_jax.attention import paged_decode_pallas as pdp
             cache = kj.PagedKVCache.create(cfg, num_blocks=1024, block_size=128, num_kv_heads=8, head_dim=128,
                                            max_seqs=1, dtype=jnp.float16)
@@ -108,8 +108,7 @@ def merge_warps(cfg) -> int:
     tokens = pdp.default_orient(cfg) == "tokens"
     warps, cap = pdp.default_launch(cfg, 1, 8)
     t_tok = cfg.tile_tokens if cfg.tile_tokens > 1 else pdp.TOKEN_CHUNK
-    splits = pdp.default_num_splits(1, 8, 1024 * (128 // t_tok), warps, cap)
-    splits = 1 << (splits.bit_length() - 1)
+    splits = sm.unpadded_splits(pdp.default_num_splits(1, 8, 1024 * (128 // t_tok), warps, cap))
     vp = pdp._Plan(cfg, 128, t_tok).vp
     return sm.merge_launch(1, 8, vp, splits, 8 if tokens else 16, 128 // vp, -1 if tokens else -2)[2]
 

@@ -77,6 +77,7 @@ def test_merge_launch_spreads_over_the_chip():
     assert sm.merge_launch(1, 8, 1, 256, 16, 128, -2) == (256, 4, 8)
     assert sm.merge_launch(1, 1, 1, 300, 32, 64, -2) == (512, 4, 16)
     assert [sm.padded_splits(s) for s in (1, 2, 3, 7, 8, 200)] == [1, 2, 4, 8, 8, 256]
+    assert [sm.unpadded_splits(s) for s in (1, 2, 3, 7, 8, 264)] == [1, 2, 2, 4, 8, 256]
 
 
 def test_pallas_merge_rejects_unpadded_partials(rng):
@@ -117,7 +118,7 @@ def test_decode_with_the_pallas_merge(cfg, orient, rng):
 
 
 def test_pallas_merge_lowers_for_cuda():
-    """Both layouts lower to Triton for CUDA (the split axis padded; 8 warps for large blocks)."""
+    """Both layouts lower to Triton for CUDA, at B=1 / 128K's 256 splits and a padded 200."""
     from helpers import lower_for_cuda
     for heads_axis, inner, splits in ((-1, (32, 8), 256), (-2, (16, 128), 200)):
         gp = inner[1] if heads_axis == -1 else inner[0]

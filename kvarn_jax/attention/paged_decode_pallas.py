@@ -724,7 +724,7 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     tiles_per_block = cache.block_size // t_tok
     splits = num_splits or default_num_splits(nbt, hk, mb * tiles_per_block, warps, maxnreg)
     if merge == "pallas" and not num_splits:  # a power of two: the merge then reads no padding
-        splits = 1 << (splits.bit_length() - 1)
+        splits = split_merge.unpadded_splits(splits)
     plan = _Plan(cfg, d, t_tok, unpack, fold=fold, sums=sums)
 
     qg = q_rot.astype(jnp.float32).reshape(nbt, hk, grp, d)

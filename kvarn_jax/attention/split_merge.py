@@ -33,6 +33,11 @@ def padded_splits(splits: int) -> int:
     return 1 << (max(1, splits) - 1).bit_length()
 
 
+def unpadded_splits(splits: int) -> int:
+    """The largest power of two <= splits: a default split count the Pallas merge reads unpadded."""
+    return 1 << (max(1, splits).bit_length() - 1)
+
+
 def merge_splits_reference(acc, m, l, splits: int, heads_axis: int):
     """acc [B, Hk, S, vp, X, Y], m and l [B, Hk, S, Gp] -> o [B, Hk, Gp, D/vp, vp] fp32, whose
     reshape to [B, Hk, Gp, D] has the channels in order.
