@@ -11,7 +11,9 @@ from hypothesis import HealthCheck, settings
 # CI and the development machine are CPU-only (Pallas kernels interpreted). KVARN_TEST_PLATFORM=cuda
 # runs tests on the GPU instead, with the kernels compiled (how the decode kernel tests were run on
 # the H200: benchmarks/results/2026-12-01_decode_maxnreg_h200.md).
-jax.config.update("jax_platforms", os.environ.get("KVARN_TEST_PLATFORM", "cpu"))
+# The CPU backend stays available beside it: some tests run the reference writer there on purpose.
+_PLATFORM = os.environ.get("KVARN_TEST_PLATFORM", "cpu")
+jax.config.update("jax_platforms", _PLATFORM if _PLATFORM == "cpu" else f"{_PLATFORM},cpu")
 
 # Hypothesis: few, deterministic examples in CI (each new shape costs a compile).
 settings.register_profile("ci", max_examples=12, deadline=None, derandomize=True,
