@@ -246,7 +246,7 @@ def variant_kwargs(var: str, scheme: str) -> dict | None:
     """Kernel keyword arguments of a variant name wWsS[a][t][f][m][pP][iI][rR] ("default": none; "rR"
     alone: the defaults with a register cap of R), any of them with the suffix "-pm": the splits
     merged by the Pallas kernel (merge="pallas"); None if the variant does not apply to the scheme
-    (tokens-major is for KVarN/KIVI only)."""
+    (tokens-major: KVarN/KIVI and per-token schemes with one scale per token; fold: integer codes)."""
     if var.endswith("-pm"):
         kw = variant_kwargs(var[:-3], scheme)
         return None if kw is None else {**kw, "merge": "pallas"}
@@ -259,7 +259,10 @@ def variant_kwargs(var: str, scheme: str) -> dict | None:
     if not m:
         raise SystemExit(f"bad variant {var!r} (expected wWsS[a][t][f][m][pP][iI][rR] or rR)")
     fl = m.group(3)
-    if "t" in fl and kj.parse(scheme).method not in ("kvarn", "kivi"):
+    c = kj.parse(scheme)
+    if "t" in fl and pdp._Plan(c, 128, max(c.tile_tokens, 64)).tokens_major_unsupported():
+        return None
+    if "f" in fl and c.method == "fp8":  # no integer codes to bias
         return None
     return dict(num_warps=int(m.group(1)), num_stages=int(m.group(2)), unpack="asm" if "a" in fl else "magic",
                 orient="tokens" if "t" in fl else "heads", fold="f" in fl, parts=int(m.group(4) or 1),

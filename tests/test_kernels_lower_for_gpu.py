@@ -36,6 +36,11 @@ def test_gpu_kernels_lower_for_cuda(scheme):
         fn = lambda q, c, t, l, s, w=window: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1, window=w)  # noqa: E731
         text = lower_for_cuda(fn, *args)
         assert f"kvarn_paged_decode_{cfg.name}" in text
+        if cfg.method in ("int", "fp8") and not pdp._Plan(cfg, d, 64).tokens_major_unsupported():
+            # the per-token schemes' optional tokens-major products
+            fn = lambda q, c, t, l, s, w=window: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1,  # noqa: E731
+                                                                         window=w, orient="tokens")
+            assert f"kvarn_paged_decode_{cfg.name}" in lower_for_cuda(fn, *args)
         for side in ("k", "v"):
             static = cache.static[side] if cfg.static else None
             fn = lambda x, side=side, static=static: quantize_blocks_pallas(x, static, cfg=cfg, side=side)  # noqa: E731

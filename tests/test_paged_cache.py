@@ -197,20 +197,24 @@ def test_rollback_across_a_block_boundary_with_two_tail_blocks(rng):
     wk, wv = random_kv(rng, 100, 2, 64, dtype=np.float32)  # rejected drafts
     table = np.array([[5, 2, 9, 0]], np.int32)
 
-    def put(cache, kk, vv, lo, hi):
-        pos = np.arange(lo, hi)
-        slots = table[0, pos // bs] * bs + pos % bs
-        return kj.write(cache, jnp.asarray(kk[lo:hi]), jnp.asarray(vv[lo:hi]), jnp.asarray(slots, jnp.int32),
-                        seq_ids=jnp.zeros(hi - lo, jnp.int32), positions=jnp.asarray(pos, jnp.int32))
+    def put(cache, kk, vv, lo, hi, step=2):
+        # in calls of `step` tokens, as speculative decoding writes them (one shape: one compile)
+        for a in range(lo, hi, step):
+            pos = np.arange(a, a + step)
+            slots = table[0, pos // bs] * bs + pos % bs
+            cache = kj.write(cache, jnp.asarray(kk[a:a + step]), jnp.asarray(vv[a:a + step]),
+                             jnp.asarray(slots, jnp.int32), seq_ids=jnp.zeros(step, jnp.int32),
+                             positions=jnp.asarray(pos, jnp.int32))
+        return cache
 
     cache = put(make_cache("kvarn_k4v2_g32", tail_blocks=2), k, v, 0, 60)
     cache = put(cache, wk, wv, 60, 70)   # drafts complete block 1 (positions 32..63) and spill into block 2
     cache = put(cache, k, v, 60, 70)     # verification rejected them: the correct tokens are re-written
-    cache = put(cache, k, v, 70, 75)
-    fresh = put(make_cache("kvarn_k4v2_g32", tail_blocks=2), k, v, 0, 75)
-    for a, b in zip(kj.gather_dense(cache, jnp.asarray(table), jnp.array([75])),
-                    kj.gather_dense(fresh, jnp.asarray(table), jnp.array([75]))):
-        np.testing.assert_array_equal(np.asarray(a[:, :, :75]), np.asarray(b[:, :, :75]))
+    cache = put(cache, k, v, 70, 76)
+    fresh = put(make_cache("kvarn_k4v2_g32", tail_blocks=2), k, v, 0, 76, step=38)  # and in whole prefills
+    for a, b in zip(kj.gather_dense(cache, jnp.asarray(table), jnp.array([76])),
+                    kj.gather_dense(fresh, jnp.asarray(table), jnp.array([76]))):
+        np.testing.assert_array_equal(np.asarray(a[:, :, :76]), np.asarray(b[:, :, :76]))
     # a rollback to inside block 1 (seq_len 62) reads block 1 from the ring, not from its page
     rb = put(put(make_cache("kvarn_k4v2_g32", tail_blocks=2), k, v, 0, 62), wk, wv, 62, 66)
     kd, _ = kj.gather_dense(rb, jnp.asarray(table), jnp.array([62]))

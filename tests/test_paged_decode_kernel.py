@@ -146,15 +146,65 @@ def test_gpu_kernel_layouts(cfg, rng):
         np.testing.assert_allclose(o, ref, rtol=0, atol=4e-3 * np.abs(ref).max(), err_msg=f"{kw} window={window}")
 
 
+@pytest.mark.parametrize("cfg", ["int8", "int4", "int_k8v2", "fp8"])
+def test_per_token_tokens_major(cfg, rng):
+    """Per-token schemes with one scale per token, tokens-major (scores [T, Gp] = codes @ q^T, the
+    per-token scale and zero factored out of both products) against the reference and the heads-major
+    default: biased planes (fold) or not, zero-point sums as ones-matrix products or reductions, a
+    window, GQA 7 padded to 8 heads, chunks ending mid-block and a sequence shorter than a chunk."""
+    from kvarn_jax.attention import paged_decode_pallas as pdp
+    bs = 128
+    cache, bt, sl, _ = build(cfg, [3 * bs + 17, 40, 2 * bs], 2, 64, bs, rng)
+    q = jnp.asarray(rng.standard_normal((3, 14, 64)), jnp.float32)
+    sid = jnp.arange(3, dtype=jnp.int32)
+    # the defaults (biased planes, ones-matrix sums) and one other variant per scheme (the suite's time)
+    other = {"int8": dict(fold=False), "int4": dict(sums="reduce"), "int_k8v2": dict(fold=False, sums="reduce"),
+             "fp8": dict(sums="reduce")}[cfg]
+    for i, kw in enumerate([dict(), other]):
+        window = None if (i + (cfg in ("int4", "fp8"))) % 2 == 0 else bs + 9
+        ref = np.asarray(kj.paged_decode_attention(q, cache, bt, sl, impl="reference", window=window))
+        o = np.asarray(pdp.paged_decode_pallas(q, cache, bt, sl, sid, scale=0.125, window=window, interpret=INTERPRET,
+                                               num_splits=2, orient="tokens", **kw))
+        np.testing.assert_allclose(o, ref, rtol=0, atol=4e-3 * np.abs(ref).max(), err_msg=f"{kw} window={window}")
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="PTX: compiled on an NVIDIA GPU only")
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("biased", [False, True])
+def test_asm_planes_equal_jnp_planes(bits, biased):
+    """The PTX unpack (`_planes_asm`, the compiled default) gives the jnp planes bit for bit, for every
+    byte value (8-bit codes: one `prmt` that inserts the magic byte, no `lop3`)."""
+    from jax.experimental import pallas as pl
+    from kvarn_jax.attention.paged_decode_pallas import _planes, _planes_asm
+    byte = jnp.arange(256 * 4, dtype=jnp.int32).astype(jnp.uint8).reshape(32, 32)
+    n = 8 // bits
+
+    def kernel(c_ref, o_ref):
+        for j, plane in enumerate(_planes_asm(c_ref[...], bits, biased=biased)):
+            o_ref[j] = plane
+
+    got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((n, 32, 32), jnp.float16))(byte)
+    for j, want in enumerate(_planes(byte, bits, biased=biased)):
+        np.testing.assert_array_equal(np.asarray(got[j]).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
 def test_gpu_kernel_layout_errors(rng):
     from kvarn_jax.attention import paged_decode_pallas as pdp
     q, sid = jnp.ones((1, 4, 64), jnp.float32), jnp.zeros((1,), jnp.int32)
     bt, sl = jnp.zeros((1, 2), jnp.int32), jnp.array([40], jnp.int32)
     call = lambda cache, **kw: pdp.paged_decode_pallas(q, cache, bt, sl, sid, scale=0.125, window=None,  # noqa: E731
                                                        interpret=True, **kw)
-    per_token = kj.PagedKVCache.create("int8", num_blocks=4, block_size=32, num_kv_heads=1, head_dim=64, max_seqs=1)
-    with pytest.raises(ValueError, match="orient must be 'heads' or \\(KVarN/KIVI only\\) 'tokens'"):
-        call(per_token, orient="tokens")
+    grouped = kj.PagedKVCache.create("int8_g16", num_blocks=4, block_size=32, num_kv_heads=1, head_dim=64, max_seqs=1)
+    with pytest.raises(ValueError, match="orient must be 'heads' or 'tokens', got 'tokens' for int8_g16 "
+                                         "\\(tokens-major products need KVarN/KIVI, or one dynamic scale per token"):
+        call(grouped, orient="tokens")
+    with pytest.raises(ValueError, match="orient must be 'heads' or 'tokens', got 'rows'"):
+        call(grouped, orient="rows")
+    per_token = kj.PagedKVCache.create("fp8", num_blocks=4, block_size=32, num_kv_heads=1, head_dim=64, max_seqs=1)
+    with pytest.raises(ValueError, match="parts and steps apply to the tiled schemes' tokens-major products only"):
+        call(per_token, orient="tokens", parts=2)
+    with pytest.raises(ValueError, match="fold to integer codes"):
+        call(per_token, orient="tokens", fold=True)
     tiled = kj.PagedKVCache.create("kvarn_k4v2_g32", num_blocks=4, block_size=32, num_kv_heads=1, head_dim=64,
                                    max_seqs=1)
     with pytest.raises(ValueError, match="fold, parts, steps and sums apply to orient='tokens' only"):

@@ -13,7 +13,9 @@ Two layouts of the products (`orient`): tokens-major for the tiled schemes (KVar
 zero-point sums as products with a ones matrix) and heads-major for the per-token schemes (scores
 [Gp, T] = q @ codes^T, the group padded to 16 rows). On the H200 the tokens-major kernel took
 kvarn_k4v2_g128 at B=32/L=32K from 0.645 to 0.378 ms
-(benchmarks/results/2026-12-01_decode_tokens_major_h200.md).
+(benchmarks/results/2026-12-01_decode_tokens_major_h200.md). Per-token schemes with one scale per
+token (int, fp8) can run tokens-major too (`orient="tokens"`, with the scale and zero factored out
+of both products): 11-21% fewer loop instructions offline, not yet timed, so not their default.
 
 Scales stay out of the inner products (DESIGN.md §3). For KVarN, with K̂[d,t] = (c·sc[d] + z[d])·st[t]:
     q·K̂[:,t] = st[t]·( Σ_d (q[d]·sc[d])·c[d,t] + Σ_d q[d]·z[d] )
@@ -91,6 +93,18 @@ def _planes_asm(c, bits: int, biased: bool = False):
     transposed code layout took kvarn_k4v2_g128 at B=32/L=32K from 0.81 to 0.63 ms
     (benchmarks/results/2026-12-01_decode_variants_h200.md)."""
     from jax.experimental.pallas import triton as plgpu
+    if bits == 8:
+        # one plane: the spread itself can put the magic's high byte 0x64 above each code (fp16
+        # 0x64cc = 1024 + c), which saves the `lop3` per two codes
+        spread = ("{ .reg .b32 m; mov.b32 m, 0x64646464; prmt.b32 $0, $2, m, 0x4140; prmt.b32 $1, $2, m, 0x4342; }")
+        (v,) = plgpu.elementwise_inline_asm(spread, args=[c], constraints="=r,=r,r", pack=4,
+                                            result_shape_dtypes=[jax.ShapeDtypeStruct(c.shape, jnp.float16)])
+        if biased:
+            return [v]
+        (v,) = plgpu.elementwise_inline_asm("{ .reg .b32 m; mov.b32 m, 0x64006400; sub.rn.f16x2 $0, $1, m; }",
+                                            args=[v], constraints="=r,r", pack=2,
+                                            result_shape_dtypes=[jax.ShapeDtypeStruct(c.shape, jnp.float16)])
+        return [v]
     spread = "{ .reg .b32 z; mov.b32 z, 0; prmt.b32 $0, $2, z, 0x4140; prmt.b32 $1, $2, z, 0x4342; }"
     (wide,) = plgpu.elementwise_inline_asm(spread, args=[c], constraints="=r,=r,r", pack=4,
                                            result_shape_dtypes=[jax.ShapeDtypeStruct(c.shape, jnp.int16)])
@@ -217,6 +231,19 @@ class _Plan:
         self.pk = 8 // cfg.k_bits if cfg.method == "int" else 1
         self.vp = 8 // cfg.v_bits if cfg.method in ("kvarn", "kivi", "int") else 1
 
+    def tokens_major_unsupported(self) -> str | None:
+        """None if the tokens-major products apply to this scheme, else why not. Tiled schemes, and
+        per-token schemes with one dynamic scale (and zero) per token, which factor out of both
+        products; per-channel static and grouped scales would need an elementwise dequantization
+        of every code, which the heads-major layout already does."""
+        cfg = self.cfg
+        if self.tiled or (cfg.method == "fp8" and not cfg.static):
+            return None
+        if cfg.method == "int" and not cfg.static and cfg.channel_group("k", self.d) == self.d \
+                and cfg.channel_group("v", self.d) == self.d:
+            return None
+        return "tokens-major products need KVarN/KIVI, or one dynamic scale per token (int, fp8)"
+
     # views of the page fields that make every in-kernel load a plain strided slice
     def page_view(self, side: str, name: str, a):
         cfg, kc, vp = self.cfg, self.kc, self.vp
@@ -294,6 +321,67 @@ class _Plan:
                 return [raw * st["k"]["scale"].astype(jnp.float32)[0]]
             return [raw * f["scale"][blk, sub].astype(jnp.float32)[None, :]]
         return [_dot_t(q, f["values"][blk, sub].astype(jnp.float32))]
+
+    # ---------------------------------------------------------------- tokens-major (per-token schemes)
+    def query_pt(self, q_planes):
+        """Per-program query side of a per-token scheme's tokens-major products, (q16, qsum, bias):
+        the query's fp16 channel planes [Gp, D/pk] (one for 8-bit codes and fp8), Σ_d q as [1, Gp]
+        (fp32) for the zero points, and with `fold` Σ_n 2^(10 - n·b)·Σ_d q16_n as [1, Gp], which the
+        biased planes (2^(10 - n·b) + code, `_magic`) add to every raw score (else None). The query is
+        the same for every chunk of the sequence, so unlike the tiled schemes' this costs nothing
+        per chunk."""
+        q16 = [_f16(x) for x in q_planes]
+        qsum = sum(jnp.sum(x, axis=1) for x in q_planes)[None, :]
+        if not self.fold:
+            return q16, qsum, None
+        bias = sum((2.0 ** (10 - n * self.cfg.k_bits)) * jnp.sum(x.astype(jnp.float32), axis=1)
+                   for n, x in enumerate(q16))
+        return q16, qsum, bias[None, :]
+
+    def scores_pt(self, qside, pages, blk, sub):
+        """Tokens-major scores [T, Gp] of a chunk of a per-token scheme (codes as the matrix unit's
+        M operand, the heads its 8-wide N), with K[t, d] = c[t, d]·s[t] + z[t]:
+            q·K[t] = s[t]·Σ_d q[d]·c[t, d] + z[t]·Σ_d q[d]
+        qside: `query_pt`."""
+        cfg = self.cfg
+        f = pages["k"]
+        q16, qsum, bias = qside
+        if cfg.method == "fp8":
+            raw = _dot_t(_fp8(f["codes"][blk, sub]), q16[0], min_n=8)        # [T, Gp]
+            return raw * f["scale"][blk, sub].astype(jnp.float32)[:, None]
+        planes = self.planes(f["codes"][blk, sub], cfg.k_bits, biased=bias is not None)  # pk x [T, D/pk]
+        raw = 0.0
+        for n in range(self.pk):
+            raw = raw + _dot_t(planes[n], q16[n], min_n=8)
+        if bias is not None:
+            raw = raw - bias
+        return (raw * f["scale"][blk, sub].astype(jnp.float32)
+                + f["zero"][blk, sub].astype(jnp.float32) * qsum)           # [T, 1] scale and zero
+
+    def values_pt(self, p, pages, blk, sub):
+        """Tokens-major values of a per-token scheme: probabilities [T, Gp] -> list over channel planes
+        of [D / vp, Gp], with V[t, d] = c[t, d]·s[t] + z[t]:
+            Σ_t p[t]·V[t, d] = Σ_t (p[t]·s[t])·c[t, d] + Σ_t p[t]·z[t]
+        (with `fold`, the biased planes' 2^(10 - n·b)·Σ_t p16 removed as well)."""
+        cfg, vp = self.cfg, self.vp
+        f = pages["v"]
+        sc = f["scale"][blk, sub].astype(jnp.float32)
+        if cfg.method == "fp8":                                             # [T] scales
+            return [_dot_tn(_fp8(f["codes"][blk, sub]), _f16(p * sc[:, None]), min_n=8)]
+        p16 = _f16(p * sc)                                                  # [T, 1] scales
+        pz = p * f["zero"][blk, sub].astype(jnp.float32)
+        planes = self.planes(f["codes"][blk, sub], cfg.v_bits, biased=self.fold)  # vp x [T, D/vp]
+        magic = [2.0 ** (10 - n * cfg.v_bits) for n in range(vp)]
+        if self.sums == "mma":  # every row of ones @ x holds Σ_t x, already in the outputs' layout
+            ones = jnp.ones((planes[0].shape[1], planes[0].shape[0]), jnp.float16)
+            zrows = _dot(ones, _f16(pz), min_n=8)
+            srows = _dot(ones, p16, min_n=8) if self.fold else None
+            corr = [zrows - m * srows if self.fold else zrows for m in magic]
+        else:
+            zp = jnp.sum(pz, axis=0)[None, :]
+            psum = jnp.sum(p16.astype(jnp.float32), axis=0)[None, :] if self.fold else None
+            corr = [zp - m * psum if self.fold else zp for m in magic]
+        return [_dot_tn(planes[n], p16, min_n=8) + corr[n] for n in range(vp)]
 
     # ---------------------------------------------------------------- tokens-major (tiled schemes)
     def query_t(self, q, pages, blk, sub, z=None):
@@ -504,7 +592,9 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     # took kvarn_k4v2_g128 at B=32/L=32K from 0.378 to 0.340 ms for the zero points (as fast as
     # the inexact one-product form before: 0.341; benchmarks/results/2026-12-01_decode_zero_term_h200.md),
     # and 6-7% off at B=128/256 for the channel scales (2026-12-01_decode_maxnreg_h200.md).
-    ahead = tokens_major and steps == 1
+    ahead = tokens_major and steps == 1 and plan.tiled
+    if tokens_major and not plan.tiled:  # per-token scheme: its query side, once
+        qside_pt = plan.query_pt(q_planes)
 
     def tile_ahead(t, valid):
         """(key zero points [D], KVarN: value channel scales [D/vp, vp]) of tile t; page 0's where
@@ -519,6 +609,9 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
         t, step = (i // steps, i % steps) if steps > 1 else (i, 0)
         blk = bt_ref[b, t // tpb]
         sub = t % tpb
+        if tokens_major and not plan.tiled:
+            return update(carry, [plan.scores_pt(qside_pt, pages, blk, sub)], [t * t_tok + tok],
+                          lambda ps: plan.values_pt(ps[0], pages, blk, sub), masked=tiles_partial)
         if tokens_major:  # softmax per token class; only the probabilities are put in token order
             z, chan = None, None
             if ahead:
@@ -589,7 +682,11 @@ def default_orient(cfg: KVQuantConfig) -> str:
     of 4 wastes half instead of 3/4 of every score, probability and output element). On the H200,
     kvarn_k4v2_g128 B=32/L=32K 0.645 -> 0.563 ms at 2 warps (0.542 with `fold`;
     benchmarks/results/2026-12-01_decode_tokens_major_h200.md). "heads" (scores [Gp, T], M = 16
-    head rows) for the per-token schemes, whose codes are packed along channels."""
+    head rows) for the per-token schemes, whose codes are packed along channels. Those with one scale
+    per token also run tokens-major (`_Plan.scores_pt`): per 64-token chunk at 4 warps, offline
+    (`benchmarks/kernel_sass.py`), 640 vs 727 loop instructions per warp for int8, 593 vs 751 for
+    int4, 626 vs 702 for int_k8v2, 538 vs 557 for fp8; untimed on a GPU, so heads-major stays their
+    default."""
     return "tokens" if cfg.method in ("kvarn", "kivi") else "heads"
 
 
@@ -661,16 +758,18 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     rounding, which the tests check):
       unpack: how codes become fp16 - "asm" (`_planes_asm`, PTX; the default when compiled,
         bit-identical) or "magic" (`_planes`, jnp; the default interpreted, where PTX cannot run).
-      orient: "tokens" or "heads" (`default_orient`); num_warps (default: `default_launch`), num_stages;
+      orient: "tokens" or "heads" (`default_orient`; tokens-major for per-token schemes needs one
+        dynamic scale per token); num_warps (default: `default_launch`), num_stages;
       fold: tokens-major only - feed the planes' biased values (magic + code, one `lop3` per two
-        codes) to the products and subtract magic * (sum of the fp16 query / probabilities) from
-        the results instead of one fp16 subtraction per two codes. Default True for tokens-major.
+        codes; 8-bit codes: none, the byte spread inserts the magic) to the products and subtract
+        magic * (sum of the fp16 query / probabilities) from the results instead of one fp16
+        subtraction per two codes. Default True for tokens-major integer codes (not fp8).
       sums: tokens-major only - how the fold's sums and the value zero-point term (sum of p*vz) are
         formed: "mma" (default: products with a ones matrix on the matrix unit, which leaves every
         row holding the sum and needs no cross-lane reduction) or "reduce" (jnp sums). The key
         zero-point term (sum of q*z) is an fp32 sum either way (`_Plan.query_t`).
-      parts: tokens-major only - walk each tile in this many parts (fewer live registers).
-      steps: tokens-major only - walk each tile in this many iterations of the tile loop (a part
+      parts: tokens-major tiled schemes only - walk each tile in this many parts (fewer live registers).
+      steps: tokens-major tiled schemes only - walk each tile in this many iterations of the tile loop (a part
         each), so that Triton's pipeline (num_stages - 1 buffers of one iteration's codes) can copy
         a part while the previous one computes. Measured on the H200 with num_stages=3: slower
         (29% more instructions per tile, and the sink/tail loop's buffers set the shared memory).
@@ -682,17 +781,25 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
       merge: how the splits are merged (`split_merge.py`): "xla" (jnp, the default: several XLA
         fusions) or "pallas" (one kernel, which writes the channels in order; the default split
         count is then rounded down to a power of two, and an explicit one pads the split outputs
-        to the next). Tested interpreted; not yet compiled or timed on a GPU.
+        to the next). On the H200 the Pallas merge took 5.8 µs where XLA's took 7.9 µs, but the
+        call's span grew at B=1/128K (63.9 -> 68.6 µs; benchmarks/results/2026-12-01_decode_all_shapes_h200.md).
     """
     unpack = unpack or ("magic" if interpret else "asm")
     if unpack not in ("magic", "asm") or (unpack == "asm" and interpret):
         raise ValueError(f"unpack must be 'magic' or (compiled only) 'asm', got {unpack!r} (interpret={interpret})")
     cfg = cache.cfg
     orient = orient or default_orient(cfg)
-    if orient not in ("heads", "tokens") or (orient == "tokens" and cfg.method not in ("kvarn", "kivi")):
-        raise ValueError(f"orient must be 'heads' or (KVarN/KIVI only) 'tokens', got {orient!r} for {cfg.name}")
+    nbt, hq, d = q_rot.shape
+    t_tok = cfg.tile_tokens if cfg.tile_tokens > 1 else min(TOKEN_CHUNK, cache.block_size)
+    plan_check = _Plan(cfg, d, t_tok)
+    if orient not in ("heads", "tokens") or (orient == "tokens" and plan_check.tokens_major_unsupported()):
+        raise ValueError(f"orient must be 'heads' or 'tokens', got {orient!r} for {cfg.name}"
+                         + (f" ({plan_check.tokens_major_unsupported()})" if orient == "tokens" else ""))
     tokens_major = orient == "tokens"
-    fold = tokens_major if fold is None else bool(fold)
+    if tokens_major and not plan_check.tiled and (parts != 1 or steps != 1 or (fold and cfg.method == "fp8")):
+        raise ValueError(f"parts and steps apply to the tiled schemes' tokens-major products only, fold to "
+                         f"integer codes (got fold={fold}, parts={parts}, steps={steps} for {cfg.name})")
+    fold = (tokens_major and cfg.method != "fp8") if fold is None else bool(fold)
     sums = sums or ("mma" if tokens_major else "reduce")
     if merge not in ("xla", "pallas"):
         raise ValueError(f"merge must be 'xla' or 'pallas', got {merge!r}")
@@ -702,11 +809,10 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         raise ValueError(f"fold, parts, steps and sums apply to orient='tokens' only (got fold={fold}, parts={parts}, steps={steps}, "
                          f"sums={sums!r})")
     n_parts = parts * steps
-    if tokens_major and (parts < 1 or steps < 1 or cfg.tile_tokens % n_parts
+    if tokens_major and plan_check.tiled and (parts < 1 or steps < 1 or cfg.tile_tokens % n_parts
                          or (cfg.tile_tokens // n_parts) % (8 // cfg.k_bits)):
         raise ValueError(f"parts={parts} x steps={steps} must divide the {cfg.tile_tokens}-token tile into whole "
                          f"bytes of key codes")
-    nbt, hq, d = q_rot.shape
     hk = cache.num_kv_heads
     if num_warps is None:  # the default launch; its register cap applies unless one is given
         warps, cap = default_launch(cfg, nbt, hk, orient, parts, steps)
@@ -720,7 +826,6 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     grp = hq // hk
     gp = max(8 if tokens_major else 16, 1 << (grp - 1).bit_length())
     mb = block_tables.shape[1]
-    t_tok = cfg.tile_tokens if cfg.tile_tokens > 1 else min(TOKEN_CHUNK, cache.block_size)
     tiles_per_block = cache.block_size // t_tok
     splits = num_splits or default_num_splits(nbt, hk, mb * tiles_per_block, warps, maxnreg)
     if merge == "pallas" and not num_splits:  # a power of two: the merge then reads no padding
