@@ -260,7 +260,7 @@ def variant_kwargs(var: str, scheme: str) -> dict | None:
         raise SystemExit(f"bad variant {var!r} (expected wWsS[a][t][f][m][pP][iI][rR] or rR)")
     fl = m.group(3)
     c = kj.parse(scheme)
-    if "t" in fl and pdp._Plan(c, 128, max(c.tile_tokens, 64)).tokens_major_unsupported():
+    if "t" in fl and pdp.tokens_major_unsupported(c, 128):
         return None
     if "f" in fl and c.method == "fp8":  # no integer codes to bias
         return None

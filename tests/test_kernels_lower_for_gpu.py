@@ -36,7 +36,7 @@ def test_gpu_kernels_lower_for_cuda(scheme):
         fn = lambda q, c, t, l, s, w=window: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1, window=w)  # noqa: E731
         text = lower_for_cuda(fn, *args)
         assert f"kvarn_paged_decode_{cfg.name}" in text
-        if cfg.method in ("int", "fp8") and not pdp._Plan(cfg, d, 64).tokens_major_unsupported():
+        if cfg.method in ("int", "fp8") and not pdp.tokens_major_unsupported(cfg, d):
             # the per-token schemes' optional tokens-major products
             fn = lambda q, c, t, l, s, w=window: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1,  # noqa: E731
                                                                          window=w, orient="tokens")

@@ -53,6 +53,7 @@ def _assert_fp16_within_an_ulp(what, a, b, blocks):
     if a.dtype != np.float16:
         np.testing.assert_array_equal(a, b, err_msg=what)
         return
+
     def ordinal(x):  # fp16 values in order as integers (adjacent values one apart, -0 == +0)
         bits = x.view(np.uint16).astype(np.int32)
         return np.where(bits & 0x8000, -(bits & 0x7FFF), bits)

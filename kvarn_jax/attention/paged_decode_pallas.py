@@ -63,6 +63,19 @@ def supports(cfg: KVQuantConfig, block_size: int, head_dim: int) -> str | None:
     return None
 
 
+def tokens_major_unsupported(cfg: KVQuantConfig, head_dim: int) -> str | None:
+    """None if `orient="tokens"` applies to this scheme, else why not: the tiled schemes, and
+    per-token schemes with one dynamic scale (and zero) per token, which factor out of both
+    products. Per-channel static and grouped scales would need an elementwise dequantization of
+    every code, which the heads-major layout already does."""
+    if cfg.method in ("kvarn", "kivi") or (cfg.method == "fp8" and not cfg.static):
+        return None
+    if cfg.method == "int" and not cfg.static and cfg.channel_group("k", head_dim) == head_dim \
+            and cfg.channel_group("v", head_dim) == head_dim:
+        return None
+    return "tokens-major products need KVarN/KIVI, or one dynamic scale per token (int, fp8)"
+
+
 # ----------------------------------------------------------------------------- in-kernel helpers
 def _magic(bits: int, j: int) -> int:
     """fp16 bit pattern of 2^(10 - j*bits). OR-ing bit plane j of a code byte *in place* (no shift)
@@ -93,26 +106,25 @@ def _planes_asm(c, bits: int, biased: bool = False):
     transposed code layout took kvarn_k4v2_g128 at B=32/L=32K from 0.81 to 0.63 ms
     (benchmarks/results/2026-12-01_decode_variants_h200.md)."""
     from jax.experimental.pallas import triton as plgpu
-    if bits == 8:
-        # one plane: the spread itself can put the magic's high byte 0x64 above each code (fp16
-        # 0x64cc = 1024 + c), which saves the `lop3` per two codes
-        spread = ("{ .reg .b32 m; mov.b32 m, 0x64646464; prmt.b32 $0, $2, m, 0x4140; prmt.b32 $1, $2, m, 0x4342; }")
-        (v,) = plgpu.elementwise_inline_asm(spread, args=[c], constraints="=r,=r,r", pack=4,
-                                            result_shape_dtypes=[jax.ShapeDtypeStruct(c.shape, jnp.float16)])
-        if biased:
-            return [v]
-        (v,) = plgpu.elementwise_inline_asm("{ .reg .b32 m; mov.b32 m, 0x64006400; sub.rn.f16x2 $0, $1, m; }",
-                                            args=[v], constraints="=r,r", pack=2,
-                                            result_shape_dtypes=[jax.ShapeDtypeStruct(c.shape, jnp.float16)])
-        return [v]
-    spread = "{ .reg .b32 z; mov.b32 z, 0; prmt.b32 $0, $2, z, 0x4140; prmt.b32 $1, $2, z, 0x4342; }"
+    # 8-bit codes (one plane): the spread itself puts the magic's high byte 0x64 above each code
+    # (fp16 0x64cc = 1024 + c), so no `lop3` is needed
+    whole = bits == 8
+    fill = 0x64646464 if whole else 0
+    spread = ("{ .reg .b32 z; " + f"mov.b32 z, {fill:#x}; "
+              + "prmt.b32 $0, $2, z, 0x4140; prmt.b32 $1, $2, z, 0x4342; }")
     (wide,) = plgpu.elementwise_inline_asm(spread, args=[c], constraints="=r,=r,r", pack=4,
-                                           result_shape_dtypes=[jax.ShapeDtypeStruct(c.shape, jnp.int16)])
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct(
+                                               c.shape, jnp.float16 if whole else jnp.int16)])
     out = []
     for j in range(8 // bits):
         mask16 = ((1 << bits) - 1) << (j * bits)
         mg = _magic(bits, j)
-        if biased:  # magic + code: the caller removes magic * (sum of the other operand)
+        if whole and biased:  # already magic + code
+            out.append(wide)
+            continue
+        if whole:
+            asm = "{ .reg .b32 m; " + f"mov.b32 m, {mg | (mg << 16)}; sub.rn.f16x2 $0, $1, m; " + "}"
+        elif biased:  # magic + code: the caller removes magic * (sum of the other operand)
             asm = f"lop3.b32 $0, $1, {mask16 | (mask16 << 16)}, {mg | (mg << 16)}, 0xEA;"
         else:
             asm = ("{ .reg .b32 t, m; " + f"mov.b32 m, {mg | (mg << 16)}; "
@@ -230,19 +242,6 @@ class _Plan:
         self.k_whole = self.tiled and tile_tokens // self.kc < 16
         self.pk = 8 // cfg.k_bits if cfg.method == "int" else 1
         self.vp = 8 // cfg.v_bits if cfg.method in ("kvarn", "kivi", "int") else 1
-
-    def tokens_major_unsupported(self) -> str | None:
-        """None if the tokens-major products apply to this scheme, else why not. Tiled schemes, and
-        per-token schemes with one dynamic scale (and zero) per token, which factor out of both
-        products; per-channel static and grouped scales would need an elementwise dequantization
-        of every code, which the heads-major layout already does."""
-        cfg = self.cfg
-        if self.tiled or (cfg.method == "fp8" and not cfg.static):
-            return None
-        if cfg.method == "int" and not cfg.static and cfg.channel_group("k", self.d) == self.d \
-                and cfg.channel_group("v", self.d) == self.d:
-            return None
-        return "tokens-major products need KVarN/KIVI, or one dynamic scale per token (int, fp8)"
 
     # views of the page fields that make every in-kernel load a plain strided slice
     def page_view(self, side: str, name: str, a):
@@ -371,17 +370,24 @@ class _Plan:
         p16 = _f16(p * sc)                                                  # [T, 1] scales
         pz = p * f["zero"][blk, sub].astype(jnp.float32)
         planes = self.planes(f["codes"][blk, sub], cfg.v_bits, biased=self.fold)  # vp x [T, D/vp]
-        magic = [2.0 ** (10 - n * cfg.v_bits) for n in range(vp)]
-        if self.sums == "mma":  # every row of ones @ x holds Σ_t x, already in the outputs' layout
-            ones = jnp.ones((planes[0].shape[1], planes[0].shape[0]), jnp.float16)
+        corr = self.value_terms(pz, p16, planes[0].shape[1])
+        return [_dot_tn(planes[n], p16, min_n=8) + corr[n] for n in range(vp)]
+
+    def value_terms(self, pz, p16, rows: int):
+        """What the tokens-major value products [rows, Gp] of a tile leave out, per channel plane n:
+        Σ_t p·z (pz: p·z per token, [T, Gp] fp32), and with `fold` minus 2^(10 - n·b)·Σ_t p16 (the
+        biased planes' magic times the fp16 probabilities the products saw). sums="mma": as
+        products ones [rows, T] @ x, which leave every row holding the sum in the outputs' layout;
+        "reduce": jnp sums as [1, Gp]."""
+        magic = [2.0 ** (10 - n * self.cfg.v_bits) for n in range(self.vp)]
+        if self.sums == "mma":
+            ones = jnp.ones((rows, pz.shape[0]), jnp.float16)
             zrows = _dot(ones, _f16(pz), min_n=8)
             srows = _dot(ones, p16, min_n=8) if self.fold else None
-            corr = [zrows - m * srows if self.fold else zrows for m in magic]
-        else:
-            zp = jnp.sum(pz, axis=0)[None, :]
-            psum = jnp.sum(p16.astype(jnp.float32), axis=0)[None, :] if self.fold else None
-            corr = [zp - m * psum if self.fold else zp for m in magic]
-        return [_dot_tn(planes[n], p16, min_n=8) + corr[n] for n in range(vp)]
+            return [zrows - m * srows if self.fold else zrows for m in magic]
+        zp = jnp.sum(pz, axis=0)[None, :]
+        psum = jnp.sum(p16.astype(jnp.float32), axis=0)[None, :] if self.fold else None
+        return [zp - m * psum if self.fold else zp for m in magic]
 
     # ---------------------------------------------------------------- tokens-major (tiled schemes)
     def query_t(self, q, pages, blk, sub, z=None):
@@ -454,15 +460,7 @@ class _Plan:
         if st is not None:
             planes = self.planes(codes, cfg.v_bits, biased=self.fold)       # vp x [D/vp, G/parts]
             p16 = _f16(p * st.astype(jnp.float32)[:, None])
-            if self.sums == "mma":
-                ones = jnp.ones(planes[0].shape, jnp.float16)
-                zrows = _dot(ones, _f16(p * zt.astype(jnp.float32)[:, None]), min_n=8)  # rows: sum(p*z)
-                srows = _dot(ones, p16, min_n=8) if self.fold else None     # every row: sum(p16)
-                corr = [zrows - (2.0 ** (10 - n * cfg.v_bits)) * srows if self.fold else zrows for n in range(vp)]
-            else:
-                zp = jnp.sum(p * zt.astype(jnp.float32)[:, None], axis=0)
-                psum = jnp.sum(p16.astype(jnp.float32), axis=0) if self.fold else None
-                corr = [(zp - (2.0 ** (10 - n * cfg.v_bits)) * psum if self.fold else zp)[None, :] for n in range(vp)]
+            corr = self.value_terms(p * zt.astype(jnp.float32)[:, None], p16, planes[0].shape[0])
             out = [_dot(planes[n], p16, min_n=8) + corr[n] for n in range(vp)]
             if chan is not None:  # channel scales per plane (whole-block load, `_columns`)
                 block = chan[blk, sub] if chan_tile is None else chan_tile
@@ -790,13 +788,13 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     cfg = cache.cfg
     orient = orient or default_orient(cfg)
     nbt, hq, d = q_rot.shape
-    t_tok = cfg.tile_tokens if cfg.tile_tokens > 1 else min(TOKEN_CHUNK, cache.block_size)
-    plan_check = _Plan(cfg, d, t_tok)
-    if orient not in ("heads", "tokens") or (orient == "tokens" and plan_check.tokens_major_unsupported()):
+    tiled = cfg.method in ("kvarn", "kivi")
+    why_not = tokens_major_unsupported(cfg, d) if orient == "tokens" else None
+    if orient not in ("heads", "tokens") or why_not:
         raise ValueError(f"orient must be 'heads' or 'tokens', got {orient!r} for {cfg.name}"
-                         + (f" ({plan_check.tokens_major_unsupported()})" if orient == "tokens" else ""))
+                         + (f" ({why_not})" if why_not else ""))
     tokens_major = orient == "tokens"
-    if tokens_major and not plan_check.tiled and (parts != 1 or steps != 1 or (fold and cfg.method == "fp8")):
+    if tokens_major and not tiled and (parts != 1 or steps != 1 or (fold and cfg.method == "fp8")):
         raise ValueError(f"parts and steps apply to the tiled schemes' tokens-major products only, fold to "
                          f"integer codes (got fold={fold}, parts={parts}, steps={steps} for {cfg.name})")
     fold = (tokens_major and cfg.method != "fp8") if fold is None else bool(fold)
@@ -809,7 +807,7 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         raise ValueError(f"fold, parts, steps and sums apply to orient='tokens' only (got fold={fold}, parts={parts}, steps={steps}, "
                          f"sums={sums!r})")
     n_parts = parts * steps
-    if tokens_major and plan_check.tiled and (parts < 1 or steps < 1 or cfg.tile_tokens % n_parts
+    if tokens_major and tiled and (parts < 1 or steps < 1 or cfg.tile_tokens % n_parts
                          or (cfg.tile_tokens // n_parts) % (8 // cfg.k_bits)):
         raise ValueError(f"parts={parts} x steps={steps} must divide the {cfg.tile_tokens}-token tile into whole "
                          f"bytes of key codes")
@@ -826,6 +824,7 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     grp = hq // hk
     gp = max(8 if tokens_major else 16, 1 << (grp - 1).bit_length())
     mb = block_tables.shape[1]
+    t_tok = cfg.tile_tokens if cfg.tile_tokens > 1 else min(TOKEN_CHUNK, cache.block_size)
     tiles_per_block = cache.block_size // t_tok
     splits = num_splits or default_num_splits(nbt, hk, mb * tiles_per_block, warps, maxnreg)
     if merge == "pallas" and not num_splits:  # a power of two: the merge then reads no padding
