@@ -8,6 +8,8 @@ kernel multiplies in fp32 at HIGHEST precision (its 0/1 plane-selection products
 cannot pass.
 """
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,6 +81,24 @@ def test_eight_bit_keys_with_outlier_channels():
     cache, bt, sl, _ = build("kvarn_k8v8_g32", [5 * 32 + 7, 29, 64], 2, 64, 32, rng)
     q = jnp.asarray(rng.standard_normal((3, 8, 64)), jnp.float32)
     compare(q, cache, bt, sl)
+
+
+@pytest.mark.parametrize("cfg,orient", [("int8", "heads"), ("int8", "tokens"), ("int4", "heads")])
+def test_per_token_zero_points_use_the_products_query(cfg, orient):
+    """Per-token int keys: the zero-point term z[t]·Σ_d q must sum the fp16 query the code products
+    see. Codes sit near their token's zero point when outlier channels set the range, so the
+    unrounded query's sum was amplified to 4e-3 of the output's maximum on this data (the tests'
+    general fp16 budget, which it once crossed on the H200); consistent, the error is ~4e-4. Fixed
+    data: the case that showed it."""
+    from kvarn_jax.attention import paged_decode_pallas as pdp
+    rng = np.random.default_rng(zlib.crc32(b"tests/test_paged_decode_kernel.py::test_per_token_tokens_major[int8]"))
+    bs = 128
+    cache, bt, sl, _ = build(cfg, [3 * bs + 17, 40, 2 * bs], 2, 64, bs, rng)
+    q = jnp.asarray(rng.standard_normal((3, 14, 64)), jnp.float32)
+    ref = np.asarray(kj.paged_decode_attention(q, cache, bt, sl, impl="reference"))
+    o = np.asarray(pdp.paged_decode_pallas(q, cache, bt, sl, jnp.arange(3, dtype=jnp.int32), scale=0.125,
+                                           window=None, interpret=INTERPRET, num_splits=2, orient=orient))
+    np.testing.assert_allclose(o, ref, rtol=0, atol=1e-3 * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("cfg", ["int8_static", "int_k8v4_static", "fp8_static"])
@@ -266,7 +286,8 @@ def test_register_cap_reaches_the_triton_module(monkeypatch):
     ("kvarn_k4v2_g128", 17, {}, (1, None)), ("kivi_k2v2_g128", 1, {}, (2, 128)),
     ("kvarn_k4v4_g128", 32, {}, (2, 128)), ("kvarn_k2v8_g64", 1, {}, (1, None)), ("kvarn_k8v8_g32", 32, {}, (1, None)),
     ("kvarn_k4v2_g128", 1, dict(orient="heads"), (1, None)), ("kvarn_k4v2_g128", 1, dict(parts=2), (1, None)),
-    ("kvarn_k4v2_g128", 1, dict(steps=2), (1, None)), ("int8", 1, {}, (4, None)), ("fp8", 32, {}, (2, None))])
+    ("kvarn_k4v2_g128", 1, dict(steps=2), (1, None)), ("int8", 1, {}, (4, None)), ("int8", 32, {}, (2, None)), ("int8", 128, {}, (4, None)), ("int4", 32, {}, (4, None)), ("int_k8v2", 32, {}, (4, None)),
+    ("fp8", 32, {}, (2, None))])
 def test_default_launch(cfg, batch, kw, want):
     """The launch the H200 sweeps chose (2026-12-01_decode_zero_term_h200.md), 8 kv heads: two
     warps capped at 128 registers for whole tokens-major tiles of 4-bit values or of <= 2-bit

@@ -264,7 +264,8 @@ class _Plan:
 
     # ---------------------------------------------------------------- keys
     def scores(self, q, q_planes, pages, st, blk, sub):
-        """List over token classes j of raw scores [Gp, T / kc] (tokens j, j + kc, ... of the tile)."""
+        """List over token classes j of raw scores [Gp, T / kc] (tokens j, j + kc, ... of the tile).
+        Per-token int keys: q and q_planes already rounded to fp16 (`query_sum`)."""
         cfg, kc = self.cfg, self.kc
         f = pages["k"]
         if cfg.method in ("kvarn", "kivi"):
@@ -322,6 +323,14 @@ class _Plan:
         return [_dot_t(q, f["values"][blk, sub].astype(jnp.float32))]
 
     # ---------------------------------------------------------------- tokens-major (per-token schemes)
+    @staticmethod
+    def query_sum(q_planes):
+        """Σ_d of the fp16 query the products see, [Gp] fp32, for per-token zero points z[t]·Σ_d q.
+        Codes sit near their token's zero point, so a sum of the unrounded query (off from the
+        products' by the fp16 rounding) is amplified by code / (code - zero point): int8 keys with
+        outlier channels were 4e-3 of the output's maximum off the reference instead of 4e-4."""
+        return sum(jnp.sum(_f16(x).astype(jnp.float32), axis=1) for x in q_planes)
+
     def query_pt(self, q_planes):
         """Per-program query side of a per-token scheme's tokens-major products, (q16, qsum, bias):
         the query's fp16 channel planes [Gp, D/pk] (one for 8-bit codes and fp8), Σ_d q as [1, Gp]
@@ -330,7 +339,7 @@ class _Plan:
         the same for every chunk of the sequence, so unlike the tiled schemes' this costs nothing
         per chunk."""
         q16 = [_f16(x) for x in q_planes]
-        qsum = sum(jnp.sum(x, axis=1) for x in q_planes)[None, :]
+        qsum = self.query_sum(q16)[None, :]
         if not self.fold:
             return q16, qsum, None
         bias = sum((2.0 ** (10 - n * self.cfg.k_bits)) * jnp.sum(x.astype(jnp.float32), axis=1)
@@ -541,6 +550,8 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     # base-2 softmax: sm_scale * log2(e) folded into the query once, exp2 below
     q = q_ref[...].astype(jnp.float32) * (sm_scale * LOG2E)                  # [Gp, D]
     q_planes = [qp_ref[n] * (sm_scale * LOG2E) for n in range(plan.pk)] if qp_ref is not None else [q]
+    if plan.cfg.method == "int" and not tokens_major:  # the products' fp16 query, for Σ_d q (`query_sum`)
+        q, q_planes = _f16(q).astype(jnp.float32), [_f16(x).astype(jnp.float32) for x in q_planes]
     gp = q.shape[0]
     # static int parameters [D/planes, planes] -> one [D/planes] vector per plane (Triton cannot
     # slice a loaded block: `_columns`); fp8's [1] scale as it is
@@ -703,15 +714,19 @@ def default_launch(cfg: KVQuantConfig, batch: int, num_kv_heads: int, orient: st
       warps, so that rule rests on B=32.
     - Other tokens-major launches (8-bit values: 104-120 B of spills at 128 registers offline;
       parts or steps > 1; not timed capped) and heads-major KVarN/KIVI: one uncapped warp.
-    - 2 warps for fp8 and 4 for the int and passthrough schemes (heads-major;
-      2026-12-01_decode_splits_h200.json), uncapped."""
+    - Heads-major per-token schemes, uncapped: 2 warps for fp8 (2026-12-01_decode_splits_h200.json);
+      for 8-bit keys and values 2 warps with 132-1023 (sequence, kv head) pairs (int8 B=32/32K
+      1.023 vs 1.248 ms with 4), else 4 (B=128/4K 0.491 vs 0.496, B=256/8K 1.877 vs 1.914,
+      B=8/16K 0.155 vs 0.163, B=1/128K even); 4 for the other int and passthrough schemes (int4
+      B=32/32K 0.775 vs 0.927 with 2, int_k8v2 0.768 vs 0.953; 2026-12-02_decode_per_token_h200.md)."""
     if cfg.method in ("kvarn", "kivi"):
         whole = (orient or default_orient(cfg)) == "tokens" and parts == 1 and steps == 1
         pairs = batch * num_kv_heads
         if whole and (cfg.v_bits == 4 or (cfg.v_bits <= 2 and pairs < 132)):
             return 2, 128
         return 1, None
-    return (2 if cfg.method == "fp8" else 4), None
+    eight_bit = cfg.method == "int" and cfg.k_bits == 8 and cfg.v_bits == 8
+    return (2 if cfg.method == "fp8" or (eight_bit and 132 <= batch * num_kv_heads < 1024) else 4), None
 
 
 def programs_per_sm(num_warps: int, maxnreg: int | None = None) -> int:
