@@ -245,13 +245,11 @@ def jax_paged_time(batch, ctx, hq, hk, d, bs):
 def variant_kwargs(var: str, scheme: str) -> dict | None:
     """Kernel keyword arguments of a variant name wWsS[a][t][f][m][pP][iI][rR] ("default": none; "rR"
     alone: the defaults with a register cap of R), any of them with the suffix "-pm": the splits
-    merged by the Pallas kernel (merge="pallas"), or "-om": by one XLA reduction (merge="online");
-    None if the variant does not apply to the scheme (tokens-major: KVarN/KIVI and per-token
-    schemes with one scale per token; fold: integer codes)."""
-    for suffix, merge in (("-pm", "pallas"), ("-om", "online")):
-        if var.endswith(suffix):
-            kw = variant_kwargs(var[:-3], scheme)
-            return None if kw is None else {**kw, "merge": merge}
+    merged by the Pallas kernel (merge="pallas"); None if the variant does not apply to the scheme
+    (tokens-major: KVarN/KIVI and per-token schemes with one scale per token; fold: integer codes)."""
+    if var.endswith("-pm"):
+        kw = variant_kwargs(var[:-3], scheme)
+        return None if kw is None else {**kw, "merge": "pallas"}
     if var == "default":
         return {}
     m = re.fullmatch(r"r(\d+)", var)
@@ -303,7 +301,7 @@ def main():
                    "flags: a the PTX unpack `_planes_asm`, t tokens-major products (orient='tokens'), f the "
                    "magic bias folded into the sums (fold=True), m those sums as products with a ones matrix (sums='mma'); pP: tokens-major tiles in P parts; "
                    "iI: I tile-loop iterations per tile (steps); rR: at most R registers per thread (maxnreg); rR alone: the defaults with that cap; "
-                   "suffix -pm: splits merged by the Pallas kernel, e.g. default-pm; -om: by one XLA reduction); default: the kernel's own defaults")
+                   "suffix -pm: splits merged by the Pallas kernel, e.g. default-pm); default: the kernel's own defaults")
     p.add_argument("--no-baselines", action="store_true")
     p.add_argument("--check", action="store_true")
     p.add_argument("--json", default="")

@@ -792,8 +792,7 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         measured on the H200 was slower (spills); two-warp programs at 128 are the default where
         `default_launch` says.
       merge: how the splits are merged (`split_merge.py`): "xla" (jnp, the default: several XLA
-        fusions), "online" (one XLA variadic reduction carrying max, sum and output across the
-        splits; not yet timed) or "pallas" (one kernel, which writes the channels in order; the default split
+        fusions) or "pallas" (one kernel, which writes the channels in order; the default split
         count is then rounded down to a power of two, and an explicit one pads the split outputs
         to the next). On the H200 the Pallas merge took 5.8 µs where XLA's took 7.9 µs, but the
         call's span grew at B=1/128K (63.9 -> 68.6 µs; benchmarks/results/2026-12-01_decode_all_shapes_h200.md).
@@ -815,8 +814,8 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
                          f"integer codes (got fold={fold}, parts={parts}, steps={steps} for {cfg.name})")
     fold = (tokens_major and cfg.method != "fp8") if fold is None else bool(fold)
     sums = sums or ("mma" if tokens_major else "reduce")
-    if merge not in ("xla", "online", "pallas"):
-        raise ValueError(f"merge must be 'xla', 'online' or 'pallas', got {merge!r}")
+    if merge not in ("xla", "pallas"):
+        raise ValueError(f"merge must be 'xla' or 'pallas', got {merge!r}")
     if sums not in ("reduce", "mma"):
         raise ValueError(f"sums must be 'reduce' or 'mma', got {sums!r}")
     if (fold or parts != 1 or steps != 1 or sums != "reduce") and not tokens_major:
@@ -908,8 +907,6 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     heads_axis = -1 if tokens_major else -2
     if merge == "pallas":
         o = split_merge.merge_splits_pallas(acc, m, l, splits=splits, heads_axis=heads_axis, interpret=interpret)
-    elif merge == "online":
-        o = split_merge.merge_splits_online(acc, m, l, splits, heads_axis)
     else:
         o = split_merge.merge_splits_reference(acc, m, l, splits, heads_axis)
     o = o.reshape(nbt, hk, gp, d)                                     # [.., Gp, D/vp, vp]: channels in order

@@ -54,29 +54,6 @@ def merge_splits_reference(acc, m, l, splits: int, heads_axis: int):
     return o.transpose(0, 1, 4, 3, 2) if heads_axis == -1 else o.transpose(0, 1, 3, 4, 2)
 
 
-def merge_splits_online(acc, m, l, splits: int, heads_axis: int):
-    """`merge_splits_reference` as one XLA variadic reduction over the split axis, carrying (running
-    max, weighted sum of l, weighted sum of acc) per output element: flash-decoding's pairwise
-    combine, (m1, l1, a1) + (m2, l2, a2) = (M, l1·w1 + l2·w2, a1·w1 + a2·w2) with w = 2^(m - M),
-    M = max(m1, m2), instead of a max pass, then sums (XLA's several fusions of the reference).
-    The identity (NEG, 0, 0) is what the kernel leaves for a split that saw no tile."""
-    from jax import lax
-    acc, m, l = acc[:, :, :splits], m[:, :, :splits], l[:, :, :splits]
-    per_head = (lambda v: v[..., None, None, :]) if heads_axis == -1 else (lambda v: v[..., None, :, None])
-    mb, lb = (jnp.broadcast_to(per_head(v), acc.shape) for v in (m, l))   # [B, Hk, S, vp, X, Y]
-
-    def combine(x, y):
-        (m1, l1, a1), (m2, l2, a2) = x, y
-        top = jnp.maximum(m1, m2)
-        w1, w2 = jnp.exp2(m1 - top), jnp.exp2(m2 - top)
-        return top, l1 * w1 + l2 * w2, a1 * w1 + a2 * w2
-
-    neg = jnp.float32(-1e30)  # the decode kernel's NEG: finite, so NEG - NEG = 0, not nan
-    _, l_all, o = lax.reduce((mb, lb, acc), (neg, jnp.float32(0), jnp.float32(0)), combine, (2,))
-    o = o / jnp.where(l_all > 0, l_all, 1.0)                           # [B, Hk, vp, X, Y]
-    return o.transpose(0, 1, 4, 3, 2) if heads_axis == -1 else o.transpose(0, 1, 3, 4, 2)
-
-
 def _merge_kernel(m_ref, l_ref, acc_ref, o_ref, *, splits: int, heads_axis: int):
     s_pad = m_ref.shape[0]
     valid = jnp.arange(s_pad, dtype=jnp.int32)[:, None] < splits       # [S, 1]
