@@ -286,12 +286,13 @@ def test_register_cap_reaches_the_triton_module(monkeypatch):
     ("kvarn_k4v2_g128", 17, {}, (1, None)), ("kivi_k2v2_g128", 1, {}, (2, 128)),
     ("kvarn_k4v4_g128", 32, {}, (2, 128)), ("kvarn_k2v8_g64", 1, {}, (1, None)), ("kvarn_k8v8_g32", 32, {}, (1, None)),
     ("kvarn_k4v2_g128", 1, dict(orient="heads"), (1, None)), ("kvarn_k4v2_g128", 1, dict(parts=2), (1, None)),
-    ("kvarn_k4v2_g128", 1, dict(steps=2), (1, None)), ("int8", 1, {}, (4, None)), ("int8", 32, {}, (2, None)), ("int8", 128, {}, (4, None)), ("int4", 32, {}, (4, None)), ("int_k8v2", 32, {}, (4, None)),
-    ("fp8", 32, {}, (2, None))])
+    ("kvarn_k4v2_g128", 1, dict(steps=2), (1, None)), ("int8", 1, {}, (4, None)), ("int8", 32, {}, (2, None)),
+    ("int8", 128, {}, (4, None)), ("int4", 32, {}, (4, None)), ("int_k8v2", 32, {}, (4, None)), ("fp8", 32, {}, (2, None))])
 def test_default_launch(cfg, batch, kw, want):
-    """The launch the H200 sweeps chose (2026-12-01_decode_zero_term_h200.md), 8 kv heads: two
-    warps capped at 128 registers for whole tokens-major tiles of 4-bit values or of <= 2-bit
-    values at small batch, otherwise what was measured uncapped."""
+    """The launch the H200 sweeps chose (2026-12-01_decode_zero_term_h200.md; per-token schemes
+    2026-12-02_decode_per_token_h200.md), 8 kv heads: two warps capped at 128 registers for whole
+    tokens-major tiles of 4-bit values or of <= 2-bit values at small batch, otherwise what was
+    measured uncapped (int8: 2 warps at 256 pairs, 4 at 8 and 1024)."""
     from kvarn_jax.attention import paged_decode_pallas as pdp
     assert pdp.default_launch(kj.parse(cfg), batch, 8, **kw) == want
 
