@@ -15,7 +15,8 @@ zero-point sums as products with a ones matrix) and heads-major for the per-toke
 kvarn_k4v2_g128 at B=32/L=32K from 0.645 to 0.378 ms
 (benchmarks/results/2026-12-01_decode_tokens_major_h200.md). Per-token schemes with one scale per
 token (int, fp8) can run tokens-major too (`orient="tokens"`, with the scale and zero factored out
-of both products): 11-21% fewer loop instructions offline, not yet timed, so not their default.
+of both products), but on the H200 that was 7-38% slower at every shape timed, so it is not their
+default (benchmarks/results/2026-12-02_decode_per_token_h200.md).
 
 Scales stay out of the inner products (DESIGN.md §3). For KVarN, with K̂[d,t] = (c·sc[d] + z[d])·st[t]:
     q·K̂[:,t] = st[t]·( Σ_d (q[d]·sc[d])·c[d,t] + Σ_d q[d]·z[d] )
@@ -265,7 +266,8 @@ class _Plan:
     # ---------------------------------------------------------------- keys
     def scores(self, q, q_planes, pages, st, blk, sub):
         """List over token classes j of raw scores [Gp, T / kc] (tokens j, j + kc, ... of the tile).
-        Per-token int keys: q and q_planes already rounded to fp16 (`query_sum`)."""
+        Per-token int keys: q and q_planes come rounded to fp16 (`_kernel`), so Σ_d q below is the
+        sum of the query the code products see."""
         cfg, kc = self.cfg, self.kc
         f = pages["k"]
         if cfg.method in ("kvarn", "kivi"):
@@ -323,23 +325,16 @@ class _Plan:
         return [_dot_t(q, f["values"][blk, sub].astype(jnp.float32))]
 
     # ---------------------------------------------------------------- tokens-major (per-token schemes)
-    @staticmethod
-    def query_sum(q_planes):
-        """Σ_d of the fp16 query the products see, [Gp] fp32, for per-token zero points z[t]·Σ_d q.
-        Codes sit near their token's zero point, so a sum of the unrounded query (off from the
-        products' by the fp16 rounding) is amplified by code / (code - zero point): int8 keys with
-        outlier channels were 4e-3 of the output's maximum off the reference instead of 4e-4."""
-        return sum(jnp.sum(_f16(x).astype(jnp.float32), axis=1) for x in q_planes)
-
     def query_pt(self, q_planes):
         """Per-program query side of a per-token scheme's tokens-major products, (q16, qsum, bias):
         the query's fp16 channel planes [Gp, D/pk] (one for 8-bit codes and fp8), Σ_d q as [1, Gp]
         (fp32) for the zero points, and with `fold` Σ_n 2^(10 - n·b)·Σ_d q16_n as [1, Gp], which the
         biased planes (2^(10 - n·b) + code, `_magic`) add to every raw score (else None). The query is
         the same for every chunk of the sequence, so unlike the tiled schemes' this costs nothing
-        per chunk."""
+        per chunk. Int keys: q_planes come rounded to fp16 (`_kernel`), so qsum is the sum of
+        the query the code products see."""
         q16 = [_f16(x) for x in q_planes]
-        qsum = self.query_sum(q16)[None, :]
+        qsum = sum(jnp.sum(x, axis=1) for x in q_planes)[None, :]
         if not self.fold:
             return q16, qsum, None
         bias = sum((2.0 ** (10 - n * self.cfg.k_bits)) * jnp.sum(x.astype(jnp.float32), axis=1)
@@ -550,7 +545,12 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     # base-2 softmax: sm_scale * log2(e) folded into the query once, exp2 below
     q = q_ref[...].astype(jnp.float32) * (sm_scale * LOG2E)                  # [Gp, D]
     q_planes = [qp_ref[n] * (sm_scale * LOG2E) for n in range(plan.pk)] if qp_ref is not None else [q]
-    if plan.cfg.method == "int" and not tokens_major:  # the products' fp16 query, for Σ_d q (`query_sum`)
+    if plan.cfg.method == "int":
+        # per-token keys add z[t]·Σ_d q to the codes' product with the fp16 query: sum that same
+        # fp16 query. Codes sit near their token's zero point, so a sum of the unrounded query is
+        # off by an error amplified by code / (code - zero point): int8 keys with outlier channels
+        # were 4e-3 of the output's maximum off the reference instead of 4e-4. Rounded once here,
+        # not per tile (int4 heads-major: 751 -> 722 loop instructions offline).
         q, q_planes = _f16(q).astype(jnp.float32), [_f16(x).astype(jnp.float32) for x in q_planes]
     gp = q.shape[0]
     # static int parameters [D/planes, planes] -> one [D/planes] vector per plane (Triton cannot
@@ -692,10 +692,10 @@ def default_orient(cfg: KVQuantConfig) -> str:
     kvarn_k4v2_g128 B=32/L=32K 0.645 -> 0.563 ms at 2 warps (0.542 with `fold`;
     benchmarks/results/2026-12-01_decode_tokens_major_h200.md). "heads" (scores [Gp, T], M = 16
     head rows) for the per-token schemes, whose codes are packed along channels. Those with one scale
-    per token also run tokens-major (`_Plan.scores_pt`): per 64-token chunk at 4 warps, offline
-    (`benchmarks/kernel_sass.py`), 640 vs 727 loop instructions per warp for int8, 593 vs 751 for
-    int4, 626 vs 702 for int_k8v2, 538 vs 557 for fp8; untimed on a GPU, so heads-major stays their
-    default."""
+    per token also run tokens-major (`_Plan.scores_pt`), with fewer loop instructions per warp at
+    equal warps (int8 640 vs 727 per 64 tokens at 4), but more per token at each layout's best
+    launch (heads-major int8: 1182 x 2 warps), and 7-38% slower on the H200 at every shape timed
+    (benchmarks/results/2026-12-02_decode_per_token_h200.md), so heads-major stays their default."""
     return "tokens" if cfg.method in ("kvarn", "kivi") else "heads"
 
 
