@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 
 from .. import triton_options
 from . import split_merge
+from ..cache.paged import tokens_last
 from ..config import KVQuantConfig
 from ..validation import is_power_of_two as _pow2
 
@@ -254,7 +255,14 @@ class _Plan:
             if side == "v" and name == "scale_chan":                       # [D] -> [D/vp, vp]
                 return a.reshape(lead + (a.shape[3] // vp, vp))
             return a
+        if tokens_last(cfg, side, name):                                    # [D*b/8, bs] -> [D*b/8, bs/t, t]
+            return a.reshape(a.shape[:3] + (a.shape[3] // self.t, self.t))
         return a.reshape(a.shape[:2] + (a.shape[2] // self.t, self.t) + a.shape[3:])
+
+    def value_planes_pt(self, f, blk, sub):
+        """A per-token int chunk's value codes, stored tokens-last (`paged.tokens_last`), as channel
+        planes: vp x [D/vp, T], tokens contiguous as the value product contracts them."""
+        return self.planes(f["codes"][blk, :, sub], self.cfg.v_bits)
 
     def static_view(self, side: str, a):
         """Canonical static params -> [Hk, D/planes, planes] (int) or [Hk, 1] (fp8)."""
@@ -373,9 +381,9 @@ class _Plan:
             return [_dot_tn(_fp8(f["codes"][blk, sub]), _f16(p * sc[:, None]), min_n=8)]
         p16 = _f16(p * sc)                                                  # [T, 1] scales
         pz = p * f["zero"][blk, sub].astype(jnp.float32)
-        planes = self.planes(f["codes"][blk, sub], cfg.v_bits, biased=self.fold)  # vp x [T, D/vp]
-        corr = self.value_terms(pz, p16, planes[0].shape[1])
-        return [_dot_tn(planes[n], p16, min_n=8) + corr[n] for n in range(vp)]
+        planes = self.planes(f["codes"][blk, :, sub], cfg.v_bits, biased=self.fold)  # vp x [D/vp, T]
+        corr = self.value_terms(pz, p16, planes[0].shape[0])
+        return [_dot(planes[n], p16, min_n=8) + corr[n] for n in range(vp)]
 
     def value_terms(self, pz, p16, rows: int):
         """What the tokens-major value products [rows, Gp] of a tile leave out, per channel plane n:
@@ -498,19 +506,22 @@ class _Plan:
             zr = _expand_groups(f["zero"][blk, sub].astype(jnp.float32).T, cgp, self.d // vp, axis=0)
             return [_dot_t(p, planes[n].astype(jnp.float32) * sc + zr) for n in range(vp)]
         if cfg.method == "int":
-            planes = self.planes(f["codes"][blk, sub], cfg.v_bits)          # vp x [T, D/vp]
+            planes = self.value_planes_pt(f, blk, sub)                      # vp x [D/vp, T]
             if cfg.static:
-                return [_dot(p, planes[n].astype(jnp.float32) * st["v"]["scale"][n][None, :]
-                             + st["v"]["zero"][n][None, :]) for n in range(vp)]
+                return [_dot_t(p, planes[n].astype(jnp.float32) * st["v"]["scale"][n][:, None]
+                               + st["v"]["zero"][n][:, None]) for n in range(vp)]
             sc = f["scale"][blk, sub].astype(jnp.float32)
             zr = f["zero"][blk, sub].astype(jnp.float32)
             if sc.shape[1] == 1:
                 pz = jnp.sum(p * zr[:, 0][None, :], axis=1)[:, None]
                 ps16 = _f16(p * sc[:, 0][None, :])
-                return [_dot(ps16, planes[n]) + pz for n in range(vp)]
+                return [_dot_t(ps16, planes[n]) + pz for n in range(vp)]
+            # scales per token and channel group, laid out like the planes ([D/vp, T]; the
+            # transposes are of the small [T, D/cg] scale arrays, not of the codes)
             cgp = cfg.channel_group("v", self.d) // vp
-            return [_dot(p, planes[n].astype(jnp.float32) * _expand_groups(sc, cgp, self.d // vp)
-                         + _expand_groups(zr, cgp, self.d // vp)) for n in range(vp)]
+            sc = _expand_groups(sc.T, cgp, self.d // vp, axis=0)
+            zr = _expand_groups(zr.T, cgp, self.d // vp, axis=0)
+            return [_dot_t(p, planes[n].astype(jnp.float32) * sc + zr) for n in range(vp)]
         if cfg.method == "fp8":
             v = _fp8(f["codes"][blk, sub])
             if cfg.static:

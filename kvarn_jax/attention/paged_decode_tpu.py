@@ -35,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ..cache.paged import tokens_last
 from ..config import KVQuantConfig
 
 NEG = -1e30
@@ -167,6 +168,8 @@ class _Plan:
         planes = self.kp if side == "k" else self.vp
         bits = cfg.bits(side)
         c = f["codes"][...].astype(jnp.int32)                                   # [bs, D*b/8]
+        if tokens_last(cfg, side, "codes"):                                      # stored [D*b/8, bs]
+            c = c.T
         if cfg.static:
             sc, zr = st[side]["scale"], st[side]["zero"]                         # [planes, D/planes]
             return [_plane(c, bits, n) * sc[n:n + 1] + zr[n:n + 1] for n in range(planes)]

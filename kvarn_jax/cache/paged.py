@@ -4,6 +4,8 @@ quantized by the same jnp math or by the Pallas kernel in `quantize_pallas.py`).
 Layout (all pytree leaves; sizes are static aux data):
 - `pages[side][field]`: [num_blocks, Hk, tiles_per_block, *field shape] - the quantized blocks. A
   tile is `cfg.tile_tokens` tokens of one head; for per-token schemes tiles_per_block = block_size.
+  One exception (`tokens_last`): per-token int value codes are stored [num_blocks, Hk, D*b/8,
+  block_size], the block's tokens contiguous; `fields_from_pages` / `pages_from_fields` convert.
 - `sink[side]`: [max_seqs, Hk, block_size, D] in `dtype` - the first block of every sequence
   (the attention sink) stays in high precision for the sequence's whole life.
 - `tail[side]`: [max_seqs, Hk, tail_blocks * block_size, D] in `dtype` - a ring indexed by
@@ -34,6 +36,28 @@ from ..config import KVQuantConfig
 from ..hadamard import rotate
 from ..validation import check_array, check_finite, check_range, is_concrete, require_compiled_backend
 from .quantize_pallas import quantize_blocks_pallas, supports as pallas_quantize_supports
+
+
+def tokens_last(cfg: KVQuantConfig, side: str, name: str) -> bool:
+    """Whether the page field is stored with the block's token axis last (swapped with the field's
+    own axis): per-token int value codes, [.., D*b/8, block_size] instead of [.., block_size, D*b/8].
+
+    Why: the decode kernel's value product contracts over tokens, and the matrix unit takes pairs of
+    consecutive tokens of one channel; with a token's channel bytes contiguous the GPU kernel
+    gathered them one byte at a time from shared memory (int8: 1,182 -> 921 instructions per 64
+    tokens per warp offline with this layout, benchmarks/results/2026-12-02_decode_value_layout_h200.md).
+    The tiled schemes store their value codes the same way (`packing.store_tiled`)."""
+    return cfg.method == "int" and side == "v" and name == "codes"
+
+
+def pages_from_fields(cfg: KVQuantConfig, side: str, fields: dict) -> dict:
+    """Quantized fields {name: [..., tiles_per_block, *shape]} -> the pages' layout (`tokens_last`)."""
+    return {n: (jnp.swapaxes(f, -1, -2) if tokens_last(cfg, side, n) else f) for n, f in fields.items()}
+
+
+def fields_from_pages(cfg: KVQuantConfig, side: str, pages: dict) -> dict:
+    """The inverse of `pages_from_fields` (the same swap)."""
+    return pages_from_fields(cfg, side, pages)
 
 
 @jax.tree_util.register_dataclass
@@ -99,7 +123,8 @@ class PagedKVCache:
         from ..quantize import _static_params  # the same calibration rules as `quantize`
         static = _static_params(cfg, calibration, num_kv_heads, head_dim)
         tpb = block_size // cfg.tile_tokens
-        pages = {side: {name: jnp.zeros((num_blocks, num_kv_heads, tpb) + shape, dt)
+        pages = {side: {name: jnp.zeros((num_blocks, num_kv_heads) + (
+                            shape + (tpb,) if tokens_last(cfg, side, name) else (tpb,) + shape), dt)
                         for name, (shape, dt) in schemes.side_fields(cfg, side, head_dim).items()}
                  for side in schemes.SIDES}
         sink = tail = None
@@ -262,8 +287,9 @@ def write_reference(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_ma
 
 def completed_blocks(cache: PagedKVCache, p: WritePlan, size: int, quantizer: str = "reference"):
     """Up to `size` blocks a write completes, quantized: (physical block ids [size], num_blocks where
-    a slot is unused; {side: {field: [size, Hk, tiles_per_block, ...]}}). Each block is assembled from
-    the sequence's ring (tokens of earlier writes) overlaid with this write's tokens."""
+    a slot is unused; {side: {field: [size, Hk, tiles_per_block, ...]}} in the pages' layout,
+    `tokens_last`). Each block is assembled from the sequence's ring (tokens of earlier writes)
+    overlaid with this write's tokens."""
     n = p.blk.shape[0]
     nb, bs, r = cache.num_blocks, cache.block_size, cache.tail_len
     (ti,) = jnp.nonzero(p.completes, size=size, fill_value=n)
@@ -285,7 +311,7 @@ def completed_blocks(cache: PagedKVCache, p: WritePlan, size: int, quantizer: st
     for s in schemes.SIDES:
         ring = cache.tail[s][s_m[:, None], :, ring_idx]       # [size, bs, Hk, D]
         buf = jnp.where(from_write, p.xs[s][src], ring)
-        fields[s] = _quantize_blocks(cache, s, buf.transpose(0, 2, 1, 3), quantizer)
+        fields[s] = pages_from_fields(cache.cfg, s, _quantize_blocks(cache, s, buf.transpose(0, 2, 1, 3), quantizer))
     return c_m, fields
 
 
@@ -407,7 +433,7 @@ def gather_dense(cache: PagedKVCache, block_tables: jnp.ndarray, seq_lens: jnp.n
     pos = jnp.arange(mb * bs)
     out = []
     for side in schemes.SIDES:
-        f = {name: a[tbl] for name, a in cache.pages[side].items()}  # [B, mb, Hk, tpb, ...]
+        f = fields_from_pages(cache.cfg, side, {name: a[tbl] for name, a in cache.pages[side].items()})  # [B, mb, Hk, tpb, ...]
         st = schemes.expand_static(cache.cfg, cache.static[side], 1) if cache.static else None
         x = schemes.dequantize_side(f, cache.cfg, side, cache.head_dim, st)
         if g > 1:  # [B, mb, Hk, tpb, G, D] -> [B, mb, Hk, bs, D]
