@@ -105,7 +105,7 @@ def merge_warps(cfg) -> int:
     (B=1, 8 kv heads, 1024 blocks of 128 tokens, the default splits rounded down to a power of two
     as `paged_decode_pallas` does with merge="pallas")."""
     from kvarn_jax.attention import paged_decode_pallas as pdp, split_merge as sm
-    tokens = pdp.default_orient(cfg) == "tokens"
+    tokens = pdp.default_orient(cfg, 128) == "tokens"
     warps, cap = pdp.default_launch(cfg, 1, 8)
     t_tok = cfg.tile_tokens if cfg.tile_tokens > 1 else pdp.TOKEN_CHUNK
     splits = sm.unpadded_splits(pdp.default_num_splits(1, 8, 1024 * (128 // t_tok), warps, cap))

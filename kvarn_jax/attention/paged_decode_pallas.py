@@ -696,18 +696,26 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     l_ref[...] = l
 
 
-def default_orient(cfg: KVQuantConfig) -> str:
-    """Layout of the inner products. "tokens" for the tiled schemes (KVarN, KIVI): scores [T, Gp]
-    with the codes as the matrix unit's M operand and the query heads as its N (8 wide: a GQA group
-    of 4 wastes half instead of 3/4 of every score, probability and output element). On the H200,
-    kvarn_k4v2_g128 B=32/L=32K 0.645 -> 0.563 ms at 2 warps (0.542 with `fold`;
-    benchmarks/results/2026-12-01_decode_tokens_major_h200.md). "heads" (scores [Gp, T], M = 16
-    head rows) for the per-token schemes, whose codes are packed along channels. Those with one scale
-    per token also run tokens-major (`_Plan.scores_pt`), with fewer loop instructions per warp at
-    equal warps (int8 640 vs 727 per 64 tokens at 4), but more per token at each layout's best
-    launch (heads-major int8: 1182 x 2 warps), and 7-38% slower on the H200 at every shape timed
-    (benchmarks/results/2026-12-02_decode_per_token_h200.md), so heads-major stays their default."""
-    return "tokens" if cfg.method in ("kvarn", "kivi") else "heads"
+def default_orient(cfg: KVQuantConfig, head_dim: int | None = None) -> str:
+    """Layout of the inner products. "tokens": scores [T, Gp] with the codes as the matrix unit's M
+    operand and the query heads as its N (8 wide: a GQA group of 4 wastes half instead of 3/4 of
+    every score, probability and output element), for the tiled schemes (KVarN, KIVI; on the H200
+    kvarn_k4v2_g128 B=32/L=32K 0.645 -> 0.563 ms at 2 warps, 0.542 with `fold`;
+    benchmarks/results/2026-12-01_decode_tokens_major_h200.md) and for per-token int schemes with
+    one dynamic scale per token (int8, int4, int_k8v2: with their value codes stored tokens-last,
+    `paged.tokens_last`, 5-8% faster than heads-major at B=32/L=32K and B=1/L=128K, even at
+    B=128/L=4K; benchmarks/results/2026-12-02_decode_value_layout_h200.md). "heads" (scores
+    [Gp, T], M = 16 head rows) for fp8 (tokens-major 27-36% slower,
+    2026-12-02_decode_per_token_h200.md), per-channel static and grouped int scales (which
+    tokens-major does not take: `tokens_major_unsupported`) and passthrough. head_dim: where the
+    scheme's channel group is given explicitly, whether it spans the head (None: only schemes
+    without one count as one scale per token)."""
+    if cfg.method in ("kvarn", "kivi"):
+        return "tokens"
+    if cfg.method == "int" and not cfg.static and (
+            not cfg.group if head_dim is None else tokens_major_unsupported(cfg, head_dim) is None):
+        return "tokens"
+    return "heads"
 
 
 def default_launch(cfg: KVQuantConfig, batch: int, num_kv_heads: int, orient: str | None = None,
@@ -725,19 +733,17 @@ def default_launch(cfg: KVQuantConfig, batch: int, num_kv_heads: int, orient: st
       warps, so that rule rests on B=32.
     - Other tokens-major launches (8-bit values: 104-120 B of spills at 128 registers offline;
       parts or steps > 1; not timed capped) and heads-major KVarN/KIVI: one uncapped warp.
-    - Heads-major per-token schemes, uncapped: 2 warps for fp8 (2026-12-01_decode_splits_h200.json);
-      for 8-bit keys and values 2 warps with 132-1023 (sequence, kv head) pairs (int8 B=32/32K
-      1.023 vs 1.248 ms with 4), else 4 (B=128/4K 0.491 vs 0.496, B=256/8K 1.877 vs 1.914,
-      B=8/16K 0.155 vs 0.163, B=1/128K even); 4 for the other int and passthrough schemes (int4
-      B=32/32K 0.775 vs 0.927 with 2, int_k8v2 0.768 vs 0.953; 2026-12-02_decode_per_token_h200.md)."""
+    - Per-token schemes, uncapped: 2 warps for fp8 (heads-major, 2026-12-01_decode_splits_h200.json),
+      4 for int and passthrough, either layout (int8 tokens-major B=32/L=32K 0.703 ms; heads-major
+      0.749 with 4 warps, 0.969 with 2 - two warps won, 1.021 vs 1.220 ms, only while value codes
+      were stored token by token and gathered byte-wise; 2026-12-02_decode_value_layout_h200.md)."""
     if cfg.method in ("kvarn", "kivi"):
         whole = (orient or default_orient(cfg)) == "tokens" and parts == 1 and steps == 1
         pairs = batch * num_kv_heads
         if whole and (cfg.v_bits == 4 or (cfg.v_bits <= 2 and pairs < 132)):
             return 2, 128
         return 1, None
-    eight_bit = cfg.method == "int" and cfg.k_bits == 8 and cfg.v_bits == 8
-    return (2 if cfg.method == "fp8" or (eight_bit and 132 <= batch * num_kv_heads < 1024) else 4), None
+    return (2 if cfg.method == "fp8" else 4), None
 
 
 def programs_per_sm(num_warps: int, maxnreg: int | None = None) -> int:
@@ -787,11 +793,13 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
       fold: tokens-major only - feed the planes' biased values (magic + code, one `lop3` per two
         codes; 8-bit codes: none, the byte spread inserts the magic) to the products and subtract
         magic * (sum of the fp16 query / probabilities) from the results instead of one fp16
-        subtraction per two codes. Default True for tokens-major integer codes (not fp8).
+        subtraction per two codes. Default True for the tiled schemes' tokens-major products
+        (per-token int ones: off, 1-1.5% faster for int8 on the H200).
       sums: tokens-major only - how the fold's sums and the value zero-point term (sum of p*vz) are
-        formed: "mma" (default: products with a ones matrix on the matrix unit, which leaves every
-        row holding the sum and needs no cross-lane reduction) or "reduce" (jnp sums). The key
-        zero-point term (sum of q*z) is an fp32 sum either way (`_Plan.query_t`).
+        formed: "mma" (default for the tiled schemes: products with a ones matrix on the matrix
+        unit, which leaves every row holding the sum and needs no cross-lane reduction) or "reduce"
+        (jnp sums; the default for per-token schemes). The key zero-point term (sum of q*z) is an
+        fp32 sum either way (`_Plan.query_t`).
       parts: tokens-major tiled schemes only - walk each tile in this many parts (fewer live registers).
       steps: tokens-major tiled schemes only - walk each tile in this many iterations of the tile loop (a part
         each), so that Triton's pipeline (num_stages - 1 buffers of one iteration's codes) can copy
@@ -812,8 +820,8 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     if unpack not in ("magic", "asm") or (unpack == "asm" and interpret):
         raise ValueError(f"unpack must be 'magic' or (compiled only) 'asm', got {unpack!r} (interpret={interpret})")
     cfg = cache.cfg
-    orient = orient or default_orient(cfg)
     nbt, hq, d = q_rot.shape
+    orient = orient or default_orient(cfg, d)
     tiled = cfg.method in ("kvarn", "kivi")
     why_not = tokens_major_unsupported(cfg, d) if orient == "tokens" else None
     if orient not in ("heads", "tokens") or why_not:
@@ -823,8 +831,8 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     if tokens_major and not tiled and (parts != 1 or steps != 1 or (fold and cfg.method == "fp8")):
         raise ValueError(f"parts and steps apply to the tiled schemes' tokens-major products only, fold to "
                          f"integer codes (got fold={fold}, parts={parts}, steps={steps} for {cfg.name})")
-    fold = (tokens_major and cfg.method != "fp8") if fold is None else bool(fold)
-    sums = sums or ("mma" if tokens_major else "reduce")
+    fold = (tokens_major and tiled) if fold is None else bool(fold)
+    sums = sums or ("mma" if tokens_major and tiled else "reduce")
     if merge not in ("xla", "pallas"):
         raise ValueError(f"merge must be 'xla' or 'pallas', got {merge!r}")
     if sums not in ("reduce", "mma"):
