@@ -703,8 +703,8 @@ def default_orient(cfg: KVQuantConfig, head_dim: int | None = None) -> str:
     kvarn_k4v2_g128 B=32/L=32K 0.645 -> 0.563 ms at 2 warps, 0.542 with `fold`;
     benchmarks/results/2026-12-01_decode_tokens_major_h200.md) and for per-token int schemes with
     one dynamic scale per token (int8, int4, int_k8v2: with their value codes stored tokens-last,
-    `paged.tokens_last`, 5-8% faster than heads-major at B=32/L=32K and B=1/L=128K, even at
-    B=128/L=4K; benchmarks/results/2026-12-02_decode_value_layout_h200.md). "heads" (scores
+    `paged.tokens_last`, 6-12% faster than heads-major at B=32/32K, B=256/8K, B=8/16K and B=1/128K
+    on the H200, even at B=128/4K; benchmarks/results/2026-12-02_decode_value_layout_h200.md). "heads" (scores
     [Gp, T], M = 16 head rows) for fp8 (tokens-major 27-36% slower,
     2026-12-02_decode_per_token_h200.md), per-channel static and grouped int scales (which
     tokens-major does not take: `tokens_major_unsupported`) and passthrough. head_dim: where the
@@ -794,11 +794,12 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         codes; 8-bit codes: none, the byte spread inserts the magic) to the products and subtract
         magic * (sum of the fp16 query / probabilities) from the results instead of one fp16
         subtraction per two codes. Default True for the tiled schemes' tokens-major products
-        (per-token int ones: off, 1-1.5% faster for int8 on the H200).
+        (per-token int ones: off; on the H200 even or up to 9% faster, except int4 at B=128/L=4K,
+        6% slower).
       sums: tokens-major only - how the fold's sums and the value zero-point term (sum of p*vz) are
-        formed: "mma" (default for the tiled schemes: products with a ones matrix on the matrix
-        unit, which leaves every row holding the sum and needs no cross-lane reduction) or "reduce"
-        (jnp sums; the default for per-token schemes). The key zero-point term (sum of q*z) is an
+        formed: "mma" (default: products with a ones matrix on the matrix unit, which leaves every
+        row holding the sum and needs no cross-lane reduction; per-token int on the H200 1-6%
+        faster than "reduce") or "reduce" (jnp sums). The key zero-point term (sum of q*z) is an
         fp32 sum either way (`_Plan.query_t`).
       parts: tokens-major tiled schemes only - walk each tile in this many parts (fewer live registers).
       steps: tokens-major tiled schemes only - walk each tile in this many iterations of the tile loop (a part
@@ -832,7 +833,7 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         raise ValueError(f"parts and steps apply to the tiled schemes' tokens-major products only, fold to "
                          f"integer codes (got fold={fold}, parts={parts}, steps={steps} for {cfg.name})")
     fold = (tokens_major and tiled) if fold is None else bool(fold)
-    sums = sums or ("mma" if tokens_major and tiled else "reduce")
+    sums = sums or ("mma" if tokens_major else "reduce")
     if merge not in ("xla", "pallas"):
         raise ValueError(f"merge must be 'xla' or 'pallas', got {merge!r}")
     if sums not in ("reduce", "mma"):
