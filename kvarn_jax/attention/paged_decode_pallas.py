@@ -733,17 +733,22 @@ def default_launch(cfg: KVQuantConfig, batch: int, num_kv_heads: int, orient: st
       warps, so that rule rests on B=32.
     - Other tokens-major launches (8-bit values: 104-120 B of spills at 128 registers offline;
       parts or steps > 1; not timed capped) and heads-major KVarN/KIVI: one uncapped warp.
-    - Per-token schemes, uncapped: 2 warps for fp8 (heads-major, 2026-12-01_decode_splits_h200.json),
-      4 for int and passthrough, either layout (int8 tokens-major B=32/L=32K 0.703 ms; heads-major
-      0.749 with 4 warps, 0.969 with 2 - two warps won, 1.021 vs 1.220 ms, only while value codes
-      were stored token by token and gathered byte-wise; 2026-12-02_decode_value_layout_h200.md)."""
+    - Per-token schemes, uncapped: 2 warps for fp8 (heads-major, 2026-12-01_decode_splits_h200.json)
+      and for heads-major 8-bit keys and values with grouped or static scales (int8_g16 B=32/L=32K
+      1.062 vs 1.513 ms with 4, B=128/L=4K 0.522 vs 0.725, B=1/L=128K 0.161 vs 0.213: the
+      per-element scales' registers), else 4, either layout (int8 tokens-major B=32/L=32K 0.686
+      ms; heads-major 0.749 with 4 warps, 0.969 with 2 - two warps won for int8, 1.021 vs 1.220 ms,
+      only while value codes were stored token by token and gathered byte-wise;
+      2026-12-02_decode_value_layout_h200.md)."""
     if cfg.method in ("kvarn", "kivi"):
         whole = (orient or default_orient(cfg)) == "tokens" and parts == 1 and steps == 1
         pairs = batch * num_kv_heads
         if whole and (cfg.v_bits == 4 or (cfg.v_bits <= 2 and pairs < 132)):
             return 2, 128
         return 1, None
-    return (2 if cfg.method == "fp8" else 4), None
+    heads = (orient or default_orient(cfg)) == "heads"
+    grouped_8bit = cfg.method == "int" and cfg.k_bits == 8 and cfg.v_bits == 8 and (cfg.static or bool(cfg.group))
+    return (2 if cfg.method == "fp8" or (heads and grouped_8bit) else 4), None
 
 
 def programs_per_sm(num_warps: int, maxnreg: int | None = None) -> int:
