@@ -123,6 +123,31 @@ def test_zero_length_sequence_gives_zero_output(rng):
     np.testing.assert_array_equal(np.asarray(out), 0)
 
 
+@pytest.mark.parametrize("cfg", ["int8", "int4_g32", "int_k8v2"])
+def test_per_token_int_value_codes_are_stored_tokens_last(cfg, rng):
+    """Per-token int value codes live in the pages as [.., D*b/8, block_size] (the decode kernel reads
+    them along tokens): a completed block's value page is the quantized tokens' codes transposed,
+    its key page and scales are the codes per token, as `schemes.quantize_side` makes them."""
+    from kvarn_jax import schemes
+    c = kj.parse(cfg)
+    bs, hk, d = 16, 2, 32
+    cache = poison(make_cache(cfg, num_blocks=6, block_size=bs, heads=hk, dim=d), rng)
+    k, v = (jnp.asarray(rng.standard_normal((3 * bs, hk, d)) * 2, jnp.float16) for _ in range(2))
+    table = np.array([4, 1, 3])                                   # logical block j -> physical
+    slots = jnp.asarray(table[np.arange(3 * bs) // bs] * bs + np.arange(3 * bs) % bs, jnp.int32)
+    out = kj.write(cache, k, v, slots, seq_ids=jnp.zeros(3 * bs, jnp.int32), positions=jnp.arange(3 * bs))
+    assert out.pages["v"]["codes"].shape == (6, hk, d * c.v_bits // 8, bs)
+    assert out.pages["k"]["codes"].shape == (6, hk, bs, d * c.k_bits // 8)
+    for j in (1, 2):                                              # block 0 is the sequence's sink
+        for side, x in (("k", k), ("v", v)):
+            want = schemes.quantize_side(x[j * bs:(j + 1) * bs].transpose(1, 0, 2), c, side)  # [Hk, bs, ...]
+            for name, f in want.items():
+                got = np.asarray(out.pages[side][name][table[j]])
+                if side == "v" and name == "codes":
+                    got = got.swapaxes(-1, -2)
+                np.testing.assert_array_equal(got, np.asarray(f).astype(got.dtype), err_msg=f"{side}.{name} block {j}")
+
+
 def test_rotated_io_convention(rng):
     lens = [90]
     cache = make_cache("kvarn_k4v2_g32")

@@ -8,15 +8,13 @@ HBM), and keeps an fp32 online softmax for the query heads of its KV head (its G
 also covers the high-precision sink block and the partial tail. The splits are merged afterwards
 (flash-decoding, `split_merge.py`), so that small batches still fill the chip.
 
-Two layouts of the products (`orient`): tokens-major for the tiled schemes (KVarN, KIVI; scores
-[T, Gp] = codes @ q^T, the GQA group padded to the matrix unit's 8-wide N, one warp per program,
-zero-point sums as products with a ones matrix) and heads-major for the per-token schemes (scores
-[Gp, T] = q @ codes^T, the group padded to 16 rows). On the H200 the tokens-major kernel took
-kvarn_k4v2_g128 at B=32/L=32K from 0.645 to 0.378 ms
-(benchmarks/results/2026-12-01_decode_tokens_major_h200.md). Per-token schemes with one scale per
-token (int, fp8) can run tokens-major too (`orient="tokens"`, with the scale and zero factored out
-of both products), but on the H200 that was 7-38% slower at every shape timed, so it is not their
-default (benchmarks/results/2026-12-02_decode_per_token_h200.md).
+Two layouts of the products (`orient`, `default_orient`): tokens-major (scores [T, Gp] = codes @
+q^T, the GQA group padded to the matrix unit's 8-wide N, zero-point sums as products with a ones
+matrix) for the tiled schemes (KVarN, KIVI; on the H200 kvarn_k4v2_g128 at B=32/L=32K went from
+0.645 to 0.378 ms, benchmarks/results/2026-12-01_decode_tokens_major_h200.md) and for int schemes
+with one scale per token (scale and zero factored out of both products; int8 0.749 -> 0.686 ms,
+2026-12-02_decode_value_layout_h200.md), and heads-major (scores [Gp, T] = q @ codes^T, the group
+padded to 16 rows) for fp8, grouped or static int scales and passthrough.
 
 Scales stay out of the inner products (DESIGN.md §3). For KVarN, with K̂[d,t] = (c·sc[d] + z[d])·st[t]:
     q·K̂[:,t] = st[t]·( Σ_d (q[d]·sc[d])·c[d,t] + Σ_d q[d]·z[d] )
@@ -24,7 +22,8 @@ and with V̂[t,d] = (c·vt[t] + vz[t])·vc[d]:
     Σ_t p[t]·V̂[t,d] = vc[d]·( Σ_t (p[t]·vt[t])·c[t,d] + Σ_t p[t]·vz[t] )
 so the per-element work is unpack + int→fp16, and both products run on raw codes. Tiled schemes
 store their codes with the contracted axis contiguous (K [G*b/8, D], V [D*b/8, G];
-`packing.store_tiled`), so each register the kernel loads holds 4 contraction-consecutive bytes.
+`packing.store_tiled`), so each register the kernel loads holds 4 contraction-consecutive bytes;
+per-token int value codes are stored tokens last for the same reason (`paged.tokens_last`).
 The softmax runs in base 2 with sm_scale·log2(e) folded into the query once (no per-score scaling,
 exp2 instead of exp), and full quantized tiles need no masks.
 
