@@ -123,9 +123,9 @@ def test_zero_length_sequence_gives_zero_output(rng):
     np.testing.assert_array_equal(np.asarray(out), 0)
 
 
-@pytest.mark.parametrize("cfg", ["int8", "int4_g32", "int_k8v2"])
-def test_per_token_int_value_codes_are_stored_tokens_last(cfg, rng):
-    """Per-token int value codes live in the pages as [.., D*b/8, block_size] (the decode kernel reads
+@pytest.mark.parametrize("cfg", ["int8", "int4_g32", "int_k8v2", "fp8"])
+def test_per_token_value_codes_are_stored_tokens_last(cfg, rng):
+    """Per-token int and fp8 value codes live in the pages as [.., D*b/8, block_size] (the decode kernel reads
     them along tokens): a completed block's value page is the quantized tokens' codes transposed,
     its key page and scales are the codes per token, as `schemes.quantize_side` makes them."""
     from kvarn_jax import schemes

@@ -288,13 +288,14 @@ def test_register_cap_reaches_the_triton_module(monkeypatch):
     ("kvarn_k4v2_g128", 1, dict(orient="heads"), (1, None)), ("kvarn_k4v2_g128", 1, dict(parts=2), (1, None)),
     ("kvarn_k4v2_g128", 1, dict(steps=2), (1, None)), ("int8", 1, {}, (4, None)), ("int8", 32, {}, (4, None)),
     ("int8", 128, dict(orient="heads"), (4, None)), ("int8_g16", 32, {}, (2, None)),
-    ("int8_static", 1, {}, (2, None)), ("int4_g32", 32, {}, (4, None)), ("int4", 32, {}, (4, None)), ("int_k8v2", 32, {}, (4, None)), ("fp8", 32, {}, (2, None))])
+    ("int8_static", 1, {}, (2, None)), ("int4_g32", 32, {}, (4, None)), ("int4", 32, {}, (4, None)), ("int_k8v2", 32, {}, (4, None)), ("fp8", 32, {}, (4, None)),
+    ("fp8_static", 1, {}, (4, None))])
 def test_default_launch(cfg, batch, kw, want):
     """The launch the H200 sweeps chose (2026-12-01_decode_zero_term_h200.md; per-token schemes
     2026-12-02_decode_value_layout_h200.md), 8 kv heads: two warps capped at 128 registers for whole
     tokens-major tiles of 4-bit values or of <= 2-bit values at small batch, otherwise what was
-    measured uncapped (int: 4 warps, either layout, but 2 for heads-major 8-bit codes with
-    grouped or static scales; fp8: 2)."""
+    measured uncapped (4 warps for per-token schemes, either layout, but 2 for heads-major 8-bit
+    int codes with grouped or static scales)."""
     from kvarn_jax.attention import paged_decode_pallas as pdp
     assert pdp.default_launch(kj.parse(cfg), batch, 8, **kw) == want
 

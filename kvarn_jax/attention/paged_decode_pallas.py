@@ -23,7 +23,7 @@ and with V̂[t,d] = (c·vt[t] + vz[t])·vc[d]:
 so the per-element work is unpack + int→fp16, and both products run on raw codes. Tiled schemes
 store their codes with the contracted axis contiguous (K [G*b/8, D], V [D*b/8, G];
 `packing.store_tiled`), so each register the kernel loads holds 4 contraction-consecutive bytes;
-per-token int value codes are stored tokens last for the same reason (`paged.tokens_last`).
+per-token int and fp8 value codes are stored tokens last for the same reason (`paged.tokens_last`).
 The softmax runs in base 2 with sm_scale·log2(e) folded into the query once (no per-score scaling,
 exp2 instead of exp), and full quantized tiles need no masks.
 
@@ -377,7 +377,7 @@ class _Plan:
         f = pages["v"]
         sc = f["scale"][blk, sub].astype(jnp.float32)
         if cfg.method == "fp8":                                             # [T] scales
-            return [_dot_tn(_fp8(f["codes"][blk, sub]), _f16(p * sc[:, None]), min_n=8)]
+            return [_dot(_fp8(f["codes"][blk, :, sub]), _f16(p * sc[:, None]), min_n=8)]  # codes [D, T]
         p16 = _f16(p * sc)                                                  # [T, 1] scales
         pz = p * f["zero"][blk, sub].astype(jnp.float32)
         planes = self.planes(f["codes"][blk, :, sub], cfg.v_bits, biased=self.fold)  # vp x [D/vp, T]
@@ -522,10 +522,10 @@ class _Plan:
             zr = _expand_groups(zr.T, cgp, self.d // vp, axis=0)
             return [_dot_t(p, planes[n].astype(jnp.float32) * sc + zr) for n in range(vp)]
         if cfg.method == "fp8":
-            v = _fp8(f["codes"][blk, sub])
+            v = _fp8(f["codes"][blk, :, sub])                                 # [D, T] (`tokens_last`)
             if cfg.static:
-                return [_dot(p, v) * st["v"]["scale"][...].astype(jnp.float32)[0]]
-            return [_dot(p * f["scale"][blk, sub].astype(jnp.float32)[None, :], v)]
+                return [_dot_t(p, v) * st["v"]["scale"][...].astype(jnp.float32)[0]]
+            return [_dot_t(p * f["scale"][blk, sub].astype(jnp.float32)[None, :], v)]
         return [_dot(p, f["values"][blk, sub].astype(jnp.float32))]
 
 
@@ -704,8 +704,8 @@ def default_orient(cfg: KVQuantConfig, head_dim: int | None = None) -> str:
     one dynamic scale per token (int8, int4, int_k8v2: with their value codes stored tokens-last,
     `paged.tokens_last`, 6-12% faster than heads-major at B=32/32K, B=256/8K, B=8/16K and B=1/128K
     on the H200, even at B=128/4K; benchmarks/results/2026-12-02_decode_value_layout_h200.md). "heads" (scores
-    [Gp, T], M = 16 head rows) for fp8 (tokens-major 27-36% slower,
-    2026-12-02_decode_per_token_h200.md), per-channel static and grouped int scales (which
+    [Gp, T], M = 16 head rows) for fp8 (tokens-major 4-19% slower with its value codes tokens
+    last as well, 2026-12-02_decode_value_layout_h200.md), per-channel static and grouped int scales (which
     tokens-major does not take: `tokens_major_unsupported`) and passthrough. head_dim: where the
     scheme's channel group is given explicitly, whether it spans the head (None: only schemes
     without one count as one scale per token)."""
@@ -732,13 +732,13 @@ def default_launch(cfg: KVQuantConfig, batch: int, num_kv_heads: int, orient: st
       warps, so that rule rests on B=32.
     - Other tokens-major launches (8-bit values: 104-120 B of spills at 128 registers offline;
       parts or steps > 1; not timed capped) and heads-major KVarN/KIVI: one uncapped warp.
-    - Per-token schemes, uncapped: 2 warps for fp8 (heads-major, 2026-12-01_decode_splits_h200.json)
-      and for heads-major 8-bit keys and values with grouped or static scales (int8_g16 B=32/L=32K
-      1.062 vs 1.513 ms with 4, B=128/L=4K 0.522 vs 0.725, B=1/L=128K 0.161 vs 0.213: the
-      per-element scales' registers), else 4, either layout (int8 tokens-major B=32/L=32K 0.686
-      ms; heads-major 0.749 with 4 warps, 0.969 with 2 - two warps won for int8, 1.021 vs 1.220 ms,
-      only while value codes were stored token by token and gathered byte-wise;
-      2026-12-02_decode_value_layout_h200.md)."""
+    - Per-token schemes, uncapped (2026-12-02_decode_value_layout_h200.md): 2 warps for heads-major
+      8-bit keys and values with grouped or static scales (int8_g16 B=32/L=32K 1.062 vs 1.513 ms
+      with 4, B=128/L=4K 0.522 vs 0.725, B=1/L=128K 0.161 vs 0.213: the per-element scales'
+      registers), else 4, either layout: int8 tokens-major B=32/L=32K 0.686 ms, heads-major 0.749
+      with 4 warps and 0.969 with 2; fp8 heads-major 0.589 vs 0.686 with 2, B=128/L=4K 0.309 vs
+      0.365, B=1/L=128K 0.095 vs 0.110. (Two warps won for int8 and fp8 only while value codes
+      were stored token by token and gathered byte-wise.)"""
     if cfg.method in ("kvarn", "kivi"):
         whole = (orient or default_orient(cfg)) == "tokens" and parts == 1 and steps == 1
         pairs = batch * num_kv_heads
@@ -747,7 +747,7 @@ def default_launch(cfg: KVQuantConfig, batch: int, num_kv_heads: int, orient: st
         return 1, None
     heads = (orient or default_orient(cfg)) == "heads"
     grouped_8bit = cfg.method == "int" and cfg.k_bits == 8 and cfg.v_bits == 8 and (cfg.static or bool(cfg.group))
-    return (2 if cfg.method == "fp8" or (heads and grouped_8bit) else 4), None
+    return (2 if heads and grouped_8bit else 4), None
 
 
 def programs_per_sm(num_warps: int, maxnreg: int | None = None) -> int:

@@ -215,6 +215,8 @@ class _Plan:
             return sum(to_nat(_dot(p, v[n]), n) for n in range(vp))
         if cfg.method == "fp8":
             v = _fp8_e4m3(f["codes"][...].astype(jnp.int32))
+            if tokens_last(cfg, "v", "codes"):                                   # stored [D, bs]
+                v = v.T
             if cfg.static:
                 return _dot(p, v) * st["v"]["scale"]
             return _dot(p * f["scale"][...].astype(jnp.float32), v)

@@ -4,7 +4,7 @@ quantized by the same jnp math or by the Pallas kernel in `quantize_pallas.py`).
 Layout (all pytree leaves; sizes are static aux data):
 - `pages[side][field]`: [num_blocks, Hk, tiles_per_block, *field shape] - the quantized blocks. A
   tile is `cfg.tile_tokens` tokens of one head; for per-token schemes tiles_per_block = block_size.
-  One exception (`tokens_last`): per-token int value codes are stored [num_blocks, Hk, D*b/8,
+  One exception (`tokens_last`): per-token int and fp8 value codes are stored [num_blocks, Hk, D*b/8,
   block_size], the block's tokens contiguous; `fields_from_pages` / `pages_from_fields` convert.
 - `sink[side]`: [max_seqs, Hk, block_size, D] in `dtype` - the first block of every sequence
   (the attention sink) stays in high precision for the sequence's whole life.
@@ -40,7 +40,8 @@ from .quantize_pallas import quantize_blocks_pallas, supports as pallas_quantize
 
 def tokens_last(cfg: KVQuantConfig, side: str, name: str) -> bool:
     """Whether the page field is stored with the block's token axis last (swapped with the field's
-    own axis): per-token int value codes, [.., D*b/8, block_size] instead of [.., block_size, D*b/8].
+    own axis): per-token int and fp8 value codes, [.., D*b/8, block_size] instead of
+    [.., block_size, D*b/8].
 
     Why: the decode kernel's value product contracts over tokens, and the matrix unit takes pairs of
     consecutive tokens of one channel; with a token's channel bytes contiguous the GPU kernel
@@ -48,7 +49,7 @@ def tokens_last(cfg: KVQuantConfig, side: str, name: str) -> bool:
     instructions per 64 tokens per warp offline; on the H200 1.019 -> 0.686 ms at B=32/L=32K with
     tokens-major products, benchmarks/results/2026-12-02_decode_value_layout_h200.md).
     The tiled schemes store their value codes the same way (`packing.store_tiled`)."""
-    return cfg.method == "int" and side == "v" and name == "codes"
+    return cfg.method in ("int", "fp8") and side == "v" and name == "codes"
 
 
 def pages_from_fields(cfg: KVQuantConfig, side: str, fields: dict) -> dict:
