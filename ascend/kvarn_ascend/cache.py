@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from kvarn_jax import schemes
-from kvarn_jax.cache.paged import tokens_last
+from kvarn_jax.cache.paged import fields_from_pages
 from kvarn_jax.config import KVQuantConfig
 
 from . import cpu_semantics, kvarn_torch, npu, ops
@@ -186,9 +186,7 @@ class AscendPagedKVCache:
             elif out.kind == "passthrough":
                 out.pages[s]["values"].copy_(t(src["values"].astype(np.float32)).permute(0, 2, 1, 3).to(dt))
             else:
-                codes = np.array(src["codes"])
-                if tokens_last(cache.cfg, s, "codes"):  # kvarn_jax stores int value codes [.., D*b/8, bs]
-                    codes = np.swapaxes(codes, -1, -2)
+                codes = fields_from_pages(cache.cfg, s, {"codes": src["codes"]})["codes"]  # V: tokens last
                 c = kvarn_torch.unpack(t(codes), bits).to(torch.int16) - 2 ** (bits - 1)  # [nb, Hk, bs, D]
                 c = c.permute(0, 2, 1, 3)
                 out.pages[s]["codes"].copy_(c.to(torch.int8) if bits == 8 else cpu_semantics.pack_int4(c))

@@ -258,11 +258,6 @@ class _Plan:
             return a.reshape(a.shape[:3] + (a.shape[3] // self.t, self.t))
         return a.reshape(a.shape[:2] + (a.shape[2] // self.t, self.t) + a.shape[3:])
 
-    def value_planes_pt(self, f, blk, sub):
-        """A per-token int chunk's value codes, stored tokens-last (`paged.tokens_last`), as channel
-        planes: vp x [D/vp, T], tokens contiguous as the value product contracts them."""
-        return self.planes(f["codes"][blk, :, sub], self.cfg.v_bits)
-
     def static_view(self, side: str, a):
         """Canonical static params -> [Hk, D/planes, planes] (int) or [Hk, 1] (fp8)."""
         if self.cfg.method == "int":
@@ -505,7 +500,7 @@ class _Plan:
             zr = _expand_groups(f["zero"][blk, sub].astype(jnp.float32).T, cgp, self.d // vp, axis=0)
             return [_dot_t(p, planes[n].astype(jnp.float32) * sc + zr) for n in range(vp)]
         if cfg.method == "int":
-            planes = self.value_planes_pt(f, blk, sub)                      # vp x [D/vp, T]
+            planes = self.planes(f["codes"][blk, :, sub], cfg.v_bits)       # vp x [D/vp, T] (`tokens_last`)
             if cfg.static:
                 return [_dot_t(p, planes[n].astype(jnp.float32) * st["v"]["scale"][n][:, None]
                                + st["v"]["zero"][n][:, None]) for n in range(vp)]
