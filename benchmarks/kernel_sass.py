@@ -38,8 +38,9 @@ import json, os, subprocess, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import compile as tcompile
-src, warps, stages = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-k = tcompile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+src, warps, stages, fusion = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "on"
+k = tcompile(src, target=GPUTarget("cuda", 90, 32),
+             options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": fusion})
 open(src + ".cubin", "wb").write(k.asm["cubin"])
 bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 usage = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "--dump-resource-usage", src + ".cubin"],
@@ -152,6 +153,9 @@ def main():
     p.add_argument("--steps", type=int, default=1, help="decode: tokens-major tile-loop iterations per tile")
     p.add_argument("--maxnreg", type=int, default=None, help="decode: register cap per thread")
     p.add_argument("--orient", default=None, choices=["heads", "tokens"], help="decode: layout of the products")
+    p.add_argument("--fp-fusion", default="off", choices=["on", "off"],
+                   help="let the compiler fuse every fp32 multiply-add into FFMA (pip triton's default; "
+                        "off, as XLA's Triton build on the GPU compiles: only what the kernel marks contractable)")
     p.add_argument("--triton-python", default=os.environ.get("TRITON_PYTHON", "python3"),
                    help="a Python with triton installed (default: $TRITON_PYTHON or python3)")
     p.add_argument("--json", default="")
@@ -178,7 +182,7 @@ def main():
         src = os.path.join(tmp, "kernel.ttir")
         with open(src, "w") as f:
             f.write(ir)
-        r = subprocess.run([args.triton_python, "-c", COMPILE, src, str(warps), str(stages)],
+        r = subprocess.run([args.triton_python, "-c", COMPILE, src, str(warps), str(stages), args.fp_fusion],
                            capture_output=True, text=True)
         if r.returncode:
             sys.exit(f"triton compile failed (is triton installed in {args.triton_python}?):\n{r.stderr[-3000:]}")
