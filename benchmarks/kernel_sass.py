@@ -18,6 +18,12 @@ step runs in another Python that has it: `python -m venv /tmp/tv && /tmp/tv/bin/
 triton==3.6.0` (Triton 3.6 is what the H200 machine's jax uses; register counts came out within a
 few percent of Nsight Compute's there). The IR is passed as text; the GPU build is not bit-identical
 (XLA drives its own Triton), so treat the numbers as a close proxy.
+
+`--fp-fusion off` (the default since 2026-12-02) compiles as the GPU build does: XLA's LLVM fuses
+only multiply-adds marked contractable and Triton marks none, so the kernels run without FFMA there
+(Nsight Compute: 0 fused instructions). Counts in results files before then were taken with pip
+Triton's default, `--fp-fusion on` (decode kvarn_k4v2_g128 loop 2,015 on / 2,103 off; quantize 7,312
+on / 8,424 off; benchmarks/results/2026-12-02_fused_multiply_add_h200.md).
 """
 
 from __future__ import annotations

@@ -8,13 +8,11 @@ kernel multiplies in fp32 at HIGHEST precision (its 0/1 plane-selection products
 cannot pass.
 """
 
-import re
 import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -281,74 +279,6 @@ def test_register_cap_reaches_the_triton_module(monkeypatch):
     with pytest.raises(RuntimeError, match="do not pass maxnreg"):
         lower_for_cuda(lambda q, c, t, l, s: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1, window=None,
                                                                        maxnreg=128), *args3)
-
-
-def _lowered_triton_modules(monkeypatch, fn, *args):
-    """The Triton modules (text) jit(fn) lowers to for CUDA, as our lowering hook hands them on."""
-    from jax._src.pallas.triton import lowering
-    from kvarn_jax import triton_options
-    triton_options.install()
-    hooked, modules = lowering.lower_jaxpr_to_triton_module, []
-
-    def capture(*a, **k):
-        r = hooked(*a, **k)
-        modules.append(r.module.operation.get_asm(enable_debug_info=False))
-        return r
-
-    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", capture)
-    lower_for_cuda(fn, *args)
-    return modules
-
-
-@pytest.mark.parametrize("fused", [True, False])
-def test_multiply_adds_become_fma_in_kernels_that_ask(monkeypatch, fused):
-    """fp32 a*b + c, a*b - c and c - a*b become math.fma in a kernel named with fuse_fma=True (XLA's
-    LLVM settings would not fuse them; `triton_options.fuse_multiply_add`); a product with a second
-    use, fp16 arithmetic and kernels that do not ask are left as they are."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
-    from kvarn_jax import triton_options
-
-    def kernel(x_ref, y_ref, z_ref, h_ref, o_ref, oh_ref):
-        x, y, z = x_ref[...], y_ref[...], z_ref[...]
-        p = x * y                                   # two uses: stays a multiply
-        o_ref[0] = x * z + y
-        o_ref[1] = y * z - x
-        o_ref[2] = x - y * z
-        o_ref[3] = p + z + p
-        oh_ref[...] = h_ref[...] * h_ref[...] + h_ref[...]   # fp16: untouched
-
-    call = pl.pallas_call(kernel, out_shape=(jax.ShapeDtypeStruct((4, 16), jnp.float32),
-                                             jax.ShapeDtypeStruct((16,), jnp.float16)),
-                          name=triton_options.kernel_name("kvarn_test", fuse_fma=fused),
-                          compiler_params=plgpu.CompilerParams(num_warps=1))
-    f32, f16 = jnp.ones((16,), jnp.float32), jnp.ones((16,), jnp.float16)
-    [module] = _lowered_triton_modules(monkeypatch, call, f32, f32, f32, f16)
-    ops = lambda op: len(re.findall(rf"= {re.escape(op)} ", module))  # noqa: E731
-    assert ops("math.fma") == (3 if fused else 0)
-    assert ops("arith.mulf") == (2 if fused else 5)     # p and the fp16 square
-    assert ops("arith.addf") == (3 if fused else 4)     # p + z + p and the fp16 sum
-    assert ops("arith.subf") == 2                       # the negations -0.0 - v, or the two differences
-    if fused:   # the negations are exact: -0.0 - v
-        assert re.search(r"arith\.constant dense<-0\.0+e\+00> : tensor<16xf32>", module)
-
-
-def test_quantize_kernel_lowers_with_fma_decode_without(monkeypatch):
-    """The quantize kernel's module has fused multiply-adds, the decode kernel's none (fusing made
-    it slower at B=32 / 32K on the H200: 2026-12-02_fused_multiply_add_h200.md)."""
-    from kvarn_jax.attention import paged_decode_pallas as pdp
-    from kvarn_jax.cache.quantize_pallas import quantize_blocks_pallas
-    cache = kj.PagedKVCache.create("kvarn_k4v2_g64", num_blocks=8, block_size=64, num_kv_heads=2, head_dim=64,
-                                   max_seqs=2)
-    args = (jnp.zeros((2, 8, 64), jnp.float32), cache, jnp.zeros((2, 4), jnp.int32),
-            jnp.full((2,), 200, jnp.int32), jnp.arange(2, dtype=jnp.int32))
-    [decode] = _lowered_triton_modules(
-        monkeypatch, lambda q, c, t, l, s: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1, window=None), *args)
-    cfg = kj.parse("kvarn_k4v2_g64")
-    [quant] = _lowered_triton_modules(monkeypatch, lambda x: quantize_blocks_pallas(x, None, cfg=cfg, side="k"),
-                                      jnp.zeros((2, 2, 64, 64), jnp.float16))
-    assert "module @kvarn_quantize_kvarn_k4v2_g64_k_fma " in quant and quant.count("= math.fma ") >= 10
-    assert "math.fma" not in decode
 
 
 @pytest.mark.parametrize("cfg,batch,kw,want", [

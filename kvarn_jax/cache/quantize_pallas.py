@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .. import schemes, triton_options
+from .. import schemes
 from ..schemes.arith import JNP, Arith
 from ..config import KVQuantConfig
 from ..validation import is_power_of_two as _pow2
@@ -110,9 +110,7 @@ def quantize_blocks_pallas(blocks: jnp.ndarray, static: dict | None, *, cfg: KVQ
                                gpu_arith=not interpret)
     outs = pl.pallas_call(kernel,
                           grid=(m, hk, n_t), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                          interpret=interpret, **params,
-                          # fused multiply-adds: 4-5% faster on the H200 (triton_options)
-                          name=triton_options.kernel_name(f"kvarn_quantize_{cfg.name}_{side}", fuse_fma=True))(*operands)
+                          interpret=interpret, name=f"kvarn_quantize_{cfg.name}_{side}", **params)(*operands)
     res = {}
     for n, o in zip(names, outs):
         res[n] = o if tiled else o.reshape((m, hk, bs) + fields[n][0])
