@@ -6,12 +6,20 @@ For each scheme: allocate one layer's KV cache the way vLLM does for the kvarn b
 high-precision sink/tail), bind it (`kvarn_vllm.torch_ops.bind`: DLPack views, pointer-checked),
 fill it with `torch_ops.write` (in place: pointers checked again), then time
 
-  bridge: torch q/block tables/lengths -> torch_ops.decode -> torch output (DLPack both ways, stream
-          syncs, batch/column padding: everything the vLLM impl pays per layer and step)
-  direct: kvarn_jax.paged_decode_attention on JAX arrays of the same cache (the kernel alone)
+  bridge decode: torch q/block tables/lengths -> torch_ops.decode -> torch output, called as vLLM's
+          impl calls it on a GPU (the longest row from the host, no host-side index checks);
+  bridge, checked: the same with the default checks (which read the indices back, so wait);
+  JAX direct / checked: kvarn_jax.paged_decode_attention on JAX arrays of the same cache, with
+          check_values=False / True;
+  write: one decode step's write of B new tokens through the bridge, completing no block (most
+          steps) or one per sequence, the count given from the host as the metadata gives it;
+  layer: a write and a decode, what one attention layer costs per decode step.
 
-and one decode step's write (B new tokens) through the bridge. Needs no vLLM. On an NVIDIA GPU the
-decode is the Pallas kernel; elsewhere the reference (use --tiny there).
+Each three ways: waited for (call, then synchronize: host + device, serialized), host only (what
+the call costs the CPU) and pipelined (--layers calls back to back, one wait at the end: how a
+model's layers run when nothing synchronizes - the larger of host and device time per call).
+Needs no vLLM. On an NVIDIA GPU the decode is the Pallas kernel; elsewhere the reference (use
+--tiny there).
 
     python benchmarks/bridge_overhead.py                 # H200 shape: B=32, L=32K, Hq=32, Hk=8, D=128
     python benchmarks/bridge_overhead.py --tiny --json out.json   # CPU smoke run
@@ -50,10 +58,15 @@ def _time(fn, device, warmup, iters):
     out = []
     for _ in range(iters):
         t = time.perf_counter()
-        fn()
-        _sync(device)
+        _wait(fn(), device)
         out.append((time.perf_counter() - t) * 1e3)
     return statistics.median(out)
+
+
+def _wait(result, device):
+    if isinstance(result, jax.Array):
+        jax.block_until_ready(result)
+    _sync(device)
 
 
 def run_scheme(scheme, a, device, dtype):
@@ -88,30 +101,78 @@ def run_scheme(scheme, a, device, dtype):
     q = torch.randn((b, a.q_heads, a.head_dim), generator=g, device=device, dtype=dtype)
     lens = torch.full((b,), seq_len, device=device, dtype=torch.int32)
     sid = torch.arange(b, device=device, dtype=torch.int32)
-    bridge = lambda: torch_ops.decode(bound, q, tables, lens, sid, impl=a.impl)  # noqa: E731
+    on_host = device.type == "cpu"
+    # as vLLM's impl calls it: the longest row from the host metadata, index checks only on the host
+    bridge = lambda: torch_ops.decode(bound, q, tables, lens, sid, impl=a.impl, max_seq_len=seq_len,  # noqa: E731
+                                      check_values=on_host)
+    checked = lambda: torch_ops.decode(bound, q, tables, lens, sid, impl=a.impl)  # noqa: E731  (reads back)
     qj, tj, lj, sj = (jax.dlpack.from_dlpack(x) for x in (q, tables, lens, sid))
     qj, tj, lj, sj = (jnp.array(x) for x in (qj, tj, lj, sj))  # JAX-owned copies for the direct call
     sid_arg = None if lay.cfg.is_passthrough else sj
-    direct = lambda: jax.block_until_ready(kvarn_jax.paged_decode_attention(  # noqa: E731
-        qj, bound.cache, tj, lj, seq_ids=sid_arg, impl=a.impl))
+    direct = lambda: kvarn_jax.paged_decode_attention(qj, bound.cache, tj, lj, seq_ids=sid_arg, impl=a.impl,  # noqa: E731
+                                                      check_values=False)
+    direct_checked = lambda: kvarn_jax.paged_decode_attention(qj, bound.cache, tj, lj, seq_ids=sid_arg,  # noqa: E731
+                                                              impl=a.impl)
     out_b = bridge().float().cpu().numpy()
+    out_c = checked().float().cpu().numpy()
     out_d = np.asarray(direct().astype(jnp.float32))
-    t_bridge = _time(bridge, device, a.warmup, a.iters)
-    t_direct = _time(direct, device, a.warmup, a.iters)
 
-    # one decode step's write: B new tokens at position seq_len (tables have room only if seq_len % bs)
-    pos = torch.full((b,), seq_len - 1, device=device, dtype=torch.int32)
-    slots = tables[torch.arange(b, device=device), pos // bs] * bs + pos % bs
+    # one decode step's write: B new tokens, each completing a block (position seq_len - 1) or not
+    # (seq_len - 2, what most steps are); the count comes from the host as the metadata gives it
+    def step(p_last):
+        pos = torch.full((b,), p_last, device=device, dtype=torch.int32)
+        slots = tables[torch.arange(b, device=device), pos // bs] * bs + pos % bs
+        n_done = b if p_last % bs == bs - 1 and p_last >= bs else 0
+        return lambda: torch_ops.write(bound, k1, k1, slots, sid, pos, check_values=on_host,  # noqa: E731
+                                       completing=n_done)
     k1 = torch.randn((b, a.kv_heads, a.head_dim), generator=g, device=device, dtype=dtype)
-    step_write = lambda: torch_ops.write(bound, k1, k1, slots, sid, pos,  # noqa: E731
-                                         check_values=device.type == "cpu")
-    t_write = _time(step_write, device, a.warmup, a.iters)
+    write_full, write_plain = step(seq_len - 1), step(seq_len - 2)
+
+    def layer():  # one layer of a decode step as vLLM runs it: the write, then the attention
+        write_plain()
+        return bridge()
+
+    res = {}
+    for name, fn in (("decode_bridge", bridge), ("decode_bridge_checked", checked), ("decode_direct", direct),
+                     ("decode_direct_checked", direct_checked), ("write_step", write_plain),
+                     ("write_step_completing", write_full), ("layer", layer)):
+        res[name + "_ms"] = _time(fn, device, a.warmup, a.iters)            # call + wait for the GPU
+        res[name + "_host_ms"] = _host(fn, device, a.warmup, a.iters)       # the call alone
+        res[name + "_pipelined_ms"] = _pipelined(fn, device, a.warmup, a.layers)  # per call, back to back
     return {"scheme": scheme, "batch": b, "seq_len": seq_len, "q_heads": a.q_heads, "kv_heads": a.kv_heads,
             "head_dim": a.head_dim, "block_size": bs, "dtype": str(dtype).split(".")[-1],
-            "cache_bytes": kv.numel(), "zero_copy_bind": zero_copy, "in_place_write": in_place,
-            "decode_bridge_ms": t_bridge, "decode_direct_ms": t_direct,
-            "overhead_ms": t_bridge - t_direct, "overhead_pct": 100 * (t_bridge - t_direct) / t_direct,
-            "max_abs_diff": float(np.max(np.abs(out_b - out_d))), "write_step_ms": t_write}
+            "cache_bytes": kv.numel(), "zero_copy_bind": zero_copy, "in_place_write": in_place, **res,
+            "max_abs_diff": float(max(np.max(np.abs(out_b - out_d)), np.max(np.abs(out_c - out_d))))}
+
+
+def _host(fn, device, warmup, iters):
+    """Median host time of the call alone (what it costs the CPU; the GPU works on meanwhile)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    out = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        r = fn()
+        out.append((time.perf_counter() - t) * 1e3)
+        _wait(r, device)
+    return statistics.median(out)
+
+
+def _pipelined(fn, device, warmup, n):
+    """Time per call of n calls back to back with one wait at the end, as a model's layers run:
+    the larger of the host's and the device's cost per call."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(n):
+            r = fn()
+        _wait(r, device)
+        best = min(best, (time.perf_counter() - t) * 1e3 / n)
+    return best
 
 
 def main(argv=None):
@@ -128,12 +189,13 @@ def main(argv=None):
     p.add_argument("--impl", default="auto", choices=["auto", "pallas", "reference"])
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--layers", type=int, default=32, help="calls back to back in the pipelined timing")
     p.add_argument("--tiny", action="store_true", help="small shapes for a CPU run")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--json", default=None, help="write the rows to this file")
     a = p.parse_args(argv)
     if a.tiny:
-        a.batch, a.seq_len, a.q_heads, a.kv_heads, a.head_dim, a.iters, a.chunk = 4, 512, 8, 2, 64, 5, 512
+        a.batch, a.seq_len, a.q_heads, a.kv_heads, a.head_dim, a.iters, a.chunk, a.layers = 4, 512, 8, 2, 64, 5, 512, 4
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and jax.default_backend() != "gpu":
         sys.exit("torch sees a GPU but JAX does not: install the CUDA build of jax")
@@ -141,14 +203,15 @@ def main(argv=None):
     rows = [run_scheme(s.strip(), a, device, dtype) for s in a.schemes.split(",") if s.strip()]
     print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
           f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__}")
-    hdr = f"{'scheme':18} {'B':>3} {'L':>6} {'bridge ms':>10} {'direct ms':>10} {'overhead':>12} " \
-          f"{'write ms':>9} {'zero-copy':>9} {'in-place':>8} {'max|diff|':>9}"
-    print(hdr)
+    cols = [("decode_bridge", "bridge decode"), ("decode_bridge_checked", "bridge, checked"),
+            ("decode_direct", "JAX direct"), ("decode_direct_checked", "JAX, checked"),
+            ("write_step", "write (no block done)"), ("write_step_completing", "write (B blocks done)"),
+            ("layer", "layer: write + decode")]
+    print("ms per call: waited for / host only / pipelined (per call of --layers back to back)")
+    print(f"{'scheme':18} " + " ".join(f"{h:>24}" for _, h in cols) + f" {'max|diff|':>9}")
     for r in rows:
-        print(f"{r['scheme']:18} {r['batch']:>3} {r['seq_len']:>6} {r['decode_bridge_ms']:>10.3f} "
-              f"{r['decode_direct_ms']:>10.3f} {r['overhead_ms']:>+7.3f} ({r['overhead_pct']:>+3.0f}%) "
-              f"{r['write_step_ms']:>9.3f} {str(r['zero_copy_bind']):>9} {str(r['in_place_write']):>8} "
-              f"{r['max_abs_diff']:>9.2e}")
+        cells = [f"{r[k + '_ms']:.3f}/{r[k + '_host_ms']:.3f}/{r[k + '_pipelined_ms']:.3f}" for k, _ in cols]
+        print(f"{r['scheme']:18} " + " ".join(f"{c:>24}" for c in cells) + f" {r['max_abs_diff']:>9.2e}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": str(device), "jax": jax.__version__, "torch": torch.__version__, "rows": rows},

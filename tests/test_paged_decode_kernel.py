@@ -127,6 +127,47 @@ def test_seq_ids_zero_length_and_many_splits(rng):
 
 
 @pytest.mark.parametrize("kernel", ["gpu", "tpu"])
+@pytest.mark.parametrize("cfg", ["kvarn_k4v2_g32", "int4", "fp16"])
+def test_unchecked_out_of_range_indices_are_clamped(kernel, cfg, rng):
+    """check_values=False (no host read-back): bad indices are not reported but made harmless.
+    Block ids and slots are clamped into range, by the kernels as by the reference, so a bad row
+    reads pages of the cache (compiled on a GPU, memory outside it would be read otherwise) and the
+    other rows are untouched; a length past the table's capacity gives that row a finite, wrong
+    output. With the checks on, each bad index is an error naming it."""
+    cache, bt, sl, _ = build(cfg, [100, 70, 40, 33], 2, 64, 32, rng, max_seqs=4)
+    q = jnp.asarray(rng.standard_normal((4, 4, 64)), jnp.float32)
+    good = np.asarray(kj.paged_decode_attention(q, cache, bt, sl, impl="reference"))
+    bad_bt = np.asarray(bt).copy()
+    bad_bt[1, 1] = cache.num_blocks + 5                  # a used block id past the pool
+    bad_bt[2, 0] = -3
+    bad_sl = np.asarray(sl).copy()
+    bad_sl[3] = bt.shape[1] * 32 + 50                    # longer than the table can hold
+    bad_sid = jnp.array([0, 1, 9, 3], jnp.int32)         # past max_seqs
+    for name, one in (("block_tables", (jnp.asarray(bad_bt), sl, None)), ("seq_lens", (bt, jnp.asarray(bad_sl), None)),
+                      ("seq_ids", (bt, sl, bad_sid))):
+        if name == "seq_ids" and not cache.has_hp:  # passthrough caches have no slots to index
+            continue
+        with pytest.raises(ValueError, match=name):
+            kj.paged_decode_attention(q, cache, one[0], one[1], seq_ids=one[2], impl="reference")
+    args = (q, cache, jnp.asarray(bad_bt), jnp.asarray(bad_sl))
+    ref = np.asarray(kj.paged_decode_attention(*args, seq_ids=bad_sid, impl="reference", check_values=False))
+    out = np.full(ref.shape, np.nan, np.float32)         # poisoned: every element must be written
+    interpret = jax.default_backend() != {"gpu": "gpu", "tpu": "tpu"}[kernel]
+    out[...] = np.asarray(kj.paged_decode_attention(*args, seq_ids=bad_sid, impl="pallas", interpret=interpret,
+                                                    kernel=kernel, check_values=False), np.float32)
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(ref[0], good[0])      # the good row as if the others were good
+    tol = (4e-3 if kernel == "gpu" else 1e-4) * np.abs(good).max()
+    np.testing.assert_allclose(out[:3], ref[:3], atol=tol)  # rows 1, 2: clamped ids, as the reference reads them
+    np.testing.assert_allclose(out[0], good[0], atol=tol)
+    # the reference's clamped reading, spelled out: ids into range, the length to the table's capacity
+    fixed = kj.paged_decode_attention(q, cache, jnp.asarray(np.clip(bad_bt, 0, cache.num_blocks - 1)),
+                                      jnp.minimum(jnp.asarray(bad_sl), bt.shape[1] * 32),
+                                      seq_ids=jnp.array([0, 1, 3, 3], jnp.int32), impl="reference")
+    np.testing.assert_allclose(ref, np.asarray(fixed), atol=1e-6 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("kernel", ["gpu", "tpu"])
 @pytest.mark.parametrize("cfg", ["kivi_k2v2_g32", "kvarn_k2v4_g32"])
 def test_short_key_planes(kernel, cfg, rng):
     # 2-bit keys in 32-token tiles: 8-row bit planes, which the GPU kernel reassembles into token order

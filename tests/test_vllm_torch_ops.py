@@ -2,6 +2,8 @@
 buffer shaped as vLLM allocates it, in-place writes bit-identical to `kvarn_jax.write`, decode and
 (chunked) prefill attention against a float64 oracle."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,8 +68,11 @@ def _leaves(cache):
     return out
 
 
-def _serve(bound, oracle, seqs, tables, rng, max_chunk):
-    """Write sequences chunk by chunk through the bridge (in place) and the library (functional)."""
+def _serve(bound, oracle, seqs, tables, rng, max_chunk, host_counts=False):
+    """Write sequences chunk by chunk through the bridge (in place) and the library (functional).
+    host_counts: pass what vLLM's metadata gives the bridge on a GPU - the blocks each write
+    completes, counted here - and no host-side index checks; every call then runs under
+    `no_read_back` (nothing may wait for the device)."""
     bs = bound.layout.block_size
     done = [0] * len(seqs)
     lens = [s[0].shape[0] for s in seqs]
@@ -84,11 +89,47 @@ def _serve(bound, oracle, seqs, tables, rng, max_chunk):
         slots = np.array([tables[i, p // bs] * bs + p % bs for i, p in rows] + [-1] * pad, np.int32)
         ids = np.array([i for i, _ in rows] + [0] * pad, np.int32)
         pos = np.array([p for _, p in rows] + [0] * pad, np.int32)
-        torch_ops.write(bound, torch.from_numpy(k), torch.from_numpy(v), torch.from_numpy(slots),
-                        torch.from_numpy(ids), torch.from_numpy(pos))
+        args = (bound, torch.from_numpy(k), torch.from_numpy(v), torch.from_numpy(slots), torch.from_numpy(ids),
+                torch.from_numpy(pos))
+        if host_counts:
+            live = (slots != -1) & (pos >= bs) & (pos % bs == bs - 1)
+            with no_read_back():
+                torch_ops.write(*args, check_values=False, completing=int(live.sum()))
+        else:
+            torch_ops.write(*args)
         oracle = kj.write(oracle, jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots), seq_ids=jnp.asarray(ids),
                           positions=jnp.asarray(pos))
     return oracle
+
+
+@contextlib.contextmanager
+def no_read_back():
+    """Fail on anything that reads device data back to the host - torch or JAX values turned into
+    Python or NumPy ones, nonzero, explicit synchronization - the calls that would make a GPU
+    caller wait. On CPU they cost nothing, so this is how CI checks the bridge's GPU path keeps
+    its dispatch asynchronous."""
+    from jax._src.array import ArrayImpl
+
+    def refuse(what):
+        def f(*a, **k):
+            raise AssertionError(f"read back from the device: {what}")
+        return f
+
+    saved = []
+    for owner, names in ((torch.Tensor, ["item", "cpu", "numpy", "tolist", "nonzero", "__int__", "__bool__",
+                                          "__float__", "__index__", "__array__"]),
+                         (torch, ["nonzero"]), (torch.cuda, ["synchronize"]),
+                         (ArrayImpl, ["__array__", "__bool__", "__int__", "__float__", "__index__", "item", "tolist",
+                                      "block_until_ready"]),
+                         (jax, ["block_until_ready", "device_get"])):
+        for n in names:
+            saved.append((owner, n, getattr(owner, n)))
+            setattr(owner, n, refuse(f"{getattr(owner, '__name__', owner)}.{n}"))
+    try:
+        yield
+    finally:
+        for owner, n, f in saved:
+            setattr(owner, n, f)
 
 
 def _attention64(q, k, v, lens, q_lens, scale):
@@ -192,6 +233,39 @@ def test_write_in_place_is_bit_identical_to_the_library(scheme, rng):
         np.testing.assert_array_equal(got[key], want[key], err_msg=f"{scheme}: {key}")
     c = torch_ops.counters()
     assert c["write_tokens"] >= sum(lens) and c["write_calls"] > 0
+
+
+@pytest.mark.parametrize("scheme", ["kvarn_k4v2_g32", "int8_g16", "fp16"])
+def test_gpu_path_reads_nothing_back_and_matches_the_library(scheme, rng):
+    """What vLLM's impl does on a GPU: block counts and the longest row from the host metadata, no
+    host-side index checks. Writes stay bit-identical to the library's and decode equals the checked
+    call, with every host read-back refused (`no_read_back`)."""
+    bound, _ = _bind(scheme, rng, hp_in_buffer=scheme != "int8_g16")
+    lens = [70, 33, 5, 96]
+    seqs = [random_kv(rng, n, 2, 32, np.float32, outliers=2) for n in lens]
+    tables = allocate_tables(rng, lens, 32, 12)
+    oracle = _serve(bound, _snapshot(bound), seqs, tables, rng, max_chunk=40, host_counts=True)
+    got, want = _leaves(bound.cache), _leaves(oracle)
+    for key in bound.views:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=f"{scheme}: {key}")
+    q = torch.from_numpy(rng.standard_normal((4, 4, 32)).astype(np.float32))
+    bt, sl, sid = torch.from_numpy(tables), torch.tensor(lens), torch.arange(4)
+    checked = torch_ops.decode(bound, q, bt, sl, sid).clone()
+    with no_read_back():
+        fast = torch_ops.decode(bound, q, bt, sl, sid, max_seq_len=max(lens), check_values=False)
+    np.testing.assert_array_equal(fast.numpy(), checked.numpy())
+    # the default paths do read back (so the guard can fail): the decode's longest row, the write's count
+    with no_read_back(), pytest.raises(AssertionError, match="read back"):
+        torch_ops.decode(bound, q, bt, sl, sid, check_values=False)
+    if not kj.parse(scheme).is_passthrough:
+        k1 = torch.randn(1, 2, 32)
+        with no_read_back(), pytest.raises(AssertionError, match="read back"):
+            torch_ops.write(bound, k1, k1, torch.tensor([5]), torch.tensor([0]), torch.tensor([5]), check_values=False)
+    # a host count below the true one is refused where it can be checked
+    k2 = torch.randn(1, 2, 32)  # position 95 completes sequence 3's third block
+    with pytest.raises(ValueError, match="completing"):
+        torch_ops.write(bound, k2, k2, torch.tensor([int(tables[3, 2]) * 32 + 31]), torch.tensor([3]),
+                        torch.tensor([95]), completing=0)
 
 
 def test_write_rejects_bad_input(rng):

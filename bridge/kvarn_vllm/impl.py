@@ -181,12 +181,15 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         n = md.num_actual_tokens
         bound = self._bind(layer, kv_cache)
         on_host = query.device.type == "cpu"
+        # on a GPU nothing below waits for the device (`torch_ops`: the host-side counts come from
+        # the metadata, the index checks run on the host only when the tensors live there)
         torch_ops.write(bound, key[:n], value[:n], md.slot_mapping[:n], md.token_seq_ids[:n], md.positions[:n],
-                        check_values=on_host)
+                        check_values=on_host, completing=md.completing_blocks)
         nd, ndt = md.num_decodes, md.num_decode_tokens
         if nd:
             out = torch_ops.decode(bound, query[:ndt], md.block_table[:nd], md.seq_lens[:nd], md.seq_ids[:nd],
-                                   scale=self.scale, impl=self.settings.decode_impl)
+                                   scale=self.scale, impl=self.settings.decode_impl,
+                                   max_seq_len=md.max_decode_seq_len, check_values=on_host)
             output[:ndt].copy_(out.view(ndt, self.num_heads, self.head_size))
         if md.num_reqs > nd:
             qsl = md.query_start_loc[nd:] - md.query_start_loc[nd]

@@ -40,6 +40,9 @@ class KvarnMetadata:
     seq_ids: torch.Tensor              # [num_reqs] high-precision slot of each row
     token_seq_ids: torch.Tensor        # [num_actual_tokens]
     positions: torch.Tensor            # [num_actual_tokens]
+    # counted on the host, so that the layers' writes and decodes never wait for the GPU
+    completing_blocks: int = 0         # blocks this step's write completes (`torch_ops.write`)
+    max_decode_seq_len: int = 0        # the longest decode row (`torch_ops.decode`)
 
 
 class SlotTable:
@@ -99,6 +102,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         check_layer_order(vllm_config, layer_names)  # per-layer schemes: each layer got its own (engine start)
         self._init_reorder_batch_threshold(1)  # decodes first
         self.max_seqs = vllm_config.scheduler_config.max_num_seqs
+        self.block_size = kv_cache_spec.block_size
         self.table = SlotTable(self.max_seqs)
         self.runner = _find_runner()
 
@@ -135,10 +139,14 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         tok_slots = np.zeros(n, np.int32)
         tok_slots[:tokens] = slots[rows]
         dev = cm.seq_lens.device
+        bs = self.block_size
+        live = positions[:tokens]
+        completing = int(np.sum((live >= bs) & (live % bs == bs - 1)))
         return KvarnMetadata(
             num_actual_tokens=n, num_reqs=r, num_decodes=num_decodes,
             num_decode_tokens=int(qsl[num_decodes] - qsl[0]),
             query_start_loc=cm.query_start_loc[: r + 1], seq_lens=cm.seq_lens[:r],
             block_table=cm.block_table_tensor[:r], slot_mapping=cm.slot_mapping[:n],
             seq_ids=torch.from_numpy(slots).to(dev), token_seq_ids=torch.from_numpy(tok_slots).to(dev),
-            positions=torch.from_numpy(positions).to(dev))
+            positions=torch.from_numpy(positions).to(dev), completing_blocks=completing,
+            max_decode_seq_len=int(seq_lens[:num_decodes].max(initial=0)))

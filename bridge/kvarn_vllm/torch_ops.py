@@ -19,6 +19,14 @@ that tensor (no copy; checked by data pointer). Then:
 
 Token and batch counts are padded to powers of two (padding slots are -1, padding rows have length
 0) so that XLA compiles a handful of shapes, not one per step.
+
+No host synchronization on a GPU (when the caller passes what only the host knows, as the vLLM impl
+does: `completing`, `max_seq_len`, and `check_values=False`): torch and JAX work on different CUDA
+streams and DLPack orders them - importing a torch tensor into JAX makes JAX's stream wait for
+torch's pending work, exporting a JAX array to torch makes torch's stream wait for JAX's - so a
+layer's write, decode and the next layer's torch work are queued, not waited for. Each bound cache
+keeps its last call's exchanged arrays alive until its next call, so that neither framework's
+allocator reuses a buffer the other one's stream may still read.
 """
 
 from __future__ import annotations
@@ -85,6 +93,8 @@ class BoundCache:
     views: dict
     cache: kvarn_jax.PagedKVCache
     buffer: torch.Tensor
+    # the last call's arrays exchanged through DLPack (module docstring): replaced by the next call
+    in_flight: tuple = ()
 
     def pointers(self) -> dict:
         """{leaf key: (torch data_ptr, JAX buffer pointer)} - equal pairs prove the import is zero-copy."""
@@ -152,12 +162,6 @@ def _to_torch(x) -> torch.Tensor:
     return torch.from_dlpack(x)
 
 
-def _sync_torch(device: torch.device) -> None:
-    # JAX and torch use different CUDA streams: make torch's pending work visible to JAX.
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
 def _pad_rows(t: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     if t.shape[0] == n:
         return t
@@ -166,57 +170,98 @@ def _pad_rows(t: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("max_complete", "quantizer"))
-def write_delta(cache, k, v, slot_mapping, seq_ids, positions, max_complete: int | None = None,
-                quantizer: str = "reference") -> dict:
-    """What `kvarn_jax.write(cache, k, v, ...)` would change, as {leaf key: (idx0, idx2, values)}.
+# the high-precision leaves a write stores token rows into, each with the index pair (row, offset)
+# it uses: k and v of one kind share their routing, so their indices are exported once
+_HP_LEAVES = (("sink.k", 0), ("sink.v", 0), ("tail.k", 1), ("tail.v", 1))
+_PASSTHROUGH_LEAVES = (("pages.k.values", 0), ("pages.v.values", 0))
 
-    The leaf's rows `leaf[idx0, :, idx2] = values` (idx2 None: `leaf[idx0] = values`) with idx0 == -1
-    skipped reproduce the library's write exactly (tested bit for bit against it): the routing and
-    the completed blocks come from the library's own `write_plan` / `completed_blocks`. The cache is
-    only read. max_complete: a static bound on the blocks this write completes (default: the
-    library's bound from the token count); 0 skips quantization, which most decode steps need.
-    quantizer: as in the library (`kvarn_jax.cache.paged.auto_quantizer`).
+
+@functools.partial(jax.jit, static_argnames=("max_complete", "quantizer"))
+def write_delta(cache, kv, ids, max_complete: int | None = None, quantizer: str = "reference") -> dict:
+    """What `kvarn_jax.write(cache, k, v, slot_mapping, seq_ids, positions)` would change.
+
+    kv: [2, n, Hk, D] (keys, values); ids: int32 [3, n] (slot_mapping, seq_ids, positions): packed
+    so that torch hands JAX two arrays per write (each DLPack import costs ~80 us of host time on
+    the H200). Returns
+      "rows_index" [2 * P, n] int32 and "rows" [L, n, Hk, D]: leaf `_HP_LEAVES[j]` (passthrough:
+        `_PASSTHROUGH_LEAVES[j]`), index pair p, gets leaf[rows_index[2p], :, rows_index[2p+1]] =
+        rows[j];
+      quantized caches with max_complete > 0, also "page_index" [m] and "pages" {leaf key: [m, ...]}:
+        leaf[page_index] = pages[key], the fields of the blocks this write completes.
+    Storing every entry reproduces the library's write exactly (tested bit for bit against it): the
+    routing and the completed blocks come from the library's own `write_plan` / `completed_blocks`.
+    Every index is a valid row: an entry that stores nothing (padding, a token routed elsewhere, an
+    unused block candidate) repeats another entry of its leaf - same row, same values - or, where
+    the leaf gets nothing, rewrites row 0 with its current contents. So torch stores a leaf with one
+    indexed copy and never has to read back which entries are live (that would wait for the GPU).
+    The cache is only read. max_complete: a static bound on the blocks this write completes
+    (default: the library's bound from the token count); 0 skips quantization, which most decode
+    steps need. quantizer: as in the library (`kvarn_jax.cache.paged.auto_quantizer`).
     """
-    p = write_plan(cache, k, v, slot_mapping, seq_ids, positions)
-    out = {}
+    k, v = kv[0], kv[1]
+    p = write_plan(cache, k, v, ids[0], ids[1], ids[2])
     if cache.cfg.is_passthrough:
-        for s in schemes.SIDES:
-            out[f"pages.{s}.values"] = (jnp.where(p.in_range, p.blk, -1), p.off, p.xs[s])
+        routes = [(jnp.where(p.in_range, p.blk, -1), p.off)]
+        leaves = [(cache.pages[s]["values"], p.xs[s]) for s in schemes.SIDES]
+    else:
+        routes = [(jnp.where(p.is_sink, p.seq, -1), p.off), (jnp.where(p.in_ring, p.seq, -1), p.pos % cache.tail_len)]
+        leaves = [(cache.sink[s], p.xs[s]) for s in schemes.SIDES] + [(cache.tail[s], p.xs[s]) for s in schemes.SIDES]
+    index, rows = [], []
+    for r, (i0, i2) in enumerate(routes):
+        for leaf, x in leaves[2 * r:2 * r + 2]:  # k and v: the same routing, so the same live entries
+            a, b, vals = _every_entry_live(leaf, i0, i2, x.astype(leaf.dtype))
+            rows.append(vals)
+        index += [a, b]
+    out = {"rows_index": jnp.stack(index).astype(jnp.int32), "rows": jnp.stack(rows)}
+    if cache.cfg.is_passthrough:
         return out
-    for s in schemes.SIDES:
-        out[f"sink.{s}"] = (jnp.where(p.is_sink, p.seq, -1), p.off, p.xs[s])
-        out[f"tail.{s}"] = (jnp.where(p.in_ring, p.seq, -1), p.pos % cache.tail_len, p.xs[s])
     n = k.shape[0]
     m = completed_block_bound(cache, n) if max_complete is None else min(max_complete, n)
     if m == 0:
         return out
     c_m, fields = completed_blocks(cache, p, m, quantizer)
     blocks = jnp.where(c_m < cache.num_blocks, c_m, -1)
+    out["pages"] = {}
     for s in schemes.SIDES:
         for name, f in fields[s].items():
-            out[f"pages.{s}.{name}"] = (blocks, None, f.astype(cache.pages[s][name].dtype))
+            leaf = cache.pages[s][name]
+            out["page_index"], _, out["pages"][f"pages.{s}.{name}"] = _every_entry_live(leaf, blocks, None,
+                                                                                     f.astype(leaf.dtype))
+    out["page_index"] = out["page_index"].astype(jnp.int32)
     return out
 
 
-def _apply_delta(views: dict, delta: dict) -> int:
-    """Store a `write_delta` into the torch views in place; returns the number of pages written."""
-    pages, counted = 0, False
-    for key, (i0, i2, vals) in delta.items():
-        t = views[key]
-        i0 = _to_torch(i0)
-        sel = torch.nonzero(i0 >= 0).squeeze(1)
-        if sel.numel() == 0:
-            continue
-        rows = i0[sel].long()
-        vals_t = _to_torch(vals).index_select(0, sel)
-        if i2 is None:
-            t.index_copy_(0, rows, vals_t)
-            if not counted:  # every completed block writes every field: count one
-                pages, counted = sel.numel(), True
-        else:
-            t[rows, :, _to_torch(i2).index_select(0, sel).long()] = vals_t
-    return pages
+def _every_entry_live(leaf, i0, i2, vals):
+    """(i0, i2, vals) with the entries i0 == -1 made harmless (see `write_delta`): they take the
+    first live entry's row and values, or with none row 0 (offset 0) and its current contents."""
+    live = i0 >= 0
+    first = jnp.argmax(live)
+    any_live = live[first]
+    cur = leaf[0] if i2 is None else leaf[0, :, 0]
+    fill = jnp.where(any_live, vals[first], cur.astype(vals.dtype))
+    keep = live.reshape(live.shape + (1,) * (vals.ndim - 1))
+    i0 = jnp.where(live, i0, jnp.where(any_live, i0[first], 0))
+    if i2 is not None:
+        i2 = jnp.where(live, i2, jnp.where(any_live, i2[first], 0))
+    return i0, i2, jnp.where(keep, vals, fill[None])
+
+
+def _apply_delta(bound: BoundCache, delta: dict) -> list:
+    """Store a `write_delta` into the torch views in place (queued on torch's stream, nothing read
+    back); returns the torch tensors of the delta (kept alive until the next call)."""
+    views = bound.views
+    index, rows = _to_torch(delta["rows_index"]), _to_torch(delta["rows"])
+    held = [index, rows]
+    for j, (key, pair) in enumerate(_PASSTHROUGH_LEAVES if bound.layout.cfg.is_passthrough else _HP_LEAVES):
+        views[key][index[2 * pair], :, index[2 * pair + 1]] = rows[j]
+    if "pages" in delta:
+        blocks = _to_torch(delta["page_index"])
+        held.append(blocks)
+        for key, vals in delta["pages"].items():
+            vals = _to_torch(vals)
+            views[key][blocks] = vals
+            held.append(vals)
+    return held
 
 
 def _check_tokens(bound: BoundCache, key, value, slot_mapping, seq_ids, positions, check_values: bool):
@@ -250,27 +295,39 @@ def _check_tokens(bound: BoundCache, key, value, slot_mapping, seq_ids, position
 
 
 def write(bound: BoundCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
-          seq_ids: torch.Tensor, positions: torch.Tensor, *, check_values: bool = True) -> None:
+          seq_ids: torch.Tensor, positions: torch.Tensor, *, check_values: bool = True,
+          completing: int | None = None) -> None:
     """Store `key`/`value` ([tokens, Hk, D]) in the bound cache, in place (see the module docstring).
 
     slot_mapping: vLLM's slots (-1 = padding); seq_ids: each token's high-precision slot in
     [0, max_seqs); positions: each token's position in its sequence. check_values: validate index
-    ranges on the host (cheap for CPU tensors; it synchronizes a GPU; without it one scalar, the
-    number of blocks this write completes, is still read back).
+    ranges on the host (cheap for CPU tensors; it synchronizes a GPU). completing: how many blocks
+    this write completes (tokens at position >= block_size with position % block_size ==
+    block_size - 1), counted by the caller on the host - the vLLM metadata builder has the
+    positions there; it sizes the quantization and must not be lower than the true count (blocks
+    past it would not be quantized; with check_values it is verified). None: counted here, which
+    reads one scalar back from a GPU. Nothing else waits for the device: the result is queued.
     """
     t0 = time.perf_counter()
-    completing = _check_tokens(bound, key, value, slot_mapping, seq_ids, positions, check_values)
+    counted = _check_tokens(bound, key, value, slot_mapping, seq_ids, positions, check_values)
+    if completing is not None:
+        if not isinstance(completing, (int, np.integer)) or completing < 0:
+            raise ValueError(f"completing must be a non-negative int or None, got {completing!r}")
+        if counted is not None and completing < counted:
+            raise ValueError(f"completing={completing} but this write completes {counted} blocks")
+    else:
+        completing = counted
     n = key.shape[0]
     if n == 0:
         return
     nb = _bucket(n)
-    dev = key.device
-    _sync_torch(dev)
-    k = _to_jax(_pad_rows(key, nb))
-    v = _to_jax(_pad_rows(value, nb))
-    sm = _to_jax(_pad_rows(slot_mapping.to(torch.int32), nb, -1))
-    sid = _to_jax(_pad_rows(seq_ids.to(torch.int32), nb, 0))
-    pos = _to_jax(_pad_rows(positions.to(torch.int32), nb, 0))
+    kv = torch.zeros((2, nb) + tuple(key.shape[1:]), dtype=torch.promote_types(key.dtype, value.dtype),
+                     device=key.device)
+    kv[0, :n], kv[1, :n] = key, value
+    ids = torch.zeros((3, nb), dtype=torch.int32, device=key.device)
+    ids[0, :n], ids[0, n:] = slot_mapping, -1            # padding slots: -1
+    ids[1, :n], ids[2, :n] = seq_ids, positions
+    kv_j, ids_j = _to_jax(kv), _to_jax(ids)
     if completing is None and not bound.layout.cfg.is_passthrough:
         # blocks this write completes, counted where the tensors live (one scalar read back); without
         # it every call would quantize the library's worst-case number of blocks
@@ -283,11 +340,11 @@ def write(bound: BoundCache, key: torch.Tensor, value: torch.Tensor, slot_mappin
     else:  # the library's sizes, so that pages match `kvarn_jax.write` bit for bit
         sizes = completion_sizes(bound.cache, nb)
         bound_m = next((m for m in sizes if m >= completing), sizes[-1])
-    delta = write_delta(bound.cache, k, v, sm, sid, pos, max_complete=bound_m,
-                        quantizer=auto_quantizer(bound.cache))
-    delta = jax.block_until_ready(delta)
-    blocks = _apply_delta(bound.views, delta)
-    _count(write_calls=1, write_tokens=n, blocks_quantized=blocks, write_s=time.perf_counter() - t0)
+    delta = write_delta(bound.cache, kv_j, ids_j, max_complete=bound_m, quantizer=auto_quantizer(bound.cache))
+    held = _apply_delta(bound, delta)
+    bound.in_flight = (kv, ids, kv_j, ids_j, delta, held)
+    _count(write_calls=1, write_tokens=n, blocks_quantized=0 if bound.layout.cfg.is_passthrough else completing,
+           write_s=time.perf_counter() - t0)
 
 
 # ------------------------------------------------------------------------------------- attention
@@ -305,30 +362,56 @@ def _check_rows(bound, query, block_tables, seq_lens, seq_ids, rows):
 
 
 def decode(bound: BoundCache, query: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-           seq_ids: torch.Tensor, *, scale: float | None = None, impl: str = "auto") -> torch.Tensor:
+           seq_ids: torch.Tensor, *, scale: float | None = None, impl: str = "auto", max_seq_len: int | None = None,
+           check_values: bool = True) -> torch.Tensor:
     """One query token per sequence: query [B, Hq, D] -> [B, Hq, D] (query's dtype), via
     `kvarn_jax.paged_decode_attention` reading the bound cache in place.
 
     block_tables [B, max_blocks], seq_lens [B] (tokens in the cache, the query's own included),
     seq_ids [B] (high-precision slots). impl: 'auto' | 'pallas' | 'reference' (see the library).
+    max_seq_len: the longest of seq_lens, known to the caller on the host (vLLM's metadata has it;
+    an upper bound is fine): it picks how many block-table columns the kernel gets. None: read
+    from seq_lens (waits for a GPU). check_values: the library's range checks of the block ids,
+    lengths and slots (they read the tensors back: False on a GPU keeps the call asynchronous; the
+    kernels clamp indices either way). The returned tensor is a zero-copy view of JAX's result,
+    which torch's stream waits for - nothing here waits on the host.
     """
     t0 = time.perf_counter()
     b = query.shape[0]
     _check_rows(bound, query, block_tables, seq_lens, seq_ids, b)
     if b == 0:
         return query.new_empty(query.shape)
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    elif not isinstance(max_seq_len, (int, np.integer)) or max_seq_len < 0:
+        raise ValueError(f"max_seq_len must be a non-negative int or None, got {max_seq_len!r}")
     bb = _bucket(b, 1)
-    _sync_torch(query.device)
-    q = _to_jax(_pad_rows(query, bb))
-    cols = _used_columns(seq_lens.detach().cpu().numpy(), bound.layout.block_size, block_tables.shape[1])
-    bt = _to_jax(_pad_rows(block_tables[:, :cols].to(torch.int32), bb, 0))
-    sl = _to_jax(_pad_rows(seq_lens.to(torch.int32), bb, 0))
-    # passthrough caches have no high-precision slots (and no seq_ids)
-    sid = None if bound.layout.cfg.is_passthrough else _to_jax(_pad_rows(seq_ids.to(torch.int32), bb, 0))
-    out = kvarn_jax.paged_decode_attention(q, bound.cache, bt, sl, scale, seq_ids=sid, impl=impl)
-    out = jax.block_until_ready(out)
+    cols = _used_columns(max_seq_len, bound.layout.block_size, block_tables.shape[1])
+    # one int32 array [bb, cols + 2]: the block table, then the lengths and the slots (padding rows:
+    # length 0) - two DLPack imports per call instead of four (~80 us of host time each on the H200)
+    idx = torch.zeros((bb, cols + 2), dtype=torch.int32, device=query.device)
+    idx[:b, :cols], idx[:b, cols], idx[:b, cols + 1] = block_tables[:, :cols], seq_lens, seq_ids
+    q, idx_j = _to_jax(_pad_rows(query, bb)), _to_jax(idx)
+    passthrough = bound.layout.cfg.is_passthrough  # no high-precision slots (and no seq_ids)
+    if check_values:  # the library's eager checks need the arrays themselves
+        bt, sl, sid = idx_j[:, :cols], idx_j[:, cols], idx_j[:, cols + 1]
+        out = kvarn_jax.paged_decode_attention(q, bound.cache, bt, sl, scale, seq_ids=None if passthrough else sid,
+                                               impl=impl)
+    else:
+        out = _decode_unchecked(q, bound.cache, idx_j, scale=scale, impl=impl, passthrough=passthrough)
+    res = _to_torch(out)
+    bound.in_flight = (idx, q, idx_j, out, res)
     _count(decode_calls=1, decode_rows=b, decode_s=time.perf_counter() - t0)
-    return _to_torch(out)[:b]
+    return res[:b]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "impl", "passthrough"))
+def _decode_unchecked(q, cache, idx, *, scale, impl, passthrough):
+    """The library's decode on the packed indices of `decode`, in one dispatch."""
+    cols = idx.shape[1] - 2
+    return kvarn_jax.paged_decode_attention(q, cache, idx[:, :cols], idx[:, cols], scale,
+                                            seq_ids=None if passthrough else idx[:, cols + 1], impl=impl,
+                                            check_values=False)
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))
@@ -360,9 +443,9 @@ def _prefill_attend(q, cache, block_table, seq_len, seq_id, q_len, *, scale):
     return o.astype(q.dtype)
 
 
-def _used_columns(seq_lens: np.ndarray, block_size: int, width: int) -> int:
+def _used_columns(max_seq_len: int, block_size: int, width: int) -> int:
     """Block-table columns the longest sequence uses, rounded up to a power of two (few shapes)."""
-    need = max(1, -(-int(seq_lens.max(initial=1)) // block_size))
+    need = max(1, -(-int(max_seq_len) // block_size))
     return min(width, 1 << (need - 1).bit_length())
 
 
@@ -392,7 +475,6 @@ def prefill(bound: BoundCache, query: torch.Tensor, query_start_loc: torch.Tenso
     if t == 0:
         return out
     sm = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    _sync_torch(query.device)
     bt = block_tables.to(torch.int32)
     sid = seq_ids.to(torch.int32)
     pending = []
@@ -400,7 +482,7 @@ def prefill(bound: BoundCache, query: torch.Tensor, query_start_loc: torch.Tenso
         a, n = int(qsl[r] - qsl[0]), int(q_lens[r])
         if n == 0:
             continue
-        cols = _used_columns(lens[r:r + 1], bound.layout.block_size, bt.shape[1])
+        cols = _used_columns(lens[r], bound.layout.block_size, bt.shape[1])
         res = _prefill_attend(
             _to_jax(_pad_rows(query[a:a + n], _bucket(n))), bound.cache,
             _to_jax(bt[r:r + 1, :cols].contiguous()),

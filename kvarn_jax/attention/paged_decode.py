@@ -20,7 +20,7 @@ _SUPPORTS = {"gpu": paged_decode_pallas.supports, "tpu": paged_decode_tpu.suppor
 
 def paged_decode_attention(q, cache, block_tables, seq_lens, scale: float | None = None, *, seq_ids=None,
                            window: int | None = None, impl: str = "auto", interpret: bool | None = None,
-                           num_splits: int | None = None, kernel: str | None = None):
+                           num_splits: int | None = None, kernel: str | None = None, check_values: bool = True):
     """Decode attention of one query token per sequence over a `PagedKVCache`.
 
     Same arguments and result as `paged_decode_attention_reference` (q [B, Hq, D] -> [B, Hq, D] in
@@ -33,6 +33,15 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, scale: float | None
       interpret: run the Pallas kernel in interpret mode (default: True on CPU; how CI tests it).
       num_splits: GPU kernel: programs per (sequence, kv head) along the KV length (default: enough
         to fill the chip). The TPU kernel walks a sequence's blocks in one program.
+      check_values: on concrete (not traced) arguments, check that q is finite and that block ids,
+        lengths and sequence ids are in range, raising ValueError that names the argument. Those
+        checks read the arrays back to the host, so an eager call waits for the device; a caller
+        whose indices come from its own scheduler (the vLLM bridge) passes False to keep dispatch
+        asynchronous. Shapes and dtypes are always checked. Under jit nothing is read back either
+        way. Unchecked out-of-range indices are made harmless by every implementation: block ids
+        and sequence ids are clamped into range, and no implementation reads past the block table
+        (a bad row reads other pages of the cache: its output is wrong, no memory outside the cache
+        is read, nothing is written, the other rows are unaffected).
     `impl="pallas"` raises ValueError if the kernel cannot take the cache (e.g. a block size that is
     not a power of two); nothing falls back silently.
     """
@@ -40,7 +49,7 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, scale: float | None
         raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {list(KERNELS)} or None, got {kernel!r}")
-    _check(q, cache, block_tables, seq_lens, seq_ids, window)
+    _check(q, cache, block_tables, seq_lens, seq_ids, window, values=bool(check_values))
     backend = jax.default_backend()
     kernel = kernel or ("tpu" if backend == "tpu" else "gpu")
     why = _SUPPORTS[kernel](cache.cfg, cache.block_size, cache.head_dim)
@@ -56,13 +65,14 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, scale: float | None
         raise ValueError("num_splits applies to the GPU kernel only (the TPU kernel walks a sequence in one program)")
     interpret = backend == "cpu" if interpret is None else bool(interpret)
     require_compiled_backend(interpret, f"paged_decode_attention(impl='pallas', kernel={kernel!r})", kernel)
-    sid = jnp.arange(q.shape[0], dtype=jnp.int32) if seq_ids is None else seq_ids
-    return _pallas(q, cache, block_tables, seq_lens, sid, scale=sm_scale, window=window,
+    return _pallas(q, cache, block_tables, seq_lens, seq_ids, scale=sm_scale, window=window,
                    interpret=interpret, num_splits=num_splits, kernel=kernel)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "interpret", "num_splits", "kernel"))
 def _pallas(q, cache, block_tables, seq_lens, seq_ids, *, scale, window, interpret, num_splits, kernel):
+    if seq_ids is None:  # built here, not eagerly: an eager op would be one more dispatch per call
+        seq_ids = jnp.arange(q.shape[0], dtype=jnp.int32)
     # rotate once before and un-rotate once after: the kernels work in the stored frame
     qr = rotate(q.astype(jnp.float32)) if cache.cfg.rotated else q
     if kernel == "tpu":

@@ -364,6 +364,8 @@ def paged_decode_tpu(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale: fl
         params["compiler_params"] = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
     out = pl.pallas_call(kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct((nbt, hk, gp, d), jnp.float32),
                          interpret=interpret, name=f"kvarn_paged_decode_tpu_{cfg.name}", **params)(
-        block_tables.astype(jnp.int32).reshape(-1), seq_lens.astype(jnp.int32), seq_ids.astype(jnp.int32),
-        *operands)
+        # lengths and sequence ids clamped into range (block ids are, in `page_index`): unchecked
+        # indices must not make the DMAs address memory outside the cache
+        block_tables.astype(jnp.int32).reshape(-1), jnp.clip(seq_lens.astype(jnp.int32), 0, mb * bs),
+        jnp.clip(seq_ids.astype(jnp.int32), 0, (cache.max_seqs - 1) if has_hp else 0), *operands)
     return out[:, :, :grp].reshape(nbt, hq, d)

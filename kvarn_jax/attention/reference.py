@@ -18,7 +18,7 @@ from ..hadamard import rotate, unrotate
 from ..validation import check_array, check_finite
 
 
-def _check(q, cache, block_tables, seq_lens, seq_ids, window):
+def _check(q, cache, block_tables, seq_lens, seq_ids, window, values: bool = True):
     check_array(q, "q", ndim=3, floating=True)
     if not isinstance(cache, PagedKVCache):
         raise ValueError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
@@ -28,10 +28,11 @@ def _check(q, cache, block_tables, seq_lens, seq_ids, window):
     if hq % cache.num_kv_heads:
         raise ValueError(f"q has {hq} heads, which is not a multiple of the cache's num_kv_heads="
                          f"{cache.num_kv_heads} (GQA needs num_q_heads % num_kv_heads == 0)")
-    check_read_args(cache, block_tables, seq_lens, seq_ids, batch=nbt)
+    check_read_args(cache, block_tables, seq_lens, seq_ids, batch=nbt, values=values)
     if window is not None and (not isinstance(window, int) or window <= 0):
         raise ValueError(f"window must be a positive int (attend to the last `window` tokens) or None, got {window!r}")
-    check_finite(q, "q")
+    if values:
+        check_finite(q, "q")
 
 
 def paged_decode_attention_reference(q: jnp.ndarray, cache: PagedKVCache, block_tables: jnp.ndarray,
@@ -59,6 +60,7 @@ def _attend(q, cache, block_tables, seq_lens, scale, seq_ids, window, rotated_io
     qf = q.astype(jnp.float32)
     if cache.cfg.rotated and not rotated_io:
         qf = rotate(qf)
+    seq_lens = jnp.clip(seq_lens.astype(jnp.int32), 0, block_tables.shape[1] * cache.block_size)  # as gathered
     k, v = gather_dense(cache, block_tables, seq_lens, seq_ids)  # [B, Hk, L, D]
     length = k.shape[2]
     qg = qf.reshape(nbt, hk, hq // hk, d)

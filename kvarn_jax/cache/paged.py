@@ -431,7 +431,9 @@ def gather_dense(cache: PagedKVCache, block_tables: jnp.ndarray, seq_lens: jnp.n
     nbt, mb = block_tables.shape
     bs, nb = cache.block_size, cache.num_blocks
     g = cache.cfg.tile_tokens
+    # unchecked indices (traced, or the decode entry's check_values=False) are clamped into range
     tbl = jnp.clip(block_tables.astype(jnp.int32), 0, nb - 1)
+    seq_lens = jnp.clip(seq_lens.astype(jnp.int32), 0, mb * bs)
     pos = jnp.arange(mb * bs)
     out = []
     for side in schemes.SIDES:
@@ -456,8 +458,9 @@ def gather_dense(cache: PagedKVCache, block_tables: jnp.ndarray, seq_lens: jnp.n
     return tuple(out)
 
 
-def check_read_args(cache, block_tables, seq_lens, seq_ids, batch: int | None = None):
-    """Shared checks of the decode entry points (reference and kernels)."""
+def check_read_args(cache, block_tables, seq_lens, seq_ids, batch: int | None = None, values: bool = True):
+    """Shared checks of the decode entry points (reference and kernels). values=False: shapes and
+    dtypes only (the range checks read concrete arrays back to the host)."""
     if not isinstance(cache, PagedKVCache):
         raise ValueError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
     check_array(block_tables, "block_tables", ndim=2, integer=True)
@@ -467,9 +470,10 @@ def check_read_args(cache, block_tables, seq_lens, seq_ids, batch: int | None = 
         raise ValueError(f"block_tables has {nbt} rows, seq_lens {seq_lens.shape[0]}"
                          + ("" if batch is None else f", the batch {batch}") + ": they must agree")
     bs = cache.block_size
-    check_range(seq_lens, "seq_lens", 0, mb * bs + 1,
-                f"a sequence holds at most block_tables.shape[1] * block_size = {mb * bs} tokens")
-    if is_concrete(block_tables, seq_lens):
+    if values:
+        check_range(seq_lens, "seq_lens", 0, mb * bs + 1,
+                    f"a sequence holds at most block_tables.shape[1] * block_size = {mb * bs} tokens")
+    if values and is_concrete(block_tables, seq_lens):
         used = np.arange(mb)[None, :] * bs < np.asarray(seq_lens)[:, None]
         check_range(np.where(used, np.asarray(block_tables), 0), "block_tables", 0, cache.num_blocks,
                     f"block ids must be < num_blocks={cache.num_blocks} for the blocks a sequence uses")
@@ -477,7 +481,7 @@ def check_read_args(cache, block_tables, seq_lens, seq_ids, batch: int | None = 
         check_array(seq_ids, "seq_ids", ndim=1, integer=True)
         if seq_ids.shape[0] != nbt:
             raise ValueError(f"seq_ids has {seq_ids.shape[0]} entries for {nbt} sequences")
-        if cache.has_hp:
+        if cache.has_hp and values:
             check_range(seq_ids, "seq_ids", 0, cache.max_seqs, f"sequence ids must be < max_seqs={cache.max_seqs}")
     elif cache.has_hp and nbt > cache.max_seqs:
         raise ValueError(f"block_tables has {nbt} rows but max_seqs={cache.max_seqs}: pass seq_ids")
