@@ -51,15 +51,20 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _time(fn, device, warmup, iters):
+def _time(fn, device, warmup, iters, host_only=False):
+    """Median ms per call, waiting for the device after each; host_only: the call alone (what it
+    costs the CPU while the GPU works on), the wait outside the timing."""
     for _ in range(warmup):
         fn()
     _sync(device)
     out = []
     for _ in range(iters):
         t = time.perf_counter()
-        _wait(fn(), device)
+        r = fn()
+        if not host_only:
+            _wait(r, device)
         out.append((time.perf_counter() - t) * 1e3)
+        _wait(r, device)
     return statistics.median(out)
 
 
@@ -137,26 +142,12 @@ def run_scheme(scheme, a, device, dtype):
                      ("decode_direct_checked", direct_checked), ("write_step", write_plain),
                      ("write_step_completing", write_full), ("layer", layer)):
         res[name + "_ms"] = _time(fn, device, a.warmup, a.iters)            # call + wait for the GPU
-        res[name + "_host_ms"] = _host(fn, device, a.warmup, a.iters)       # the call alone
+        res[name + "_host_ms"] = _time(fn, device, a.warmup, a.iters, host_only=True)  # the call alone
         res[name + "_pipelined_ms"] = _pipelined(fn, device, a.warmup, a.layers)  # per call, back to back
     return {"scheme": scheme, "batch": b, "seq_len": seq_len, "q_heads": a.q_heads, "kv_heads": a.kv_heads,
             "head_dim": a.head_dim, "block_size": bs, "dtype": str(dtype).split(".")[-1],
             "cache_bytes": kv.numel(), "zero_copy_bind": zero_copy, "in_place_write": in_place, **res,
             "max_abs_diff": float(max(np.max(np.abs(out_b - out_d)), np.max(np.abs(out_c - out_d))))}
-
-
-def _host(fn, device, warmup, iters):
-    """Median host time of the call alone (what it costs the CPU; the GPU works on meanwhile)."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    out = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        r = fn()
-        out.append((time.perf_counter() - t) * 1e3)
-        _wait(r, device)
-    return statistics.median(out)
 
 
 def _pipelined(fn, device, warmup, n):
