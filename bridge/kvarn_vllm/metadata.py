@@ -106,7 +106,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         self.table = SlotTable(self.max_seqs)
         self.runner = _find_runner()
 
-    def _row_slots(self, cm: CommonAttentionMetadata, fresh: np.ndarray, first_blocks: np.ndarray) -> np.ndarray:
+    def _row_slots(self, cm: CommonAttentionMetadata, fresh: np.ndarray) -> np.ndarray:
         if cm.req_idx is not None:  # model runner V2: a fixed index per request
             slots = np.asarray(cm.req_idx[: cm.num_reqs], np.int32)
             if slots.size and (slots.min() < 0 or slots.max() >= self.max_seqs):
@@ -119,6 +119,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         req_ids = list(self.runner.input_batch.req_ids[: cm.num_reqs])
         if len(req_ids) != cm.num_reqs:
             raise RuntimeError(f"kvarn: the runner has {len(req_ids)} batch rows, the metadata {cm.num_reqs}")
+        first_blocks = cm.block_table_tensor[: cm.num_reqs, 0].cpu().numpy()  # (waits for a GPU, once per step)
         return self.table.slots(req_ids, self.runner.requests, first_blocks, fresh)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -126,12 +127,14 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         cm = common_attn_metadata
         n, r = cm.num_actual_tokens, cm.num_reqs
         qsl = cm.query_start_loc_cpu[: r + 1].numpy().astype(np.int64)
-        seq_lens = cm.seq_lens[:r].cpu().numpy().astype(np.int64)
+        # vLLM's host copy of the lengths is exact without speculative decoding (which the bridge
+        # refuses); reading the device tensor instead would wait for the GPU
+        host_lens = getattr(cm, "seq_lens_cpu_upper_bound", None)
+        seq_lens = (cm.seq_lens[:r].cpu() if host_lens is None else host_lens[:r]).numpy().astype(np.int64)
         q_lens = np.diff(qsl)
         ctx = seq_lens - q_lens                      # tokens already in the cache before this step
         num_decodes = int(np.argmax(q_lens != 1)) if np.any(q_lens != 1) else r
-        first_blocks = cm.block_table_tensor[:r, 0].cpu().numpy()
-        slots = self._row_slots(cm, ctx == 0, first_blocks)
+        slots = self._row_slots(cm, ctx == 0)
         tokens = int(qsl[-1] - qsl[0])
         rows = np.repeat(np.arange(r), q_lens)
         positions = np.zeros(n, np.int64)
