@@ -181,8 +181,9 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         n = md.num_actual_tokens
         bound = self._bind(layer, kv_cache)
         on_host = query.device.type == "cpu"
-        # on a GPU nothing below waits for the device (`torch_ops`: the host-side counts come from
-        # the metadata, the index checks run on the host only when the tensors live there)
+        # on a GPU the write and the decode rows do not wait for the device (`torch_ops`: the
+        # host-side counts come from the metadata, the index checks run on the host only when the
+        # tensors live there); prefill rows still do
         torch_ops.write(bound, key[:n], value[:n], md.slot_mapping[:n], md.token_seq_ids[:n], md.positions[:n],
                         check_values=on_host, completing=md.completing_blocks)
         nd, ndt = md.num_decodes, md.num_decode_tokens

@@ -11,6 +11,7 @@ The runner is the object that builds this builder (found once, on the call stack
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 
 import numpy as np
@@ -40,9 +41,10 @@ class KvarnMetadata:
     seq_ids: torch.Tensor              # [num_reqs] high-precision slot of each row
     token_seq_ids: torch.Tensor        # [num_actual_tokens]
     positions: torch.Tensor            # [num_actual_tokens]
-    # counted on the host, so that the layers' writes and decodes never wait for the GPU
-    completing_blocks: int = 0         # blocks this step's write completes (`torch_ops.write`)
-    max_decode_seq_len: int = 0        # the longest decode row (`torch_ops.decode`)
+    # counted on the host, so that the layers' writes and decodes never wait for the GPU (required:
+    # a default of 0 would silently skip quantizing completed blocks)
+    completing_blocks: int             # blocks this step's write completes (`torch_ops.write`)
+    max_decode_seq_len: int            # the longest decode row (`torch_ops.decode`)
 
 
 class SlotTable:
@@ -76,6 +78,15 @@ class SlotTable:
             self.first_block[rid] = int(first_blocks[i])
             out[i] = self.slot_of[rid]
         return out
+
+
+def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the model's device. To a GPU through pinned memory, queued on the stream: a
+    copy from pageable memory would make the host wait for the GPU once per array and step."""
+    t = torch.from_numpy(a)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _find_runner():
@@ -145,11 +156,12 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         bs = self.block_size
         live = positions[:tokens]
         completing = int(np.sum((live >= bs) & (live % bs == bs - 1)))
+        to_dev = functools.partial(_to_device, device=dev)
         return KvarnMetadata(
             num_actual_tokens=n, num_reqs=r, num_decodes=num_decodes,
             num_decode_tokens=int(qsl[num_decodes] - qsl[0]),
             query_start_loc=cm.query_start_loc[: r + 1], seq_lens=cm.seq_lens[:r],
             block_table=cm.block_table_tensor[:r], slot_mapping=cm.slot_mapping[:n],
-            seq_ids=torch.from_numpy(slots).to(dev), token_seq_ids=torch.from_numpy(tok_slots).to(dev),
-            positions=torch.from_numpy(positions).to(dev), completing_blocks=completing,
+            seq_ids=to_dev(slots), token_seq_ids=to_dev(tok_slots), positions=to_dev(positions),
+            completing_blocks=completing,
             max_decode_seq_len=int(seq_lens[:num_decodes].max(initial=0)))

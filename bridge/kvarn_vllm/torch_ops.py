@@ -188,8 +188,10 @@ def write_delta(cache, kv, ids, max_complete: int | None = None, quantizer: str 
         rows[j];
       quantized caches with max_complete > 0, also "page_index" [m] and "pages" {leaf key: [m, ...]}:
         leaf[page_index] = pages[key], the fields of the blocks this write completes.
-    Storing every entry reproduces the library's write exactly (tested bit for bit against it): the
-    routing and the completed blocks come from the library's own `write_plan` / `completed_blocks`.
+    Storing every entry reproduces the library's write exactly (tested bit for bit against it) when
+    the write's targets are distinct (vLLM's are: one slot per token); for a slot given twice in one
+    write neither the library's scatter nor this defines which token is kept. The routing and the
+    completed blocks come from the library's own `write_plan` / `completed_blocks`.
     Every index is a valid row: an entry that stores nothing (padding, a token routed elsewhere, an
     unused block candidate) repeats another entry of its leaf - same row, same values - or, where
     the leaf gets nothing, rewrites row 0 with its current contents. So torch stores a leaf with one
@@ -483,14 +485,17 @@ def prefill(bound: BoundCache, query: torch.Tensor, query_start_loc: torch.Tenso
         if n == 0:
             continue
         cols = _used_columns(lens[r], bound.layout.block_size, bt.shape[1])
-        res = _prefill_attend(
-            _to_jax(_pad_rows(query[a:a + n], _bucket(n))), bound.cache,
-            _to_jax(bt[r:r + 1, :cols].contiguous()),
-            _to_jax(seq_lens[r:r + 1].to(torch.int32)),
-            None if bound.layout.cfg.is_passthrough else _to_jax(sid[r:r + 1].contiguous()),
-            _to_jax(torch.tensor([n], dtype=torch.int32, device=query.device)), scale=sm)
-        pending.append((a, n, res))
-    for a, n, res in pending:
+        # the row's torch inputs stay referenced until its result is ready: JAX frees an imported
+        # buffer without waiting for its stream, so torch could otherwise hand the memory to the
+        # next row's inputs while this row's kernel still reads it
+        args = (_pad_rows(query[a:a + n], _bucket(n)), bt[r:r + 1, :cols].contiguous(),
+                seq_lens[r:r + 1].to(torch.int32), sid[r:r + 1].contiguous(),
+                torch.tensor([n], dtype=torch.int32, device=query.device))
+        qj, btj, slj, sidj, nj = (_to_jax(x) for x in args)
+        res = _prefill_attend(qj, bound.cache, btj, slj, None if bound.layout.cfg.is_passthrough else sidj, nj,
+                              scale=sm)
+        pending.append((a, n, res, args))
+    for a, n, res, _ in pending:
         out[a:a + n] = _to_torch(jax.block_until_ready(res))[:n]
     _count(prefill_calls=1, prefill_tokens=t, prefill_s=time.perf_counter() - t0)
     return out

@@ -41,7 +41,8 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, scale: float | None
         way. Unchecked out-of-range indices are made harmless by every implementation: block ids
         and sequence ids are clamped into range, and no implementation reads past the block table
         (a bad row reads other pages of the cache: its output is wrong, no memory outside the cache
-        is read, nothing is written, the other rows are unaffected).
+        is read, nothing is written, the other rows are unaffected; on the GPU kernel a length past
+        the table's capacity re-reads its last block, so a huge one also takes that long).
     `impl="pallas"` raises ValueError if the kernel cannot take the cache (e.g. a block size that is
     not a power of two); nothing falls back silently.
     """
