@@ -161,7 +161,6 @@ def test_unchecked_out_of_range_indices_are_clamped(kernel, cfg, rng):
     np.testing.assert_array_equal(ref[0], good[0])      # the good row as if the others were good
     tol = (4e-3 if kernel == "gpu" else 1e-4) * np.abs(good).max()
     np.testing.assert_allclose(out[:3], ref[:3], atol=tol)  # rows 1, 2: clamped ids, as the reference reads them
-    np.testing.assert_allclose(out[0], good[0], atol=tol)
     # the reference's clamped reading, spelled out: ids into range, the length to the table's capacity
     fixed = kj.paged_decode_attention(q, cache, jnp.asarray(np.clip(bad_bt, 0, cache.num_blocks - 1)),
                                       jnp.minimum(jnp.asarray(bad_sl), bt.shape[1] * 32),

@@ -11,7 +11,6 @@ The runner is the object that builds this builder (found once, on the call stack
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 
 import numpy as np
@@ -156,12 +155,12 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         bs = self.block_size
         live = positions[:tokens]
         completing = int(np.sum((live >= bs) & (live % bs == bs - 1)))
-        to_dev = functools.partial(_to_device, device=dev)
         return KvarnMetadata(
             num_actual_tokens=n, num_reqs=r, num_decodes=num_decodes,
             num_decode_tokens=int(qsl[num_decodes] - qsl[0]),
             query_start_loc=cm.query_start_loc[: r + 1], seq_lens=cm.seq_lens[:r],
             block_table=cm.block_table_tensor[:r], slot_mapping=cm.slot_mapping[:n],
-            seq_ids=to_dev(slots), token_seq_ids=to_dev(tok_slots), positions=to_dev(positions),
+            seq_ids=_to_device(slots, dev), token_seq_ids=_to_device(tok_slots, dev),
+            positions=_to_device(positions, dev),
             completing_blocks=completing,
             max_decode_seq_len=int(seq_lens[:num_decodes].max(initial=0)))

@@ -60,7 +60,6 @@ def _attend(q, cache, block_tables, seq_lens, scale, seq_ids, window, rotated_io
     qf = q.astype(jnp.float32)
     if cache.cfg.rotated and not rotated_io:
         qf = rotate(qf)
-    seq_lens = jnp.clip(seq_lens.astype(jnp.int32), 0, block_tables.shape[1] * cache.block_size)  # as gathered
     k, v = gather_dense(cache, block_tables, seq_lens, seq_ids)  # [B, Hk, L, D]
     length = k.shape[2]
     qg = qf.reshape(nbt, hk, hq // hk, d)
