@@ -243,7 +243,7 @@ def jax_paged_time(batch, ctx, hq, hk, d, bs):
 
 
 def variant_kwargs(var: str, scheme: str) -> dict | None:
-    """Kernel keyword arguments of a variant name wWsS[a][t][f][m][pP][iI][rR] ("default": none; "rR"
+    """Kernel keyword arguments of a variant name wWsS[a][t][f][m][pP][iI][kK][rR] ("default": none; "rR"
     alone: the defaults with a register cap of R), any of them with the suffix "-pm": the splits
     merged by the Pallas kernel (merge="pallas"); None if the variant does not apply to the scheme
     (tokens-major: KVarN/KIVI and per-token schemes with one scale per token; fold: integer codes)."""
@@ -255,9 +255,9 @@ def variant_kwargs(var: str, scheme: str) -> dict | None:
     m = re.fullmatch(r"r(\d+)", var)
     if m:
         return {"maxnreg": int(m.group(1))}
-    m = re.fullmatch(r"w(\d+)s(\d+)([atfm]*)(?:p(\d+))?(?:i(\d+))?(?:r(\d+))?", var)
+    m = re.fullmatch(r"w(\d+)s(\d+)([atfm]*)(?:p(\d+))?(?:i(\d+))?(?:k(\d+))?(?:r(\d+))?", var)
     if not m:
-        raise SystemExit(f"bad variant {var!r} (expected wWsS[a][t][f][m][pP][iI][rR] or rR)")
+        raise SystemExit(f"bad variant {var!r} (expected wWsS[a][t][f][m][pP][iI][kK][rR] or rR)")
     fl = m.group(3)
     c = kj.parse(scheme)
     if "t" in fl and pdp.tokens_major_unsupported(c, 128):
@@ -266,7 +266,8 @@ def variant_kwargs(var: str, scheme: str) -> dict | None:
         return None
     return dict(num_warps=int(m.group(1)), num_stages=int(m.group(2)), unpack="asm" if "a" in fl else "magic",
                 orient="tokens" if "t" in fl else "heads", fold="f" in fl, parts=int(m.group(4) or 1),
-                sums="mma" if "m" in fl else "reduce", steps=int(m.group(5) or 1), maxnreg=int(m.group(6)) if m.group(6) else None)
+                sums="mma" if "m" in fl else "reduce", steps=int(m.group(5) or 1),
+                maxnreg=int(m.group(7)) if m.group(7) else None, **({"chunk": int(m.group(6))} if m.group(6) else {}))
 
 
 def check(cfg, hq, hk, d, bs, kw=None, window=None):
@@ -297,10 +298,10 @@ def main():
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--splits", default="", help="comma list of num_splits to try (default: heuristic only)")
-    p.add_argument("--variants", default="", help="comma list of kernel variants wWsS[a][t][f][m][pP] (num_warps W, num_stages S; "
+    p.add_argument("--variants", default="", help="comma list of kernel variants wWsS[a][t][f][m][pP][iI][kK][rR] (num_warps W, num_stages S; "
                    "flags: a the PTX unpack `_planes_asm`, t tokens-major products (orient='tokens'), f the "
                    "magic bias folded into the sums (fold=True), m those sums as products with a ones matrix (sums='mma'); pP: tokens-major tiles in P parts; "
-                   "iI: I tile-loop iterations per tile (steps); rR: at most R registers per thread (maxnreg); rR alone: the defaults with that cap; "
+                   "iI: I tile-loop iterations per tile (steps); kK: per-token schemes' tokens per step (chunk); rR: at most R registers per thread (maxnreg); rR alone: the defaults with that cap; "
                    "suffix -pm: splits merged by the Pallas kernel, e.g. default-pm); default: the kernel's own defaults")
     p.add_argument("--no-baselines", action="store_true")
     p.add_argument("--check", action="store_true")

@@ -59,7 +59,7 @@ json.dump({"usage": usage, "sass": sass, "shared": k.metadata.shared}, sys.stdou
 
 def triton_ir(kind: str, scheme: str, side: str, warps: int, stages: int, orient: str | None = None,
               fold: bool | None = None, parts: int = 1, sums: str | None = None, maxnreg: int | None = None,
-              steps: int = 1) -> str:
+              steps: int = 1, chunk: int | None = None) -> str:
     """The Triton IR (text) jax emits for one kernel, captured at lowering."""
     import jax
     import jax.numpy as jnp
@@ -94,11 +94,11 @@ def triton_ir(kind: str, scheme: str, side: str, warps: int, stages: int, orient
             args = (jnp.zeros((32, 32, 128), jnp.float32), cache, jnp.zeros((32, 32), jnp.int32),
                     jnp.full((32,), 4096, jnp.int32), jnp.arange(32, dtype=jnp.int32))
             fn = lambda q, c, t, l, s: pdp.paged_decode_pallas(  # noqa: E731
-                q, c, t, l, s, scale=0.1, window=None, unpack="asm", num_warps=warps, num_stages=stages, orient=orient, fold=fold, parts=parts, sums=sums, maxnreg=maxnreg, steps=steps)
+                q, c, t, l, s, scale=0.1, window=None, unpack="asm", num_warps=warps, num_stages=stages, orient=orient, fold=fold, parts=parts, sums=sums, maxnreg=maxnreg, steps=steps, chunk=chunk)
         else:
             from kvarn_jax.cache.quantize_pallas import quantize_blocks_pallas
             args = (jnp.zeros((64, 8, 128, 128), jnp.float16),)
-            fn = lambda x: quantize_blocks_pallas(x, None, cfg=cfg, side=side, num_warps=warps)  # noqa: E731
+            fn = lambda x: quantize_blocks_pallas(x, None, cfg=cfg, side=side, num_warps=warps, maxnreg=maxnreg)  # noqa: E731
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     finally:
         reg.lowering.lower_jaxpr_to_triton_module = original
@@ -114,7 +114,7 @@ def merge_warps(cfg) -> int:
     from kvarn_jax.attention import paged_decode_pallas as pdp, split_merge as sm
     tokens = pdp.default_orient(cfg, 128) == "tokens"
     warps, cap = pdp.default_launch(cfg, 1, 8)
-    t_tok = cfg.tile_tokens if cfg.tile_tokens > 1 else pdp.TOKEN_CHUNK
+    t_tok = cfg.tile_tokens if cfg.tile_tokens > 1 else pdp.default_chunk(cfg, 128)
     splits = sm.unpadded_splits(pdp.default_num_splits(1, 8, 1024 * (128 // t_tok), warps, cap))
     vp = pdp._Plan(cfg, 128, t_tok).vp
     return sm.merge_launch(1, 8, vp, splits, 8 if tokens else 16, 128 // vp, -1 if tokens else -2)[2]
@@ -157,7 +157,8 @@ def main():
     p.add_argument("--parts", type=int, default=1, help="decode: tokens-major tile parts")
     p.add_argument("--fold", default=None, choices=["on", "off"], help="decode: magic bias folded into the sums")
     p.add_argument("--steps", type=int, default=1, help="decode: tokens-major tile-loop iterations per tile")
-    p.add_argument("--maxnreg", type=int, default=None, help="decode: register cap per thread")
+    p.add_argument("--maxnreg", type=int, default=None, help="decode, quantize: register cap per thread")
+    p.add_argument("--chunk", type=int, default=None, help="decode: per-token schemes' tokens per step")
     p.add_argument("--orient", default=None, choices=["heads", "tokens"], help="decode: layout of the products")
     p.add_argument("--fp-fusion", default="off", choices=["on", "off"],
                    help="let the compiler fuse every fp32 multiply-add into FFMA (pip triton's default; "
@@ -171,7 +172,7 @@ def main():
     if args.kind == "decode":
         from kvarn_jax.attention.paged_decode_pallas import default_launch
         # the shape lowered below (B=32, 8 kv heads) and the layout asked for
-        warps, cap = default_launch(cfg, 32, 8, args.orient, args.parts, args.steps)
+        warps, cap = default_launch(cfg, 32, 8, args.orient, args.parts, args.steps, args.chunk)
         if args.warps:
             warps, cap = args.warps, None
         args.maxnreg = args.maxnreg or cap
@@ -183,7 +184,7 @@ def main():
         warps = args.warps or default_num_warps(cfg)
         stages = args.stages or 1
     ir = triton_ir(args.kind, args.scheme, args.side, warps, stages, args.orient, {"on": True, "off": False}.get(args.fold), args.parts, args.sums, args.maxnreg,
-                   args.steps)
+                   args.steps, args.chunk)
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "kernel.ttir")
         with open(src, "w") as f:

@@ -229,6 +229,35 @@ def test_per_token_tokens_major(cfg, rng):
     np.testing.assert_allclose(o, ref, rtol=0, atol=4e-3 * np.abs(ref).max(), err_msg=f"{kw} window={window}")
 
 
+@pytest.mark.parametrize("cfg,kw", [("int4", {}), ("fp8", {}), ("int8", dict(chunk=32, fold=False)),
+                                    ("int2", dict(chunk=256, num_warps=4))])
+def test_per_token_steps(cfg, kw, rng):
+    """Per-token schemes step through a block `chunk` tokens at a time (default 128 for int codes
+    tokens-major and fp8 heads-major): steps smaller than, equal to and as large as a 256-token
+    block, against the reference, with sequences ending mid-step and one shorter than a step."""
+    from kvarn_jax.attention import paged_decode_pallas as pdp
+    bs = 256
+    cache, bt, sl, _ = build(cfg, [bs + 131, 70, bs], 2, 64, bs, rng)
+    q = jnp.asarray(rng.standard_normal((3, 8, 64)), jnp.float32)
+    sid = jnp.arange(3, dtype=jnp.int32)
+    ref = np.asarray(kj.paged_decode_attention(q, cache, bt, sl, impl="reference"))
+    o = np.asarray(pdp.paged_decode_pallas(q, cache, bt, sl, sid, scale=0.125, window=None, interpret=INTERPRET,
+                                           num_splits=2, **kw))
+    assert np.isfinite(o).all()
+    np.testing.assert_allclose(o, ref, rtol=0, atol=4e-3 * np.abs(ref).max(), err_msg=str(kw))
+    assert pdp.default_chunk(kj.parse(cfg), 64) == 128
+
+
+def test_per_token_step_errors(rng):
+    from kvarn_jax.attention import paged_decode_pallas as pdp
+    for cfg, chunk in (("kvarn_k4v2_g32", 32), ("int8", 48), ("int8", 8)):
+        cache, bt, sl, _ = build(cfg, [40], 1, 64, 64, rng)
+        q = jnp.asarray(rng.standard_normal((1, 4, 64)), jnp.float32)
+        with pytest.raises(ValueError, match="chunk"):
+            pdp.paged_decode_pallas(q, cache, bt, sl, jnp.zeros(1, jnp.int32), scale=0.125, window=None,
+                                    interpret=True, chunk=chunk)
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="PTX: compiled on an NVIDIA GPU only")
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("biased", [False, True])
@@ -328,16 +357,17 @@ def test_register_cap_reaches_the_triton_module(monkeypatch):
     ("kvarn_k4v2_g128", 17, {}, (1, None)), ("kivi_k2v2_g128", 1, {}, (2, 128)),
     ("kvarn_k4v4_g128", 32, {}, (2, 128)), ("kvarn_k2v8_g64", 1, {}, (1, None)), ("kvarn_k8v8_g32", 32, {}, (1, None)),
     ("kvarn_k4v2_g128", 1, dict(orient="heads"), (1, None)), ("kvarn_k4v2_g128", 1, dict(parts=2), (1, None)),
-    ("kvarn_k4v2_g128", 1, dict(steps=2), (1, None)), ("int8", 1, {}, (4, None)), ("int8", 32, {}, (4, None)),
-    ("int8", 128, dict(orient="heads"), (4, None)), ("int8_g16", 32, {}, (2, None)),
-    ("int8_static", 1, {}, (2, None)), ("int4_g32", 32, {}, (4, None)), ("int4", 32, {}, (4, None)), ("int_k8v2", 32, {}, (4, None)), ("fp8", 32, {}, (4, None)),
-    ("fp8_static", 1, {}, (4, None))])
+    ("kvarn_k4v2_g128", 1, dict(steps=2), (1, None)), ("int8", 1, {}, (2, None)), ("int8", 32, {}, (2, None)),
+    ("int8", 128, dict(orient="heads"), (4, None)), ("int8", 32, dict(chunk=64), (4, None)), ("int8_g16", 32, {}, (2, None)),
+    ("int8_static", 1, {}, (2, None)), ("int4_g32", 32, {}, (4, None)), ("int4", 32, {}, (2, None)), ("int_k8v2", 32, {}, (2, None)),
+    ("fp8", 32, {}, (2, None)), ("fp8", 32, dict(orient="tokens"), (4, None)), ("fp8_static", 1, {}, (2, None))])
 def test_default_launch(cfg, batch, kw, want):
     """The launch the H200 sweeps chose (2026-12-01_decode_zero_term_h200.md; per-token schemes
     2026-12-02_decode_value_layout_h200.md), 8 kv heads: two warps capped at 128 registers for whole
     tokens-major tiles of 4-bit values or of <= 2-bit values at small batch, otherwise what was
-    measured uncapped (4 warps for per-token schemes, either layout, but 2 for heads-major 8-bit
-    int codes with grouped or static scales)."""
+    measured uncapped: 2 warps for per-token schemes stepping 128 tokens at a time (int codes
+    tokens-major, fp8 heads-major: 2026-12-02_decode_per_token_chunk_h200.md), else 4, but 2 for
+    heads-major 8-bit int codes with grouped or static scales."""
     from kvarn_jax.attention import paged_decode_pallas as pdp
     assert pdp.default_launch(kj.parse(cfg), batch, 8, **kw) == want
 

@@ -44,13 +44,14 @@ from jax.experimental import pallas as pl
 from .. import triton_options
 from . import split_merge
 from ..cache.paged import tokens_last
+from ..validation import is_power_of_two
 from ..config import KVQuantConfig
 from ..validation import is_power_of_two as _pow2
 
 NEG = -1e30          # masked logit; every processed chunk holds at least one valid position
 LOG2E = 1.4426950408889634
 HP_CHUNK = 64        # tokens per step through the high-precision sink/tail
-TOKEN_CHUNK = 64     # tokens per step through the pages of per-token schemes
+TOKEN_CHUNK = 64     # tokens per step through the pages of per-token schemes (`default_chunk`: 128 for most)
 
 
 def supports(cfg: KVQuantConfig, block_size: int, head_dim: int) -> str | None:
@@ -719,8 +720,25 @@ def default_orient(cfg: KVQuantConfig, head_dim: int | None = None) -> str:
     return "heads"
 
 
+def default_chunk(cfg: KVQuantConfig, head_dim: int | None = None, orient: str | None = None) -> int:
+    """Tokens per step of the tile loop for a per-token scheme (KVarN/KIVI step by their tiles).
+    128 for int codes with one scale per token tokens-major and for fp8 heads-major: with two warps
+    per program (`default_launch`) a step of 128 tokens issued 30-45% fewer instructions per token
+    than four warps on 64 (offline SASS: int4 1,036 per warp per step vs 475 per warp per 64) and
+    ran 1.2-1.9x faster on the H200 at every shape (B=32/L=32K: int4 0.665 -> 0.364 ms, int8 0.687 ->
+    0.502, fp8 0.583 -> 0.509; benchmarks/results/2026-12-02_decode_per_token_chunk_h200.md).
+    Otherwise (grouped or static int scales, heads-major int, tokens-major fp8; not measured with
+    128) `TOKEN_CHUNK`."""
+    if cfg.tile_tokens > 1:
+        return cfg.tile_tokens
+    o = orient or default_orient(cfg, head_dim)
+    if (cfg.method == "int" and o == "tokens") or (cfg.method == "fp8" and o == "heads"):
+        return 128
+    return TOKEN_CHUNK
+
+
 def default_launch(cfg: KVQuantConfig, batch: int, num_kv_heads: int, orient: str | None = None,
-                   parts: int = 1, steps: int = 1) -> tuple[int, int | None]:
+                   parts: int = 1, steps: int = 1, chunk: int | None = None) -> tuple[int, int | None]:
     """(num_warps, maxnreg) per program, from the H200 sweeps (by span, kvarn_k4v2_g128 unless
     said; benchmarks/results/2026-12-01_decode_zero_term_h200.md):
     - KVarN/KIVI tokens-major, whole tiles (parts = steps = 1), 2- or 4-bit values: two warps
@@ -740,13 +758,19 @@ def default_launch(cfg: KVQuantConfig, batch: int, num_kv_heads: int, orient: st
       registers), else 4, either layout: int8 tokens-major B=32/L=32K 0.686 ms, heads-major 0.749
       with 4 warps and 0.969 with 2; fp8 heads-major 0.589 vs 0.686 with 2, B=128/L=4K 0.309 vs
       0.365, B=1/L=128K 0.095 vs 0.110. (Two warps won for int8 and fp8 only while value codes
-      were stored token by token and gathered byte-wise.)"""
+      were stored token by token and gathered byte-wise.) With steps of 128 tokens (`default_chunk`,
+      the default for int codes tokens-major and fp8 heads-major; chunk: the step if not that),
+      2 warps (2026-12-02_decode_per_token_chunk_h200.md: int4 B=256/L=8K 0.754 ms vs 1.902 with 4;
+      one warp was 6% faster for int4 at B=32/L=32K and B=256/L=8K but slower at every other shape
+      and for int8)."""
     if cfg.method in ("kvarn", "kivi"):
         whole = (orient or default_orient(cfg)) == "tokens" and parts == 1 and steps == 1
         pairs = batch * num_kv_heads
         if whole and (cfg.v_bits == 4 or (cfg.v_bits <= 2 and pairs < 132)):
             return 2, 128
         return 1, None
+    if default_chunk(cfg, None, orient) >= 128 and (chunk or 128) >= 128:
+        return 2, None
     heads = (orient or default_orient(cfg)) == "heads"
     grouped_8bit = cfg.method == "int" and cfg.k_bits == 8 and cfg.v_bits == 8 and (cfg.static or bool(cfg.group))
     return (2 if heads and grouped_8bit else 4), None
@@ -782,12 +806,12 @@ def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int, num_warps:
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "num_splits", "interpret", "num_warps",
                                              "num_stages", "unpack", "orient", "fold", "parts", "sums", "maxnreg",
-                                             "steps", "merge"))
+                                             "steps", "merge", "chunk"))
 def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale: float, window: int | None,
                         num_splits: int | None = None, interpret: bool = False, num_warps: int | None = None,
                         num_stages: int = 2, unpack: str | None = None, orient: str | None = None,
                         fold: bool | None = None, parts: int = 1, sums: str | None = None,
-                        maxnreg: int | None = None, steps: int = 1, merge: str = "xla"):
+                        maxnreg: int | None = None, steps: int = 1, merge: str = "xla", chunk: int | None = None):
     """Kernel entry: q_rot [B, Hq, D] in the stored frame -> output [B, Hq, D] fp32 in the stored frame.
 
     Launch and layout options (defaults from the H200 sweeps; the results are the same up to fp32
@@ -799,9 +823,9 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
       fold: tokens-major only - feed the planes' biased values (magic + code, one `lop3` per two
         codes; 8-bit codes: none, the byte spread inserts the magic) to the products and subtract
         magic * (sum of the fp16 query / probabilities) from the results instead of one fp16
-        subtraction per two codes. Default True for the tiled schemes' tokens-major products
-        (per-token int ones: off; on the H200 even or up to 9% faster, except int4 at B=128/L=4K,
-        6% slower).
+        subtraction per two codes. Default True for tokens-major products (on the H200, with
+        128-token steps, per-token int was even or up to 5% faster with it: int4 B=256/L=8K 0.754
+        vs 0.780 ms, B=1/L=128K 0.061 vs 0.064; 2026-12-02_decode_per_token_chunk_h200.md).
       sums: tokens-major only - how the fold's sums and the value zero-point term (sum of p*vz) are
         formed: "mma" (default: products with a ones matrix on the matrix unit, which leaves every
         row holding the sum and needs no cross-lane reduction; per-token int on the H200 1-6%
@@ -817,6 +841,8 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         more programs per SM (`triton_options`, `programs_per_sm`). For one-warp programs every cap
         measured on the H200 was slower (spills); two-warp programs at 128 are the default where
         `default_launch` says.
+      chunk: per-token schemes only - tokens per step of the tile loop (default `default_chunk`,
+        at most the block size).
       merge: how the splits are merged (`split_merge.py`): "xla" (jnp, the default: several XLA
         fusions) or "pallas" (one kernel, which writes the channels in order; the default split
         count is then rounded down to a power of two, and an explicit one pads the split outputs
@@ -838,7 +864,7 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     if tokens_major and not tiled and (parts != 1 or steps != 1 or (fold and cfg.method == "fp8")):
         raise ValueError(f"parts and steps apply to the tiled schemes' tokens-major products only, fold to "
                          f"integer codes (got fold={fold}, parts={parts}, steps={steps} for {cfg.name})")
-    fold = (tokens_major and tiled) if fold is None else bool(fold)
+    fold = (tokens_major and (tiled or cfg.method == "int")) if fold is None else bool(fold)
     sums = sums or ("mma" if tokens_major else "reduce")
     if merge not in ("xla", "pallas"):
         raise ValueError(f"merge must be 'xla' or 'pallas', got {merge!r}")
@@ -852,9 +878,13 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
                          or (cfg.tile_tokens // n_parts) % (8 // cfg.k_bits)):
         raise ValueError(f"parts={parts} x steps={steps} must divide the {cfg.tile_tokens}-token tile into whole "
                          f"bytes of key codes")
+    if chunk is not None and (cfg.tile_tokens > 1 or not is_power_of_two(chunk) or chunk < 16):
+        raise ValueError(f"chunk (tokens per step of a per-token scheme) must be a power of two >= 16, for "
+                         f"per-token schemes only; got {chunk} for {cfg.name}")
     hk = cache.num_kv_heads
     if num_warps is None:  # the default launch; its register cap applies unless one is given
-        warps, cap = default_launch(cfg, nbt, hk, orient, parts, steps)
+        step = None if tiled else min(chunk or default_chunk(cfg, d, orient), cache.block_size)
+        warps, cap = default_launch(cfg, nbt, hk, orient, parts, steps, step)
         if cap is not None and (interpret or not triton_options.available()):
             # interpreted, launch options change nothing (and need no lowering hook); without the
             # hook no cap can be set, and uncapped two-warp programs were slower than one warp
@@ -865,7 +895,7 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     grp = hq // hk
     gp = max(8 if tokens_major else 16, 1 << (grp - 1).bit_length())
     mb = block_tables.shape[1]
-    t_tok = cfg.tile_tokens if cfg.tile_tokens > 1 else min(TOKEN_CHUNK, cache.block_size)
+    t_tok = cfg.tile_tokens if cfg.tile_tokens > 1 else min(chunk or default_chunk(cfg, d, orient), cache.block_size)
     tiles_per_block = cache.block_size // t_tok
     splits = num_splits or default_num_splits(nbt, hk, mb * tiles_per_block, warps, maxnreg)
     if merge == "pallas" and not num_splits:  # a power of two: the merge then reads no padding

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .. import schemes
+from .. import schemes, triton_options
 from ..schemes.arith import JNP, Arith
 from ..config import KVQuantConfig
 from ..validation import is_power_of_two as _pow2
@@ -78,9 +78,9 @@ def _kernel(*refs, cfg, side, names, has_static, gpu_arith):
         o[...] = fields[n].astype(o.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "side", "interpret", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("cfg", "side", "interpret", "num_warps", "maxnreg"))
 def quantize_blocks_pallas(blocks: jnp.ndarray, static: dict | None, *, cfg: KVQuantConfig, side: str,
-                           interpret: bool = False, num_warps: int | None = None) -> dict:
+                           interpret: bool = False, num_warps: int | None = None, maxnreg: int | None = None) -> dict:
     """blocks [M, Hk, block_size, D] (storage frame) -> fields {name: [M, Hk, tiles_per_block, ...]}."""
     m, hk, bs, d = blocks.shape
     g = cfg.tile_tokens
@@ -110,7 +110,8 @@ def quantize_blocks_pallas(blocks: jnp.ndarray, static: dict | None, *, cfg: KVQ
                                gpu_arith=not interpret)
     outs = pl.pallas_call(kernel,
                           grid=(m, hk, n_t), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                          interpret=interpret, name=f"kvarn_quantize_{cfg.name}_{side}", **params)(*operands)
+                          interpret=interpret, name=triton_options.kernel_name(f"kvarn_quantize_{cfg.name}_{side}", maxnreg),
+                          **params)(*operands)
     res = {}
     for n, o in zip(names, outs):
         res[n] = o if tiled else o.reshape((m, hk, bs) + fields[n][0])
