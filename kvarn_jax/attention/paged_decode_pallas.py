@@ -44,7 +44,6 @@ from jax.experimental import pallas as pl
 from .. import triton_options
 from . import split_merge
 from ..cache.paged import tokens_last
-from ..validation import is_power_of_two
 from ..config import KVQuantConfig
 from ..validation import is_power_of_two as _pow2
 
@@ -878,13 +877,14 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
                          or (cfg.tile_tokens // n_parts) % (8 // cfg.k_bits)):
         raise ValueError(f"parts={parts} x steps={steps} must divide the {cfg.tile_tokens}-token tile into whole "
                          f"bytes of key codes")
-    if chunk is not None and (cfg.tile_tokens > 1 or not is_power_of_two(chunk) or chunk < 16):
+    if chunk is not None and (cfg.tile_tokens > 1 or not _pow2(chunk) or chunk < 16):
         raise ValueError(f"chunk (tokens per step of a per-token scheme) must be a power of two >= 16, for "
                          f"per-token schemes only; got {chunk} for {cfg.name}")
     hk = cache.num_kv_heads
+    # tokens per step of the tile loop: a tile, or a chunk of a block for per-token schemes
+    t_tok = cfg.tile_tokens if tiled else min(chunk or default_chunk(cfg, d, orient), cache.block_size)
     if num_warps is None:  # the default launch; its register cap applies unless one is given
-        step = None if tiled else min(chunk or default_chunk(cfg, d, orient), cache.block_size)
-        warps, cap = default_launch(cfg, nbt, hk, orient, parts, steps, step)
+        warps, cap = default_launch(cfg, nbt, hk, orient, parts, steps, None if tiled else t_tok)
         if cap is not None and (interpret or not triton_options.available()):
             # interpreted, launch options change nothing (and need no lowering hook); without the
             # hook no cap can be set, and uncapped two-warp programs were slower than one warp
@@ -895,7 +895,6 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     grp = hq // hk
     gp = max(8 if tokens_major else 16, 1 << (grp - 1).bit_length())
     mb = block_tables.shape[1]
-    t_tok = cfg.tile_tokens if cfg.tile_tokens > 1 else min(chunk or default_chunk(cfg, d, orient), cache.block_size)
     tiles_per_block = cache.block_size // t_tok
     splits = num_splits or default_num_splits(nbt, hk, mb * tiles_per_block, warps, maxnreg)
     if merge == "pallas" and not num_splits:  # a power of two: the merge then reads no padding
