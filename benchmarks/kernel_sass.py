@@ -114,7 +114,7 @@ def merge_warps(cfg) -> int:
     from kvarn_jax.attention import paged_decode_pallas as pdp, split_merge as sm
     tokens = pdp.default_orient(cfg, 128) == "tokens"
     warps, cap = pdp.default_launch(cfg, 1, 8)
-    t_tok = cfg.tile_tokens if cfg.tile_tokens > 1 else pdp.default_chunk(cfg, 128)
+    t_tok = pdp.default_chunk(cfg, 128)  # a tile, or a per-token scheme's step
     splits = sm.unpadded_splits(pdp.default_num_splits(1, 8, 1024 * (128 // t_tok), warps, cap))
     vp = pdp._Plan(cfg, 128, t_tok).vp
     return sm.merge_launch(1, 8, vp, splits, 8 if tokens else 16, 128 // vp, -1 if tokens else -2)[2]

@@ -59,7 +59,7 @@ def main():
         cache = kj.PagedKVCache.create(cfg, num_blocks=1, block_size=bs, num_kv_heads=hk, head_dim=d, max_seqs=1)
         ref = jax.jit(lambda x: {side: paged._quantize_blocks(cache, side, x) for side in ("k", "v")})
         t_ref = timed(ref, x)
-        by_warps = {}
+        by_launch = {}
         a = ref(x)
         for w in [v for v in args.warps.split(",") if v] or [None]:
             nw, cap = (int(w.split(":")[0]), int(w.split(":")[1]) if ":" in w else None) if w else (None, None)
@@ -67,13 +67,13 @@ def main():
                 x, None, cfg=cfg, side=side, interpret=interpret, num_warps=nw, maxnreg=cap) for side in ("k", "v")})
             b = ker(x)
             diff = sum(int(jnp.sum(a[sd]["codes"] != b[sd]["codes"])) for sd in ("k", "v"))
-            by_warps[w] = (timed(ker, x), diff)
-            print(f"    {s} kernel launch {w or 'default'}: {by_warps[w][0] * 1e3:.3f} ms, differing code bytes {diff}")
-        best_w = min(by_warps, key=lambda w: by_warps[w][0])
-        t_ker, diff = by_warps[best_w]
-        row = {"scheme": s, "kernel_s": t_ker, "kernel_launch": best_w,
-               "kernel_s_by_launch": {str(k or "default"): v[0] for k, v in by_warps.items()},
-               "differing_code_bytes_by_launch": {str(k or "default"): v[1] for k, v in by_warps.items()},
+            by_launch[w] = (timed(ker, x), diff)
+            print(f"    {s} kernel launch {w or 'default'}: {by_launch[w][0] * 1e3:.3f} ms, differing code bytes {diff}")
+        best = min(by_launch, key=lambda w: by_launch[w][0])
+        t_ker, diff = by_launch[best]
+        row = {"scheme": s, "kernel_s": t_ker, "kernel_launch": best,
+               "kernel_s_by_launch": {str(k or "default"): v[0] for k, v in by_launch.items()},
+               "differing_code_bytes_by_launch": {str(k or "default"): v[1] for k, v in by_launch.items()},
                "xla_s": t_ref, "kernel_Mtokheads_per_s": th / t_ker / 1e6,
                "xla_Mtokheads_per_s": th / t_ref / 1e6, "differing_code_bytes": diff}
         res["rows"].append(row)
