@@ -11,8 +11,9 @@ caches and the same device, interleaved `--rounds` times: commits compared this 
 their kernel only. Every (version, variant) is first checked against the reference on a small
 cache. Timing: `decode.profile_span` (first kernel start to last kernel end of one call, median of
 20 calls; torch's profiler). Variants: "default" (the version's own defaults) or "wWrR" (num_warps
-W, maxnreg R), either with the suffix "-pm" (the splits merged by the Pallas kernel, merge="pallas",
-for versions that have it): e.g. `--variants default,default-pm,w2r128-pm`.
+W, maxnreg R), followed by either or both of "-pm" (the splits merged by the Pallas kernel,
+merge="pallas", for versions that have it) and "-sN" (num_splits=N): e.g.
+`--variants default,default-pm,w2r128-pm,w1r168-s8`.
 """
 
 from __future__ import annotations
@@ -50,16 +51,22 @@ def load_version(name: str, path: str):
 
 
 def variant_kwargs(var: str) -> dict:
-    """default or wW[rR] (num_warps W, register cap R), either with the suffix -pm (merge="pallas":
-    only for kernel versions that have the option)."""
-    if var.endswith("-pm"):
-        return {**variant_kwargs(var[:-3]), "merge": "pallas"}
-    if var == "default":
-        return {}
-    m = re.fullmatch(r"w(\d+)(?:r(\d+))?", var)
-    if not m:
-        raise SystemExit(f"bad variant {var!r} (expected default or wW[rR], optionally with -pm)")
-    return dict(num_warps=int(m.group(1)), maxnreg=int(m.group(2)) if m.group(2) else None)
+    """default or wW[rR] (num_warps W, register cap R), followed by the suffixes -pm
+    (merge="pallas"; only for kernel versions that have the option) and/or -sN (num_splits N)."""
+    base, *suffixes = var.split("-")
+    kw = {}
+    if base != "default":
+        m = re.fullmatch(r"w(\d+)(?:r(\d+))?", base)
+        if not m:
+            raise SystemExit(f"bad variant {var!r} (expected default or wW[rR], then -pm, -sN)")
+        kw = dict(num_warps=int(m.group(1)), maxnreg=int(m.group(2)) if m.group(2) else None)
+    for sfx in suffixes:
+        m = re.fullmatch(r"(pm|s)(\d*)", sfx)
+        if not m or (m.group(1) == "pm") == bool(m.group(2)):
+            raise SystemExit(f"bad suffix -{sfx} in variant {var!r} (expected -pm or -sN)")
+        key = {"pm": "merge", "s": "num_splits"}[m.group(1)]
+        kw[key] = "pallas" if key == "merge" else int(m.group(2))
+    return kw
 
 
 def main():
@@ -114,9 +121,9 @@ def main():
         print(f"B={b} L={ctx}: " + "  ".join(f"{k} {fmt(v)}" for k, v in row["span_ms"].items()), flush=True)
         out["rows"].append(row)
         del cache
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        if args.json:  # after every shape: a run cut off by a time limit keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

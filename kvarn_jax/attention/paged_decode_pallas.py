@@ -49,7 +49,7 @@ from ..validation import is_power_of_two as _pow2
 
 NEG = -1e30          # masked logit; every processed chunk holds at least one valid position
 LOG2E = 1.4426950408889634
-HP_CHUNK = 64        # tokens per step through the high-precision sink/tail
+HP_CHUNK = 64        # tokens per step through the high-precision sink/tail (half that under a register cap)
 TOKEN_CHUNK = 64     # tokens per step through the pages of per-token schemes (`default_chunk`: 128 for most)
 
 
@@ -526,7 +526,7 @@ class _Plan:
 
 # ----------------------------------------------------------------------------- the kernel
 def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tiles_per_block,
-            num_splits, sm_scale, window, tokens_major, parts, steps):
+            num_splits, sm_scale, window, tokens_major, parts, steps, hp_chunk):
     d, vp, t_tok = plan.d, plan.vp, plan.t
     # tokens_major: scores [T, Gp] and accumulator [D/vp, Gp] (the matrix unit's N is the head
     # axis, 8 wide); otherwise scores [Gp, T] and accumulator [Gp, D/vp] (M = heads, 16 wide)
@@ -666,7 +666,7 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     # ---- high-precision sink and partial tail (split 0 only)
     if has_hp:
         sid = jnp.clip(sid_ref[b], 0, sink_k.shape[0] - 1)
-        hc = min(HP_CHUNK, bs)
+        hc = min(hp_chunk, bs)
         first = split == 0
 
         def hp_loop(carry, k_ref, v_ref, base, start_pos, count):
@@ -900,6 +900,11 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     if merge == "pallas" and not num_splits:  # a power of two: the merge then reads no padding
         splits = split_merge.unpadded_splits(splits)
     plan = _Plan(cfg, d, t_tok, unpack, fold=fold, sums=sums)
+    # Under a register cap the sink/tail is walked 32 tokens at a time: on the H200 the capped
+    # two-warp launches then ran 5-11% faster at B=1/L=128K and B=8/L=16K (kvarn_k4v2_g128,
+    # kvarn_k4v4_g128) and kvarn_k4v4_g128 6% at B=32/L=32K, while the uncapped one-warp
+    # kvarn_k4v2_g128 ran 6% slower at B=32/L=32K (benchmarks/results/2026-12-03_decode_hp_chunk_h200.md)
+    hp_chunk = HP_CHUNK // 2 if maxnreg is not None else HP_CHUNK
 
     qg = q_rot.astype(jnp.float32).reshape(nbt, hk, grp, d)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - grp), (0, 0)))
@@ -939,7 +944,7 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         _kernel, plan=plan, names=names, static_names=static_names, has_hp=cache.has_hp,
         block_size=cache.block_size, tail_len=max(cache.tail_len, 1), tiles_per_block=tiles_per_block,
         num_splits=splits, sm_scale=scale, window=window, tokens_major=tokens_major, parts=parts,
-        steps=steps)
+        steps=steps, hp_chunk=hp_chunk)
     vp = plan.vp
     acc_shape = (d // vp, gp) if tokens_major else (gp, d // vp)
     # the Pallas merge loads all splits at once: a power-of-two axis (the padding is never written)
@@ -962,7 +967,9 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     heads_axis = -1 if tokens_major else -2
     if merge == "pallas":
         o = split_merge.merge_splits_pallas(acc, m, l, splits=splits, heads_axis=heads_axis, interpret=interpret)
-    else:
-        o = split_merge.merge_splits_reference(acc, m, l, splits, heads_axis)
-    o = o.reshape(nbt, hk, gp, d)                                     # [.., Gp, D/vp, vp]: channels in order
-    return o[:, :, :grp].reshape(nbt, hq, d)
+        return o.reshape(nbt, hk, gp, d)[:, :, :grp].reshape(nbt, hq, d)  # [.., Gp, D/vp, vp]: channels in order
+    # the GQA group's padding dropped first: XLA's merge fusions then write the output in its
+    # final layout (no separate slice after them)
+    acc = acc[..., :grp] if tokens_major else acc[..., :grp, :]
+    o = split_merge.merge_splits_reference(acc, m[..., :grp], l[..., :grp], splits, heads_axis)
+    return o.reshape(nbt, hq, d)
