@@ -901,8 +901,8 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         splits = split_merge.unpadded_splits(splits)
     plan = _Plan(cfg, d, t_tok, unpack, fold=fold, sums=sums)
     # Under a register cap the sink/tail is walked 32 tokens at a time: on the H200 the capped
-    # two-warp launches then ran 5-11% faster at B=1/L=128K and B=8/L=16K (kvarn_k4v2_g128,
-    # kvarn_k4v4_g128) and kvarn_k4v4_g128 6% at B=32/L=32K, while the uncapped one-warp
+    # two-warp launches then ran 4-12% faster at B=1/L=128K and B=8/L=16K (kvarn_k4v2_g128,
+    # kvarn_k4v4_g128) and kvarn_k4v4_g128 7% at B=32/L=32K, while the uncapped one-warp
     # kvarn_k4v2_g128 ran 6% slower at B=32/L=32K (benchmarks/results/2026-12-03_decode_hp_chunk_h200.md)
     hp_chunk = HP_CHUNK // 2 if maxnreg is not None else HP_CHUNK
 
