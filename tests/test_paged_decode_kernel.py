@@ -198,7 +198,8 @@ def test_gpu_kernel_layouts(cfg, rng):
             for w in (None, bs + 5)}
     variants = (dict(orient="heads"), dict(orient="tokens", fold=False), dict(orient="tokens", fold=True),
                 dict(orient="tokens", steps=2), dict(orient="tokens", sums="reduce"),
-                dict(orient="tokens", sums="reduce", fold=False, parts=2), dict(orient="tokens", num_warps=2, maxnreg=128))
+                dict(orient="tokens", sums="reduce", fold=False, parts=2),
+                dict(orient="tokens", num_warps=2, maxnreg=128))
     for i, kw in enumerate(variants):
         # every variant once per scheme, with a window for one of the two schemes (the suite's time)
         window = None if (i + (cfg[:4] == "kivi")) % 2 == 0 else bs + 5
