@@ -389,6 +389,9 @@ def main():
             print(f"    {s:<18s} {ms(r['device_s'])} ms  (loop {ms(r['loop_s'])} ms, span {ms(r['span_s'])} ms)  roofline {ms(r['roofline_s'])} ms"
                   f"  {100 * r['roofline_frac']:5.1f}% of roofline  splits={r['num_splits']} {r['variant']}"
                   f"  entry {ms(r['entry_device_s'])} ms")
+        if args.json:  # after every shape: a run cut off by a time limit keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -52,19 +52,20 @@ def load_version(name: str, path: str):
 
 def variant_kwargs(var: str) -> dict:
     """default or wW[rR] (num_warps W, register cap R), followed by the suffixes -pm
-    (merge="pallas"; only for kernel versions that have the option) and/or -sN (num_splits N)."""
+    (merge="pallas"; only for kernel versions that have the option), -sN (num_splits N) and/or
+    -tN (num_stages N)."""
     base, *suffixes = var.split("-")
     kw = {}
     if base != "default":
         m = re.fullmatch(r"w(\d+)(?:r(\d+))?", base)
         if not m:
-            raise SystemExit(f"bad variant {var!r} (expected default or wW[rR], then -pm, -sN)")
+            raise SystemExit(f"bad variant {var!r} (expected default or wW[rR], then -pm, -sN, -tN)")
         kw = dict(num_warps=int(m.group(1)), maxnreg=int(m.group(2)) if m.group(2) else None)
     for sfx in suffixes:
-        m = re.fullmatch(r"(pm|s)(\d*)", sfx)
+        m = re.fullmatch(r"(pm|s|t)(\d*)", sfx)
         if not m or (m.group(1) == "pm") == bool(m.group(2)):
-            raise SystemExit(f"bad suffix -{sfx} in variant {var!r} (expected -pm or -sN)")
-        key = {"pm": "merge", "s": "num_splits"}[m.group(1)]
+            raise SystemExit(f"bad suffix -{sfx} in variant {var!r} (expected -pm, -sN or -tN)")
+        key = {"pm": "merge", "s": "num_splits", "t": "num_stages"}[m.group(1)]
         kw[key] = "pallas" if key == "merge" else int(m.group(2))
     return kw
 
