@@ -170,13 +170,14 @@ def main():
     import kvarn_jax as kj
     cfg = kj.parse(args.scheme)
     if args.kind == "decode":
-        from kvarn_jax.attention.paged_decode_pallas import default_launch
+        from kvarn_jax.attention.paged_decode_pallas import default_launch, default_stages
         # the shape lowered below (B=32, 8 kv heads) and the layout asked for
         warps, cap = default_launch(cfg, 32, 8, args.orient, args.parts, args.steps, args.chunk)
+        stages = default_stages(cfg, 32, 8, 128, args.orient, args.parts, args.steps)
         if args.warps:
-            warps, cap = args.warps, None
+            warps, cap, stages = args.warps, None, 2
         args.maxnreg = args.maxnreg or cap
-        stages = args.stages or 2
+        stages = args.stages or stages
     elif args.kind == "merge":
         warps, stages = args.warps or merge_warps(cfg), args.stages or 1
     else:

@@ -184,9 +184,11 @@ def test_gpu_kernel_layouts(cfg, rng):
     """Every product layout of the GPU kernel against the reference: heads-major (M = 16 head rows),
     tokens-major (N = 8 heads; the default for tiled schemes) with and without the plane-bias fold,
     with the bias/zero-point sums as reductions or as products with a ones matrix, and tiles walked
-    in parts and in several loop iterations (steps), and the register-capped two-warp launch (whose
-    sink/tail steps are 32 tokens, not 64: the sink and the short sequence end mid-step). The
-    defaults are measured choices; the others must stay correct."""
+    in parts and in several loop iterations (steps), the register-capped two-warp launch (whose
+    sink/tail steps are 32 tokens, not 64: the sink and the short sequence end mid-step), and three
+    pipeline stages (block ids read ahead; with whole tiles KVarN's token scales come through the
+    loop carry, in parts they do not). The defaults are measured choices; the others must stay
+    correct."""
     from kvarn_jax.attention import paged_decode_pallas as pdp
     from kvarn_jax.hadamard import rotate, unrotate
     c = kj.parse(cfg)
@@ -199,7 +201,8 @@ def test_gpu_kernel_layouts(cfg, rng):
     variants = (dict(orient="heads"), dict(orient="tokens", fold=False), dict(orient="tokens", fold=True),
                 dict(orient="tokens", steps=2), dict(orient="tokens", sums="reduce"),
                 dict(orient="tokens", sums="reduce", fold=False, parts=2),
-                dict(orient="tokens", num_warps=2, maxnreg=128))
+                dict(orient="tokens", num_warps=2, maxnreg=128), dict(orient="tokens", num_stages=3),
+                dict(orient="tokens", parts=2, num_stages=3))
     for i, kw in enumerate(variants):
         # every variant once per scheme, with a window for one of the two schemes (the suite's time)
         window = None if (i + (cfg[:4] == "kivi")) % 2 == 0 else bs + 5
@@ -208,6 +211,36 @@ def test_gpu_kernel_layouts(cfg, rng):
         o = np.asarray(unrotate(o) if c.rotated else o)
         ref = refs[window]
         np.testing.assert_allclose(o, ref, rtol=0, atol=4e-3 * np.abs(ref).max(), err_msg=f"{kw} window={window}")
+
+
+@pytest.mark.parametrize("cfg, kw", [("kvarn_k4v2_g64", {}), ("kvarn_k4v2_g64", dict(steps=2)),
+                                     ("int4", {}), ("fp8", dict(orient="heads"))])
+def test_block_ids_read_ahead(cfg, kw, rng, monkeypatch):
+    """num_stages >= 3: a program reads its tiles' block ids before its tile loop, in groups of at
+    most IDS_GROUP entries, and takes each tile's from registers (so that Triton double-buffers
+    the tiles' copies). Groups of 2 blocks here, so that programs cross group boundaries; random
+    block tables, two blocks per tile for KVarN (tiles of 64 tokens in blocks of 128), several
+    splits, a window, and a length past the table's capacity (unchecked: that row's output is
+    finite and wrong, the other rows are untouched)."""
+    from kvarn_jax.attention import paged_decode_pallas as pdp
+    from kvarn_jax.hadamard import rotate, unrotate
+    monkeypatch.setattr(pdp, "IDS_GROUP", 2)
+    c = kj.parse(cfg)
+    bs = 128 if c.tile_tokens > 1 else 32
+    cache, bt, sl, _ = build(cfg, [9 * bs + 7, bs - 3, 4 * bs, 6 * bs + 1], 2, 64, bs, rng)
+    bad_sl = sl.at[3].set(bt.shape[1] * bs + 40)
+    q = jnp.asarray(rng.standard_normal((4, 8, 64)), jnp.float32)
+    sid = jnp.arange(4, dtype=jnp.int32)
+    for splits, window, lens in ((1, None, sl), (3, None, bad_sl), (2, bs + 9, sl)):
+        ref = np.asarray(kj.paged_decode_attention(q, cache, bt, lens, impl="reference", window=window,
+                                                   check_values=False))
+        o = pdp.paged_decode_pallas(rotate(q) if c.rotated else q, cache, bt, lens, sid, scale=0.125,
+                                    window=window, interpret=INTERPRET, num_splits=splits, num_stages=3, **kw)
+        o = np.asarray(unrotate(o) if c.rotated else o)
+        rows = 3 if lens is bad_sl else 4  # the over-long row: finite, wrong (as without read-ahead)
+        assert np.isfinite(o).all()
+        np.testing.assert_allclose(o[:rows], ref[:rows], rtol=0, atol=4e-3 * np.abs(ref).max(),
+                                   err_msg=f"splits={splits} window={window}")
 
 
 @pytest.mark.parametrize("cfg", ["int8", "int4", "int_k8v2", "fp8"])
@@ -309,6 +342,8 @@ def test_gpu_kernel_layout_errors(rng):
         call(tiled, parts=3)
     with pytest.raises(ValueError, match="maxnreg must be an int in \\[24, 255\\]"):
         call(tiled, maxnreg=300)
+    with pytest.raises(ValueError, match="num_stages must be an int >= 1, got 0"):
+        call(tiled, num_stages=0)
 
 
 def test_register_cap_reaches_the_triton_module(monkeypatch):
@@ -372,6 +407,20 @@ def test_default_launch(cfg, batch, kw, want):
     heads-major 8-bit int codes with grouped or static scales."""
     from kvarn_jax.attention import paged_decode_pallas as pdp
     assert pdp.default_launch(kj.parse(cfg), batch, 8, **kw) == want
+
+
+@pytest.mark.parametrize("cfg,batch,head_dim,kw,want", [
+    ("kvarn_k4v2_g128", 32, 128, {}, 3), ("kvarn_k4v2_g128", 16, 128, {}, 2),      # 128 pairs: capped two warps
+    ("kvarn_k4v2_g64", 32, 128, {}, 3), ("kvarn_k4v2_g128", 32, 256, {}, 2),       # tiles past 128 x 128: 2
+    ("kvarn_k4v4_g128", 32, 128, {}, 2), ("kivi_k2v2_g128", 32, 128, {}, 2),
+    ("kvarn_k4v2_g128", 32, 128, dict(parts=2), 2), ("kvarn_k4v2_g128", 32, 128, dict(orient="heads"), 2),
+    ("int4", 32, 128, {}, 2), ("fp8", 256, 128, {}, 2)])
+def test_default_stages(cfg, batch, head_dim, kw, want):
+    """Three pipeline stages (block ids read ahead, double-buffered tile copies) only where the H200
+    measured them faster: KVarN's one-warp launch of whole tiles of <= 128 x 128
+    (2026-12-03_decode_double_buffer_h200.md); 8 kv heads."""
+    from kvarn_jax.attention import paged_decode_pallas as pdp
+    assert pdp.default_stages(kj.parse(cfg), batch, 8, head_dim, **kw) == want
 
 
 @pytest.mark.parametrize("cfg,head_dim,want", [

@@ -50,6 +50,7 @@ from ..validation import is_power_of_two as _pow2
 NEG = -1e30          # masked logit; every processed chunk holds at least one valid position
 LOG2E = 1.4426950408889634
 HP_CHUNK = 64        # tokens per step through the high-precision sink/tail (half that under a register cap)
+IDS_GROUP = 128      # most block-table entries a program reads at once with num_stages >= 3 (`_kernel`)
 TOKEN_CHUNK = 64     # tokens per step through the pages of per-token schemes (`default_chunk`: 128 for most)
 
 
@@ -417,11 +418,12 @@ class _Plan:
             return qs, zero, None
         return qs, zero, qs if self.sums == "mma" else jnp.sum(qs.astype(jnp.float32), axis=1)[None, :]
 
-    def scores_t(self, qside, pages, blk, sub, part=0, parts: int = 1):
+    def scores_t(self, qside, pages, blk, sub, part=0, parts: int = 1, tok_scales=None):
         """Tokens-major scores of a tiled scheme: list over token classes j of [T / kc, Gp] (tokens
         j, j + kc, ... of the tile; one class in token order when `k_whole`). With parts > 1 only
         tokens [part * T/parts, (part + 1) * T/parts) of the tile (classes within that part).
-        qside: `query_t` of the tile."""
+        qside: `query_t` of the tile. tok_scales: KVarN's key token scales of the (whole) tile
+        [T/kc, kc] if already loaded."""
         cfg, kc = self.cfg, self.kc
         f = pages["k"]
         rows = self.t * cfg.k_bits // 8 // parts
@@ -435,7 +437,8 @@ class _Plan:
         if cfg.method == "kvarn":  # token scales per class: [T/kc] each (whole-block load, `_columns`)
             st = f["scale_tok"]
             sts = ([st[blk, sub, pl.ds(part * n_tok, n_tok)].astype(jnp.float32)] if self.k_whole
-                   else _columns(st[blk, sub, pl.ds(part * rows, rows)].astype(jnp.float32)))
+                   else _columns((st[blk, sub, pl.ds(part * rows, rows)] if tok_scales is None
+                                  else tok_scales).astype(jnp.float32)))
         out = []
         for j, k in enumerate(ks):
             s = _dot_t(k, qs, min_n=8) + zero
@@ -526,7 +529,7 @@ class _Plan:
 
 # ----------------------------------------------------------------------------- the kernel
 def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tiles_per_block,
-            num_splits, sm_scale, window, tokens_major, parts, steps, hp_chunk):
+            num_splits, sm_scale, window, tokens_major, parts, steps, hp_chunk, ids_ahead):
     d, vp, t_tok = plan.d, plan.vp, plan.t
     # tokens_major: scores [T, Gp] and accumulator [D/vp, Gp] (the matrix unit's N is the head
     # axis, 8 wide); otherwise scores [Gp, T] and accumulator [Gp, D/vp] (M = heads, 16 wide)
@@ -614,19 +617,29 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     # the inexact one-product form before: 0.341; benchmarks/results/2026-12-01_decode_zero_term_h200.md),
     # and 6-7% off at B=128/256 for the channel scales (2026-12-01_decode_maxnreg_h200.md).
     ahead = tokens_major and steps == 1 and plan.tiled
+    # With the tiles' copies double-buffered (ids_ahead, below) KVarN's key token scales come one
+    # tile ahead too: their two copy buffers (512 B) were what kept a one-warp program's shared
+    # memory above 28,160 B, the most at which 8 programs fit an SM (7 with them: 0.395 vs 0.325 ms
+    # at B=32/L=32K, benchmarks/results/2026-12-03_decode_double_buffer_h200.md). With a single
+    # buffer (num_stages=2) carrying them was slower (0.387 vs 0.337).
+    tok_ahead = ahead and ids_ahead and plan.cfg.method == "kvarn" and not plan.k_whole and parts == 1
     if tokens_major and not plan.tiled:  # per-token scheme: its query side, once
         qside_pt = plan.query_pt(q_planes)
 
     def tile_ahead(t, valid):
-        """(key zero points [D], KVarN: value channel scales [D/vp, vp]) of tile t; page 0's where
-        `valid` is false (no read through a block-table entry that no tile of this program uses)."""
+        """(key zero points [D], KVarN: value channel scales [D/vp, vp] and with `tok_ahead` key
+        token scales [T/kc, kc]) of tile t; page 0's where `valid` is false (no read through a
+        block-table entry that no tile of this program uses)."""
         tv = jnp.where(valid, t, 0)
         blk, sub = jnp.where(valid, page_of(tv // tpb), 0), tv % tpb
+        if tok_ahead:
+            return (pages["k"]["zero_chan"][blk, sub], pages["v"]["scale_chan"][blk, sub],
+                    pages["k"]["scale_tok"][blk, sub])
         if plan.cfg.method == "kvarn":
             return pages["k"]["zero_chan"][blk, sub], pages["v"]["scale_chan"][blk, sub]
         return (pages["k"]["zero"][blk, sub],)
 
-    def tile_body(i, carry):
+    def tile_body(i, carry, page_of=page_of):
         t, step = (i // steps, i % steps) if steps > 1 else (i, 0)
         blk = page_of(t // tpb)
         sub = t % tpb
@@ -634,16 +647,17 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
             return update(carry, [plan.scores_pt(qside_pt, pages, blk, sub)], [t * t_tok + tok],
                           lambda ps: plan.values_pt(ps[0], pages, blk, sub), masked=tiles_partial)
         if tokens_major:  # softmax per token class; only the probabilities are put in token order
-            z, chan = None, None
+            z, chan, tsc = None, None, None
             if ahead:
                 carry, here = carry[:3], carry[3:]
                 z, chan = here[0], (here[1] if len(here) > 1 else None)
+                tsc = here[2] if tok_ahead else None
                 next_tile = tile_ahead(jnp.minimum(t + 1, hi - 1), t + 1 < hi)
             qside = plan.query_t(q, pages, blk, sub, z)
             n_parts = steps * parts
             for k in range(parts):  # parts of a step one after the other: fewer live registers
                 part = step * parts + k
-                ss = plan.scores_t(qside, pages, blk, sub, part, n_parts)
+                ss = plan.scores_t(qside, pages, blk, sub, part, n_parts, tok_scales=tsc)
                 nc, n_tok = len(ss), t_tok // n_parts
                 poss = [t * t_tok + part * n_tok + jnp.arange(n_tok // nc, dtype=jnp.int32) * nc + j
                         for j in range(nc)]
@@ -660,7 +674,33 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
              tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(vp)))
     if ahead:
         carry = carry + tile_ahead(lo, lo < hi)
-    carry = lax.fori_loop(lo * steps, jnp.maximum(lo, hi) * steps, tile_body, carry)
+    if not ids_ahead:
+        carry = lax.fori_loop(lo * steps, jnp.maximum(lo, hi) * steps, tile_body, carry)
+    else:
+        # The tiles' block ids read ahead, up to `ids` entries at a time, and taken from registers
+        # in the loop: with no load of the table inside the tile loop, Triton's pipeliner (num_stages
+        # >= 3) double-buffers the tiles' copies, so a tile's codes are in flight while the one
+        # before it computes. With the table read in the loop it keeps a single buffer, filled at
+        # the end of each iteration and waited on at the start of the next: Nsight Compute put
+        # 14% of the warps' stall samples at B=32/L=32K on that wait. (tile_ahead still reads
+        # the table: its loads are plain ones a tile ahead, and no copy's address depends on them.)
+        mbt = bt_ref.shape[1]
+        cmax = pl.cdiv(mbt * tpb, num_splits)                      # tiles of a program, at most
+        span = (cmax + tpb - 2) // tpb + 1                           # blocks they touch, at most
+        ids = min(1 << (span - 1).bit_length(), IDS_GROUP, 1 << (mbt.bit_length() - 1))
+        iota = jnp.arange(ids, dtype=jnp.int32)
+        b_first = lo // tpb
+        n_groups = jnp.where(hi > lo, pl.cdiv((jnp.maximum(hi, 1) - 1) // tpb - b_first + 1, ids), 0)
+
+        def group(g, carry):
+            gb = b_first + g * ids
+            start = jnp.clip(gb, 0, mbt - ids)          # the load stays in the row; j - start indexes it
+            row = bt_ref[b, pl.ds(start, ids)]
+            page_in = lambda j: jnp.clip(jnp.sum(jnp.where(iota == j - start, row, 0)), 0, n_pages - 1)  # noqa: E731
+            t_lo, t_hi = jnp.maximum(lo, gb * tpb), jnp.minimum(hi, (gb + ids) * tpb)
+            return lax.fori_loop(t_lo * steps, jnp.maximum(t_lo, t_hi) * steps,
+                                 functools.partial(tile_body, page_of=page_in), carry)
+        carry = lax.fori_loop(0, n_groups, group, carry)
     carry = carry[:3]
 
     # ---- high-precision sink and partial tail (split 0 only)
@@ -775,6 +815,24 @@ def default_launch(cfg: KVQuantConfig, batch: int, num_kv_heads: int, orient: st
     return (2 if heads and grouped_8bit else 4), None
 
 
+def default_stages(cfg: KVQuantConfig, batch: int, num_kv_heads: int, head_dim: int, orient: str | None = None,
+                   parts: int = 1, steps: int = 1) -> int:
+    """Pipeline stages of the default launch: 3 where `default_launch` gives KVarN's whole tiles
+    one uncapped warp (2-bit values, >= 132 (sequence, kv head) pairs) at tiles of up to 128 x 128,
+    else 2. With 3 stages the tile loop reads its block ids ahead (`_kernel`, `IDS_GROUP`), Triton
+    double-buffers the tiles' copies, and the key token scales come through the loop carry, which
+    keeps a program at 28,160 B of shared memory (8 per SM). On the H200 (kvarn_k4v2_g128,
+    benchmarks/results/2026-12-03_decode_double_buffer_h200.md): B=32/L=32K 0.337 -> 0.325 ms,
+    B=128/L=4K 0.237 -> 0.208, B=256/L=8K 0.754 -> 0.680; the capped two-warp launch of small
+    batches was slower with 3 (B=1/L=128K 0.060 -> 0.073, B=8/L=16K 0.062 -> 0.072). KIVI and
+    larger tiles (more shared memory per stage) were not measured with 3 and keep 2."""
+    if cfg.method != "kvarn" or cfg.tile_tokens * head_dim > 128 * 128 or parts != 1 or steps != 1:
+        return 2
+    if (orient or default_orient(cfg, head_dim)) != "tokens":
+        return 2
+    return 3 if default_launch(cfg, batch, num_kv_heads, orient, parts, steps) == (1, None) else 2
+
+
 def programs_per_sm(num_warps: int, maxnreg: int | None = None) -> int:
     """Programs that fit one H100/H200 SM at once. Uncapped, our kernels take ~255 registers per
     thread: 8 one-warp or 4 two-warp programs (4 for wider ones too: those use fewer registers).
@@ -808,7 +866,7 @@ def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int, num_warps:
                                              "steps", "merge", "chunk"))
 def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale: float, window: int | None,
                         num_splits: int | None = None, interpret: bool = False, num_warps: int | None = None,
-                        num_stages: int = 2, unpack: str | None = None, orient: str | None = None,
+                        num_stages: int | None = None, unpack: str | None = None, orient: str | None = None,
                         fold: bool | None = None, parts: int = 1, sums: str | None = None,
                         maxnreg: int | None = None, steps: int = 1, merge: str = "xla", chunk: int | None = None):
     """Kernel entry: q_rot [B, Hq, D] in the stored frame -> output [B, Hq, D] fp32 in the stored frame.
@@ -818,7 +876,9 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
       unpack: how codes become fp16 - "asm" (`_planes_asm`, PTX; the default when compiled,
         bit-identical) or "magic" (`_planes`, jnp; the default interpreted, where PTX cannot run).
       orient: "tokens" or "heads" (`default_orient`; tokens-major for per-token schemes needs one
-        dynamic scale per token); num_warps (default: `default_launch`), num_stages;
+        dynamic scale per token); num_warps (default: `default_launch`), num_stages (default:
+        `default_stages` with the default launch, else 2; from 3 on the tile loop reads its block
+        ids ahead, so that Triton double-buffers the tiles' copies);
       fold: tokens-major only - feed the planes' biased values (magic + code, one `lop3` per two
         codes; 8-bit codes: none, the byte spread inserts the magic) to the products and subtract
         magic * (sum of the fp16 query / probabilities) from the results instead of one fp16
@@ -892,6 +952,10 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         maxnreg = cap if maxnreg is None else maxnreg
     else:
         warps = num_warps
+    if num_stages is None:
+        num_stages = default_stages(cfg, nbt, hk, d, orient, parts, steps) if num_warps is None else 2
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
     grp = hq // hk
     gp = max(8 if tokens_major else 16, 1 << (grp - 1).bit_length())
     mb = block_tables.shape[1]
@@ -903,8 +967,9 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     # Under a register cap the sink/tail is walked 32 tokens at a time: on the H200 the capped
     # two-warp launches then ran 4-12% faster at B=1/L=128K and B=8/L=16K (kvarn_k4v2_g128,
     # kvarn_k4v4_g128) and kvarn_k4v4_g128 7% at B=32/L=32K, while the uncapped one-warp
-    # kvarn_k4v2_g128 ran 6% slower at B=32/L=32K (benchmarks/results/2026-12-03_decode_hp_chunk_h200.md)
-    hp_chunk = HP_CHUNK // 2 if maxnreg is not None else HP_CHUNK
+    # kvarn_k4v2_g128 ran 6% slower at B=32/L=32K (benchmarks/results/2026-12-03_decode_hp_chunk_h200.md).
+    # With 3+ stages too: the sink/tail loop's buffers then no longer set the shared memory.
+    hp_chunk = HP_CHUNK // 2 if (maxnreg is not None or num_stages >= 3) else HP_CHUNK
 
     qg = q_rot.astype(jnp.float32).reshape(nbt, hk, grp, d)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - grp), (0, 0)))
@@ -944,7 +1009,7 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         _kernel, plan=plan, names=names, static_names=static_names, has_hp=cache.has_hp,
         block_size=cache.block_size, tail_len=max(cache.tail_len, 1), tiles_per_block=tiles_per_block,
         num_splits=splits, sm_scale=scale, window=window, tokens_major=tokens_major, parts=parts,
-        steps=steps, hp_chunk=hp_chunk)
+        steps=steps, hp_chunk=hp_chunk, ids_ahead=num_stages >= 3)
     vp = plan.vp
     acc_shape = (d // vp, gp) if tokens_major else (gp, d // vp)
     # the Pallas merge loads all splits at once: a power-of-two axis (the padding is never written)
