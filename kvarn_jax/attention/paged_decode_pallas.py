@@ -551,8 +551,9 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     # Block-table columns, block ids and sequence ids are clamped into range: with the entry's value
     # checks off, or under jit, bad indices must not address memory outside the table or the cache
     # (a few integer instructions per tile). The length itself is not: clamping it cost 10% at
-    # B=32/L=32K on the H200 (a length past the table's capacity re-reads its last block; the
-    # output of such a row is wrong either way; 2026-12-02_bridge_async_h200.md).
+    # B=32/L=32K on the H200 (a length past the table's capacity re-reads its last block, or with
+    # the block ids read ahead page 0; the output of such a row is wrong either way;
+    # 2026-12-02_bridge_async_h200.md).
     length = len_ref[b]
     n_pages = pages["k"][names["k"][0]].shape[0]
     page_of = lambda j: jnp.clip(bt_ref[b, jnp.minimum(j, bt_ref.shape[1] - 1)], 0, n_pages - 1)  # noqa: E731
