@@ -823,9 +823,9 @@ def default_stages(cfg: KVQuantConfig, batch: int, num_kv_heads: int, head_dim: 
     else 2. With 3 stages the tile loop reads its block ids ahead (`_kernel`, `IDS_GROUP`), Triton
     double-buffers the tiles' copies, and the key token scales come through the loop carry, which
     keeps a program at 28,160 B of shared memory (8 per SM). On the H200 (kvarn_k4v2_g128,
-    benchmarks/results/2026-12-03_decode_double_buffer_h200.md): B=32/L=32K 0.337 -> 0.325 ms,
-    B=128/L=4K 0.237 -> 0.208, B=256/L=8K 0.754 -> 0.680; the capped two-warp launch of small
-    batches was slower with 3 (B=1/L=128K 0.060 -> 0.073, B=8/L=16K 0.062 -> 0.072). KIVI and
+    benchmarks/results/2026-12-03_decode_double_buffer_h200.md, run 3): B=32/L=32K 0.339 -> 0.329 ms,
+    B=128/L=4K 0.232 -> 0.214, B=256/L=8K 0.770 -> 0.677; the capped two-warp launch of small
+    batches was slower with 3 (run 2: B=1/L=128K 0.060 -> 0.073, B=8/L=16K 0.062 -> 0.072). KIVI and
     larger tiles (more shared memory per stage) were not measured with 3 and keep 2."""
     if cfg.method != "kvarn" or cfg.tile_tokens * head_dim > 128 * 128 or parts != 1 or steps != 1:
         return 2
