@@ -186,9 +186,9 @@ def test_gpu_kernel_layouts(cfg, rng):
     with the bias/zero-point sums as reductions or as products with a ones matrix, and tiles walked
     in parts and in several loop iterations (steps), the register-capped two-warp launch (whose
     sink/tail steps are 32 tokens, not 64: the sink and the short sequence end mid-step), and three
-    pipeline stages (block ids read ahead; with whole tiles KVarN's token scales come through the
-    loop carry, in parts they do not). The defaults are measured choices; the others must stay
-    correct."""
+    pipeline stages with parts (block ids read ahead, KVarN's token scales not through the loop
+    carry; whole tiles with three stages: `test_block_ids_read_ahead`). The defaults are measured
+    choices; the others must stay correct."""
     from kvarn_jax.attention import paged_decode_pallas as pdp
     from kvarn_jax.hadamard import rotate, unrotate
     c = kj.parse(cfg)
@@ -201,8 +201,7 @@ def test_gpu_kernel_layouts(cfg, rng):
     variants = (dict(orient="heads"), dict(orient="tokens", fold=False), dict(orient="tokens", fold=True),
                 dict(orient="tokens", steps=2), dict(orient="tokens", sums="reduce"),
                 dict(orient="tokens", sums="reduce", fold=False, parts=2),
-                dict(orient="tokens", num_warps=2, maxnreg=128), dict(orient="tokens", num_stages=3),
-                dict(orient="tokens", parts=2, num_stages=3))
+                dict(orient="tokens", num_warps=2, maxnreg=128), dict(orient="tokens", parts=2, num_stages=3))
     for i, kw in enumerate(variants):
         # every variant once per scheme, with a window for one of the two schemes (the suite's time)
         window = None if (i + (cfg[:4] == "kivi")) % 2 == 0 else bs + 5
@@ -213,9 +212,13 @@ def test_gpu_kernel_layouts(cfg, rng):
         np.testing.assert_allclose(o, ref, rtol=0, atol=4e-3 * np.abs(ref).max(), err_msg=f"{kw} window={window}")
 
 
-@pytest.mark.parametrize("cfg, kw", [("kvarn_k4v2_g64", {}), ("kvarn_k4v2_g64", dict(steps=2)),
-                                     ("int4", {}), ("fp8", dict(orient="heads"))])
-def test_block_ids_read_ahead(cfg, kw, rng, monkeypatch):
+ALL_RUNS = ((1, None, False), (3, None, True), (2, 137, False))  # (splits, window, over-long row)
+
+
+@pytest.mark.parametrize("cfg, kw, runs", [("kvarn_k4v2_g64", {}, ALL_RUNS),
+                                           ("kvarn_k4v2_g64", dict(steps=2), ALL_RUNS[1:2]),
+                                           ("int4", {}, ALL_RUNS[2:]), ("fp8", dict(orient="heads"), ALL_RUNS[1:2])])
+def test_block_ids_read_ahead(cfg, kw, runs, rng, monkeypatch):
     """num_stages >= 3: a program reads its tiles' block ids before its tile loop, in groups of at
     most IDS_GROUP entries, and takes each tile's from registers (so that Triton double-buffers
     the tiles' copies). Groups of 2 blocks here, so that programs cross group boundaries; random
@@ -231,13 +234,14 @@ def test_block_ids_read_ahead(cfg, kw, rng, monkeypatch):
     bad_sl = sl.at[3].set(bt.shape[1] * bs + 40)
     q = jnp.asarray(rng.standard_normal((4, 8, 64)), jnp.float32)
     sid = jnp.arange(4, dtype=jnp.int32)
-    for splits, window, lens in ((1, None, sl), (3, None, bad_sl), (2, bs + 9, sl)):
+    for splits, window, over_long in runs:  # each a compile: the other layouts take one run each
+        lens = bad_sl if over_long else sl
         ref = np.asarray(kj.paged_decode_attention(q, cache, bt, lens, impl="reference", window=window,
                                                    check_values=False))
         o = pdp.paged_decode_pallas(rotate(q) if c.rotated else q, cache, bt, lens, sid, scale=0.125,
                                     window=window, interpret=INTERPRET, num_splits=splits, num_stages=3, **kw)
         o = np.asarray(unrotate(o) if c.rotated else o)
-        rows = 3 if lens is bad_sl else 4  # the over-long row: finite, wrong (as without read-ahead)
+        rows = 3 if over_long else 4  # the over-long row: finite, wrong (as without read-ahead)
         assert np.isfinite(o).all()
         np.testing.assert_allclose(o[:rows], ref[:rows], rtol=0, atol=4e-3 * np.abs(ref).max(),
                                    err_msg=f"splits={splits} window={window}")
