@@ -11,9 +11,9 @@ caches and the same device, interleaved `--rounds` times: commits compared this 
 their kernel only. Every (version, variant) is first checked against the reference on a small
 cache. Timing: `decode.profile_span` (first kernel start to last kernel end of one call, median of
 20 calls; torch's profiler). Variants: "default" (the version's own defaults) or "wWrR" (num_warps
-W, maxnreg R), followed by either or both of "-pm" (the splits merged by the Pallas kernel,
-merge="pallas", for versions that have it) and "-sN" (num_splits=N): e.g.
-`--variants default,default-pm,w2r128-pm,w1r168-s8`.
+W, maxnreg R), followed by any of "-pm" (the splits merged by the Pallas kernel, merge="pallas",
+for versions that have it), "-sN" (num_splits=N) and "-tN" (num_stages=N): e.g.
+`--variants default,default-pm,w2r128-pm,w1r168-s8,default-t3`.
 """
 
 from __future__ import annotations

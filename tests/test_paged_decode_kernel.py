@@ -212,19 +212,21 @@ def test_gpu_kernel_layouts(cfg, rng):
         np.testing.assert_allclose(o, ref, rtol=0, atol=4e-3 * np.abs(ref).max(), err_msg=f"{kw} window={window}")
 
 
-ALL_RUNS = ((1, None, False), (3, None, True), (2, 137, False))  # (splits, window, over-long row)
+READ_AHEAD_RUNS = ((1, None, False), (3, None, True), (2, 137, False))  # (splits, window, bad rows)
 
 
-@pytest.mark.parametrize("cfg, kw, runs", [("kvarn_k4v2_g64", {}, ALL_RUNS),
-                                           ("kvarn_k4v2_g64", dict(steps=2), ALL_RUNS[1:2]),
-                                           ("int4", {}, ALL_RUNS[2:]), ("fp8", dict(orient="heads"), ALL_RUNS[1:2])])
+@pytest.mark.parametrize("cfg, kw, runs", [("kvarn_k4v2_g64", {}, READ_AHEAD_RUNS),
+                                           ("kvarn_k4v2_g64", dict(steps=2), READ_AHEAD_RUNS[1:2]),
+                                           ("int4", {}, READ_AHEAD_RUNS[2:]),
+                                           ("fp8", dict(orient="heads"), READ_AHEAD_RUNS[1:2])])
 def test_block_ids_read_ahead(cfg, kw, runs, rng, monkeypatch):
     """num_stages >= 3: a program reads its tiles' block ids before its tile loop, in groups of at
     most IDS_GROUP entries, and takes each tile's from registers (so that Triton double-buffers
     the tiles' copies). Groups of 2 blocks here, so that programs cross group boundaries; random
     block tables, two blocks per tile for KVarN (tiles of 64 tokens in blocks of 128), several
-    splits, a window, and a length past the table's capacity (unchecked: that row's output is
-    finite and wrong, the other rows are untouched)."""
+    splits, a window, and bad rows (unchecked): block ids past the pool and negative, which are
+    clamped as the reference clamps them, and a length past the table's capacity, whose row's
+    output is finite and wrong while the other rows are untouched."""
     from kvarn_jax.attention import paged_decode_pallas as pdp
     from kvarn_jax.hadamard import rotate, unrotate
     monkeypatch.setattr(pdp, "IDS_GROUP", 2)
@@ -232,16 +234,17 @@ def test_block_ids_read_ahead(cfg, kw, runs, rng, monkeypatch):
     bs = 128 if c.tile_tokens > 1 else 32
     cache, bt, sl, _ = build(cfg, [9 * bs + 7, bs - 3, 4 * bs, 6 * bs + 1], 2, 64, bs, rng)
     bad_sl = sl.at[3].set(bt.shape[1] * bs + 40)
+    bad_bt = bt.at[0, 3].set(cache.num_blocks + 5).at[2, 2].set(-3)   # blocks read from the pages
     q = jnp.asarray(rng.standard_normal((4, 8, 64)), jnp.float32)
     sid = jnp.arange(4, dtype=jnp.int32)
-    for splits, window, over_long in runs:  # each a compile: the other layouts take one run each
-        lens = bad_sl if over_long else sl
-        ref = np.asarray(kj.paged_decode_attention(q, cache, bt, lens, impl="reference", window=window,
+    for splits, window, bad in runs:  # each a compile: the other layouts take one run each
+        lens, table = (bad_sl, bad_bt) if bad else (sl, bt)
+        ref = np.asarray(kj.paged_decode_attention(q, cache, table, lens, impl="reference", window=window,
                                                    check_values=False))
-        o = pdp.paged_decode_pallas(rotate(q) if c.rotated else q, cache, bt, lens, sid, scale=0.125,
+        o = pdp.paged_decode_pallas(rotate(q) if c.rotated else q, cache, table, lens, sid, scale=0.125,
                                     window=window, interpret=INTERPRET, num_splits=splits, num_stages=3, **kw)
         o = np.asarray(unrotate(o) if c.rotated else o)
-        rows = 3 if over_long else 4  # the over-long row: finite, wrong (as without read-ahead)
+        rows = 3 if bad else 4  # the over-long row: finite, wrong (as without read-ahead)
         assert np.isfinite(o).all()
         np.testing.assert_allclose(o[:rows], ref[:rows], rtol=0, atol=4e-3 * np.abs(ref).max(),
                                    err_msg=f"splits={splits} window={window}")
