@@ -187,8 +187,10 @@ def test_gpu_kernel_layouts(cfg, rng):
     in parts and in several loop iterations (steps), the register-capped two-warp launch (whose
     sink/tail steps are 32 tokens, not 64: the sink and the short sequence end mid-step), and three
     pipeline stages with parts (block ids read ahead, KVarN's token scales not through the loop
-    carry; whole tiles with three stages: `test_block_ids_read_ahead`). The defaults are measured
-    choices; the others must stay correct."""
+    carry; whole tiles with three stages: `test_block_ids_read_ahead`), and the query read the way
+    the scheme does not by default (`q_in_kernel`: masked rows of q_rot in the kernel, or a copy
+    padded to Gp rows; two kv heads, so the second group's rows start mid-array). The defaults are
+    measured choices; the others must stay correct."""
     from kvarn_jax.attention import paged_decode_pallas as pdp
     from kvarn_jax.hadamard import rotate, unrotate
     c = kj.parse(cfg)
@@ -199,7 +201,7 @@ def test_gpu_kernel_layouts(cfg, rng):
     refs = {w: np.asarray(kj.paged_decode_attention(q, cache, bt, sl, impl="reference", window=w))
             for w in (None, bs + 5)}
     variants = (dict(orient="heads"), dict(orient="tokens", fold=False), dict(orient="tokens", fold=True),
-                dict(orient="tokens", steps=2), dict(orient="tokens", sums="reduce"),
+                dict(orient="tokens", steps=2), dict(orient="tokens", sums="reduce", q_in_kernel=not pdp.default_q_in_kernel(c)),
                 dict(orient="tokens", sums="reduce", fold=False, parts=2),
                 dict(orient="tokens", num_warps=2, maxnreg=128), dict(orient="tokens", parts=2, num_stages=3))
     for i, kw in enumerate(variants):
@@ -428,6 +430,13 @@ def test_default_stages(cfg, batch, head_dim, kw, want):
     (2026-12-03_decode_double_buffer_h200.md); 8 kv heads."""
     from kvarn_jax.attention import paged_decode_pallas as pdp
     assert pdp.default_stages(kj.parse(cfg), batch, 8, head_dim, **kw) == want
+
+
+@pytest.mark.parametrize("cfg,want", [("kvarn_k4v2_g128", True), ("kvarn_k4v2_g64", True), ("kvarn_k4v4_g128", False),
+                                      ("kivi_k2v2_g128", False), ("int8", False), ("fp8", False)])
+def test_default_q_in_kernel(cfg, want):
+    from kvarn_jax.attention import paged_decode_pallas as pdp
+    assert pdp.default_q_in_kernel(kj.parse(cfg)) is want
 
 
 @pytest.mark.parametrize("cfg,head_dim,want", [

@@ -137,6 +137,12 @@ def _planes_asm(c, bits: int, biased: bool = False):
     return out
 
 
+def plgpu_load(ref, **kw):
+    """A masked load (`jax.experimental.pallas.triton.load`; also runs interpreted)."""
+    from jax.experimental.pallas import triton as plgpu
+    return plgpu.load(ref, **kw)
+
+
 def _f16(x):
     return x.astype(jnp.float16)
 
@@ -529,7 +535,7 @@ class _Plan:
 
 # ----------------------------------------------------------------------------- the kernel
 def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tiles_per_block,
-            num_splits, sm_scale, window, tokens_major, parts, steps, hp_chunk, ids_ahead):
+            num_splits, sm_scale, window, tokens_major, parts, steps, hp_chunk, ids_ahead, gp, q_rows, written):
     d, vp, t_tok = plan.d, plan.vp, plan.t
     # tokens_major: scores [T, Gp] and accumulator [D/vp, Gp] (the matrix unit's N is the head
     # axis, 8 wide); otherwise scores [Gp, T] and accumulator [Gp, D/vp] (M = heads, 16 wide)
@@ -559,7 +565,13 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     page_of = lambda j: jnp.clip(bt_ref[b, jnp.minimum(j, bt_ref.shape[1] - 1)], 0, n_pages - 1)  # noqa: E731
     ws = jnp.maximum(length - window, 0) if window is not None else jnp.int32(0)
     # base-2 softmax: sm_scale * log2(e) folded into the query once, exp2 below
-    q = q_ref[...].astype(jnp.float32) * (sm_scale * LOG2E)                  # [Gp, D]
+    if q_rows is None:  # q_ref: this kv head's group, padded to Gp outside
+        q = q_ref[...]
+    else:  # q_ref: the sequence's [Hq, D]; the group's q_rows rows, zeros to Gp (no padding pass outside)
+        rows = lax.broadcasted_iota(jnp.int32, (gp, d), 0)
+        q = plgpu_load(q_ref.at[pl.ds(pl.program_id(1) * q_rows, gp), :], mask=rows < q_rows,
+                       other=jnp.zeros((), q_ref.dtype))
+    q = q.astype(jnp.float32) * (sm_scale * LOG2E)                            # [Gp, D]
     q_planes = [qp_ref[n] * (sm_scale * LOG2E) for n in range(plan.pk)] if qp_ref is not None else [q]
     if plan.cfg.method == "int":
         # per-token keys add z[t]·Σ_d q to the codes' product with the fp16 query: sum that same
@@ -568,7 +580,6 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
         # were 4e-3 of the output's maximum off the reference instead of 4e-4. Rounded once here,
         # not per tile (int4 heads-major: 751 -> 722 loop instructions offline).
         q, q_planes = _f16(q).astype(jnp.float32), [_f16(x).astype(jnp.float32) for x in q_planes]
-    gp = q.shape[0]
     # static int parameters [D/planes, planes] -> one [D/planes] vector per plane (Triton cannot
     # slice a loaded block: `_columns`); fp8's [1] scale as it is
     st = {side: {n: (_columns(r[...].astype(jnp.float32)) if plan.cfg.method == "int" else r[...])
@@ -732,10 +743,13 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
         carry = hp_loop(carry, tail_k, tail_v, (n_full * bs) % tail_len, n_full * bs, tail_count)
 
     m, l, acc = carry
+    # only the first `written` entries of the Gp axis (the group's heads, up to a power of two) are
+    # stored: the padding's partial outputs would double what the merge reads for a GQA group of 4
+    keep = (lambda x, axis: x) if written == gp else (lambda x, axis: jnp.split(x, gp // written, axis=axis)[0])  # noqa: E731
     for n in range(vp):
-        o_ref[n] = acc[n]
-    m_ref[...] = m
-    l_ref[...] = l
+        o_ref[n] = keep(acc[n], 1 if tokens_major else 0)
+    m_ref[...] = keep(m, 0)
+    l_ref[...] = keep(l, 0)
 
 
 def default_orient(cfg: KVQuantConfig, head_dim: int | None = None) -> str:
@@ -834,6 +848,17 @@ def default_stages(cfg: KVQuantConfig, batch: int, num_kv_heads: int, head_dim: 
     return 3 if default_launch(cfg, batch, num_kv_heads, orient, parts, steps) == (1, None) else 2
 
 
+def default_q_in_kernel(cfg: KVQuantConfig) -> bool:
+    """Whether the decode kernel reads the query from q_rot itself (`paged_decode_pallas`'s
+    q_in_kernel) rather than from a copy padded to Gp rows in XLA. Measured on the H200
+    (benchmarks/results/2026-12-03_decode_query_in_kernel_h200.md): KVarN with 2-bit values faster
+    at every shape (the padding's zero rows are constants to the compiler, whose folding removed
+    ~70 of ~2,060 instructions per tile, and the XLA pass is gone): kvarn_k4v2_g128 B=1/L=128K
+    0.0604 -> 0.0566 ms, B=256/L=8K 0.684 -> 0.658; kvarn_k4v4_g128 10% slower at B=32/L=32K
+    (0.368 -> 0.405) and 3% at B=1/L=128K, so the other schemes keep the padded copy."""
+    return cfg.method == "kvarn" and cfg.v_bits == 2
+
+
 def programs_per_sm(num_warps: int, maxnreg: int | None = None) -> int:
     """Programs that fit one H100/H200 SM at once. Uncapped, our kernels take ~255 registers per
     thread: 8 one-warp or 4 two-warp programs (4 for wider ones too: those use fewer registers).
@@ -864,12 +889,13 @@ def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int, num_warps:
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "num_splits", "interpret", "num_warps",
                                              "num_stages", "unpack", "orient", "fold", "parts", "sums", "maxnreg",
-                                             "steps", "merge", "chunk"))
+                                             "steps", "merge", "chunk", "q_in_kernel"))
 def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale: float, window: int | None,
                         num_splits: int | None = None, interpret: bool = False, num_warps: int | None = None,
                         num_stages: int | None = None, unpack: str | None = None, orient: str | None = None,
                         fold: bool | None = None, parts: int = 1, sums: str | None = None,
-                        maxnreg: int | None = None, steps: int = 1, merge: str = "xla", chunk: int | None = None):
+                        maxnreg: int | None = None, steps: int = 1, merge: str = "xla", chunk: int | None = None,
+                        q_in_kernel: bool | None = None):
     """Kernel entry: q_rot [B, Hq, D] in the stored frame -> output [B, Hq, D] fp32 in the stored frame.
 
     Launch and layout options (defaults from the H200 sweeps; the results are the same up to fp32
@@ -903,6 +929,10 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         `default_launch` says.
       chunk: per-token schemes only - tokens per step of the tile loop (default `default_chunk`,
         at most the block size).
+      q_in_kernel: read each kv head's query rows from q_rot inside the kernel (masked loads; the
+        rows past the group read as zeros) instead of padding the query to Gp rows in XLA first
+        (default `default_q_in_kernel`). Either way the kernel stores only the group's heads (rounded
+        up to a power of two) of its partial outputs, not the padding's.
       merge: how the splits are merged (`split_merge.py`): "xla" (jnp, the default: several XLA
         fusions) or "pallas" (one kernel, which writes the channels in order; the default split
         count is then rounded down to a power of two, and an explicit one pads the split outputs
@@ -972,13 +1002,24 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     # With 3+ stages too: the sink/tail loop's buffers then no longer set the shared memory.
     hp_chunk = HP_CHUNK // 2 if (maxnreg is not None or num_stages >= 3) else HP_CHUNK
 
-    qg = q_rot.astype(jnp.float32).reshape(nbt, hk, grp, d)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - grp), (0, 0)))
+    # heads of the group the kernel stores (a power of two: Triton's tensors; at least 2)
+    written = min(gp, max(2, 1 << (grp - 1).bit_length()))
     full = lambda shape: pl.BlockSpec(shape, lambda b, h, s: (0,) * len(shape))
     head_spec = lambda a: pl.BlockSpec((a.shape[0], None) + a.shape[2:],
                                        lambda b, h, s, nd=a.ndim - 2: (0, h) + (0,) * nd)
-    operands = [qg]
-    specs = [pl.BlockSpec((None, None, gp, d), lambda b, h, s: (b, h, 0, 0))]
+    # q_in_kernel: the kernel reads its group's query rows straight from q_rot (`default_q_in_kernel`).
+    # Not for per-token keys split into channel planes (they need the planes' copy) or fewer query
+    # heads than Gp (the masked rows would lie past the block).
+    if q_in_kernel is None:
+        q_in_kernel = default_q_in_kernel(cfg)
+    q_rows = grp if q_in_kernel and plan.pk == 1 and hq >= gp else None
+    if q_rows is not None:
+        operands = [q_rot]
+        specs = [pl.BlockSpec((None, hq, d), lambda b, h, s: (b, 0, 0))]
+    else:
+        qg = jnp.pad(q_rot.astype(jnp.float32).reshape(nbt, hk, grp, d), ((0, 0), (0, 0), (0, gp - grp), (0, 0)))
+        operands = [qg]
+        specs = [pl.BlockSpec((None, None, gp, d), lambda b, h, s: (b, h, 0, 0))]
     if plan.pk > 1:  # query split into the key channel planes: channels n, n + pk, ...
         qp = qg.reshape(nbt, hk, gp, d // plan.pk, plan.pk).transpose(0, 1, 4, 2, 3)
         operands.append(qp)
@@ -1010,17 +1051,17 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         _kernel, plan=plan, names=names, static_names=static_names, has_hp=cache.has_hp,
         block_size=cache.block_size, tail_len=max(cache.tail_len, 1), tiles_per_block=tiles_per_block,
         num_splits=splits, sm_scale=scale, window=window, tokens_major=tokens_major, parts=parts,
-        steps=steps, hp_chunk=hp_chunk, ids_ahead=num_stages >= 3)
+        steps=steps, hp_chunk=hp_chunk, ids_ahead=num_stages >= 3, gp=gp, q_rows=q_rows, written=written)
     vp = plan.vp
-    acc_shape = (d // vp, gp) if tokens_major else (gp, d // vp)
+    acc_shape = (d // vp, written) if tokens_major else (written, d // vp)
     # the Pallas merge loads all splits at once: a power-of-two axis (the padding is never written)
     s_out = split_merge.padded_splits(splits) if merge == "pallas" else splits
     out_shape = [jax.ShapeDtypeStruct((nbt, hk, s_out, vp) + acc_shape, jnp.float32),
-                 jax.ShapeDtypeStruct((nbt, hk, s_out, gp), jnp.float32),
-                 jax.ShapeDtypeStruct((nbt, hk, s_out, gp), jnp.float32)]
+                 jax.ShapeDtypeStruct((nbt, hk, s_out, written), jnp.float32),
+                 jax.ShapeDtypeStruct((nbt, hk, s_out, written), jnp.float32)]
     out_specs = [pl.BlockSpec((None, None, None, vp) + acc_shape, lambda b, h, s: (b, h, s, 0, 0, 0)),
-                 pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0)),
-                 pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0))]
+                 pl.BlockSpec((None, None, None, written), lambda b, h, s: (b, h, s, 0)),
+                 pl.BlockSpec((None, None, None, written), lambda b, h, s: (b, h, s, 0))]
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
@@ -1033,7 +1074,7 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     heads_axis = -1 if tokens_major else -2
     if merge == "pallas":
         o = split_merge.merge_splits_pallas(acc, m, l, splits=splits, heads_axis=heads_axis, interpret=interpret)
-        return o.reshape(nbt, hk, gp, d)[:, :, :grp].reshape(nbt, hq, d)  # [.., Gp, D/vp, vp]: channels in order
+        return o.reshape(nbt, hk, written, d)[:, :, :grp].reshape(nbt, hq, d)  # [.., Gp, D/vp, vp]: channels in order
     # the GQA group's padding dropped first: XLA's merge fusions then write the output in its
     # final layout (no separate slice after them)
     acc = acc[..., :grp] if tokens_major else acc[..., :grp, :]

@@ -13,7 +13,8 @@ B=1 / 128K call, benchmarks/results/2026-12-01_decode_maxnreg_h200.md). `merge_s
 one kernel: a program per (sequence, kv head, value plane, channel chunk) loads every split of its
 chunk at once (the split axis padded to a power of two, as Triton needs; the padding is masked,
 whatever it holds) and writes its channels in their final places, so small batches still spread
-the merge over the whole chip and only the GQA padding's slice is left to XLA.
+the merge over the whole chip and only the slice of a GQA group that is not a power of two
+(the decode kernel stores the group's heads rounded up to one) is left to XLA.
 """
 
 from __future__ import annotations
