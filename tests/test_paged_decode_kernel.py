@@ -119,7 +119,7 @@ def test_seq_ids_zero_length_and_many_splits(rng):
     q = jnp.asarray(rng.standard_normal((3, 8, 64)), jnp.float32)
     out, _ = compare(q, cache, bt, sl, seq_ids=sid)
     assert (out[2] == 0).all()
-    for splits in (1, 7):
+    for splits in (7,):  # more splits than the rows have tiles (one split: test_block_ids_read_ahead)
         o = kj.paged_decode_attention(q, cache, bt, sl, seq_ids=sid, impl="pallas", interpret=INTERPRET,
                                       num_splits=splits)
         # other splits round the fp16 probabilities against other running maxima: same tolerance

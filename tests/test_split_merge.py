@@ -117,6 +117,13 @@ def test_decode_with_the_pallas_merge(cfg, orient, rng):
         pdp.paged_decode_pallas(q, cache, bt, sl, sid, scale=0.125, window=None, interpret=True, merge="kernel")
 
 
+@pytest.mark.parametrize("cfg, batch, heads, want", [("kvarn_k4v2_g128", 1, 8, "pallas"), ("kvarn_k4v2_g128", 2, 8, "xla"),
+                                                     ("kvarn_k4v2_g64", 2, 4, "pallas"), ("kvarn_k4v4_g128", 1, 8, "xla"),
+                                                     ("int8", 1, 8, "xla")])
+def test_default_merge(cfg, batch, heads, want):
+    assert pdp.default_merge(kj.parse(cfg), batch, heads) == want
+
+
 def test_pallas_merge_lowers_for_cuda():
     """Both layouts lower to Triton for CUDA, at B=1 / 128K's 256 splits and a padded 200."""
     from helpers import lower_for_cuda

@@ -118,6 +118,7 @@ ENGINE = dict(dtype="float32", max_model_len=2048, enforce_eager=True, max_num_s
 KV_SPACE_GIB = 1
 QUANTIZED = ("kvarn_k4v2_g128", "int8", "int4")
 RUNS = (("vllm", None), ("fp32", "fp32"), ("fp16", "fp16")) + tuple((s, s) for s in QUANTIZED)
+PREEMPT_SCHEME = "kvarn_k4v2_g128"  # its run also generates the preemption test's prompts
 
 
 @pytest.fixture(scope="module")
@@ -179,13 +180,19 @@ def _engine_runs(model):
                 b.buffer.data_ptr() == kv.data_ptr() and all(t == j for t, j in b.pointers().values())
                 for kv, b in bound)
         tok = llm.get_tokenizer()
+        preempt = None
+        if name == PREEMPT_SCHEME:  # the baseline of the preemption test: the same prompts, blocks to spare
+            restarts = torch_ops.counters()["seq_restarts"]
+            preempt = {"tokens": [list(g.outputs[0].token_ids) for g in llm.generate(
+                           _preempt_prompts(tok), vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)],
+                       "seq_restarts": torch_ops.counters()["seq_restarts"] - restarts}
         first = gen[0].outputs[0].logprobs[0]  # the chapter prompt's first generated position
         out[name] = {"tokens": [list(g.outputs[0].token_ids) for g in gen],
                      "text": [g.outputs[0].text for g in gen],
                      "chapter_first": {tok.decode([i]): lp.logprob for i, lp in first.items()},
                      "prompt_tokens": [len(g.prompt_token_ids) for g in gen],
                      "blocks": cfg.cache_config.num_gpu_blocks, "counters": torch_ops.counters(),
-                     "zero_copy": zero_copy,
+                     "zero_copy": zero_copy, "preempt": preempt,
                      "start_s": round(t1 - t0, 1), "generate_s": round(t2 - t1, 1),
                      "num_layers": cfg.model_config.get_num_layers(cfg.parallel_config),
                      "heads": cfg.model_config.get_num_kv_heads(cfg.parallel_config),
@@ -294,24 +301,24 @@ def test_block_count_grows_by_the_capacity_factor(runs):
             assert factor >= 4.0
 
 
-def test_preempted_requests_restart_in_their_high_precision_slot(model):
-    """Few blocks (num_gpu_blocks_override) force vLLM to preempt a request as the batch grows; it is
-    recomputed from position 0 and must generate what it generates without preemption."""
-    from transformers import AutoTokenizer
+def _preempt_prompts(tokenizer):
+    """375 tokens = 3 blocks; the 10th generated token needs a 4th: 3 requests x 4 > 11 free blocks."""
+    ids = tokenizer(CHAPTER_1)["input_ids"]
+    return [{"prompt_token_ids": ids[i * 60: i * 60 + 375]} for i in range(3)]
 
-    ids = AutoTokenizer.from_pretrained(model)(CHAPTER_1)["input_ids"]
-    # 375 tokens = 3 blocks; the 10th generated token needs a 4th: 3 requests x 4 > 11 free blocks
-    prompts = [{"prompt_token_ids": ids[i * 60: i * 60 + 375]} for i in range(3)]
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    results = {}
-    for blocks in (12, None):
-        torch_ops.reset_counters()
-        llm = _engine(model, "kvarn_k4v2_g128", max_model_len=1024, num_gpu_blocks_override=blocks)
-        results[blocks] = ([list(g.outputs[0].token_ids) for g in llm.generate(prompts, params, use_tqdm=False)],
-                           torch_ops.counters())
-        _close(llm)
-    (tight, c_tight), (roomy, c_roomy) = results[12], results[None]
-    assert c_tight["seq_restarts"] > 0 and c_roomy["seq_restarts"] == 0
+
+def test_preempted_requests_restart_in_their_high_precision_slot(model, runs):
+    """Few blocks (num_gpu_blocks_override) force vLLM to preempt a request as the batch grows; it is
+    recomputed from position 0 and must generate what it generates without preemption (the module's
+    kvarn_k4v2_g128 engine, which has blocks to spare, generated the same prompts: `runs`)."""
+    torch_ops.reset_counters()
+    llm = _engine(model, PREEMPT_SCHEME, max_model_len=1024, num_gpu_blocks_override=12)
+    tight = [list(g.outputs[0].token_ids) for g in llm.generate(
+        _preempt_prompts(llm.get_tokenizer()), vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)]
+    c_tight = torch_ops.counters()
+    _close(llm)
+    roomy = runs[PREEMPT_SCHEME]["preempt"]["tokens"]
+    assert c_tight["seq_restarts"] > 0 and runs[PREEMPT_SCHEME]["preempt"]["seq_restarts"] == 0
     same, _ = _agreement(tight, roomy)
     first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(tight, roomy)]
     print(f"\npreemption: {c_tight['seq_restarts']} restart(s); {same}/{3 * MAX_TOKENS} tokens equal to the run "

@@ -137,7 +137,7 @@ def _planes_asm(c, bits: int, biased: bool = False):
     return out
 
 
-def plgpu_load(ref, **kw):
+def _masked_load(ref, **kw):
     """A masked load (`jax.experimental.pallas.triton.load`; also runs interpreted)."""
     from jax.experimental.pallas import triton as plgpu
     return plgpu.load(ref, **kw)
@@ -569,7 +569,7 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
         q = q_ref[...]
     else:  # q_ref: the sequence's [Hq, D]; the group's q_rows rows, zeros to Gp (no padding pass outside)
         rows = lax.broadcasted_iota(jnp.int32, (gp, d), 0)
-        q = plgpu_load(q_ref.at[pl.ds(pl.program_id(1) * q_rows, gp), :], mask=rows < q_rows,
+        q = _masked_load(q_ref.at[pl.ds(pl.program_id(1) * q_rows, gp), :], mask=rows < q_rows,
                        other=jnp.zeros((), q_ref.dtype))
     q = q.astype(jnp.float32) * (sm_scale * LOG2E)                            # [Gp, D]
     q_planes = [qp_ref[n] * (sm_scale * LOG2E) for n in range(plan.pk)] if qp_ref is not None else [q]
@@ -859,6 +859,17 @@ def default_q_in_kernel(cfg: KVQuantConfig) -> bool:
     return cfg.method == "kvarn" and cfg.v_bits == 2
 
 
+def default_merge(cfg: KVQuantConfig, batch: int, num_kv_heads: int) -> str:
+    """How the splits are merged by default (`paged_decode_pallas`'s merge): "pallas" for KVarN with
+    2-bit values at up to 8 (sequence, kv head) pairs, else "xla". On the H200 with the partial
+    outputs of the group's heads only (benchmarks/results/2026-12-03_decode_query_in_kernel_h200.md,
+    run 4-5; kvarn_k4v2_g128, 8 kv heads): B=1/L=128K 0.0564 -> 0.0540 ms and B=1/L=64K 0.0440 ->
+    0.0417 with the Pallas merge, but B=2/L=64K 0.0573 -> 0.069, B=4/L=32K 0.0563 -> 0.070 and
+    B=8/L=16K 0.0579 -> 0.068 slower, B=32/L=32K even, and int8 slower at B=1, 8 and 32."""
+    pallas = cfg.method == "kvarn" and cfg.v_bits == 2 and batch * num_kv_heads <= 8
+    return "pallas" if pallas else "xla"
+
+
 def programs_per_sm(num_warps: int, maxnreg: int | None = None) -> int:
     """Programs that fit one H100/H200 SM at once. Uncapped, our kernels take ~255 registers per
     thread: 8 one-warp or 4 two-warp programs (4 for wider ones too: those use fewer registers).
@@ -894,7 +905,7 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
                         num_splits: int | None = None, interpret: bool = False, num_warps: int | None = None,
                         num_stages: int | None = None, unpack: str | None = None, orient: str | None = None,
                         fold: bool | None = None, parts: int = 1, sums: str | None = None,
-                        maxnreg: int | None = None, steps: int = 1, merge: str = "xla", chunk: int | None = None,
+                        maxnreg: int | None = None, steps: int = 1, merge: str | None = None, chunk: int | None = None,
                         q_in_kernel: bool | None = None):
     """Kernel entry: q_rot [B, Hq, D] in the stored frame -> output [B, Hq, D] fp32 in the stored frame.
 
@@ -933,11 +944,11 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         rows past the group read as zeros) instead of padding the query to Gp rows in XLA first
         (default `default_q_in_kernel`). Either way the kernel stores only the group's heads (rounded
         up to a power of two) of its partial outputs, not the padding's.
-      merge: how the splits are merged (`split_merge.py`): "xla" (jnp, the default: several XLA
-        fusions) or "pallas" (one kernel, which writes the channels in order; the default split
-        count is then rounded down to a power of two, and an explicit one pads the split outputs
-        to the next). On the H200 the Pallas merge took 5.8 µs where XLA's took 7.9 µs, but the
-        call's span grew at B=1/128K (63.9 -> 68.6 µs; benchmarks/results/2026-12-01_decode_all_shapes_h200.md).
+      merge: how the splits are merged (`split_merge.py`): "xla" (jnp: several XLA fusions) or
+        "pallas" (one kernel, which writes the channels in order; the default split count is then
+        rounded down to a power of two, and an explicit one pads the split outputs to the next).
+        Default `default_merge`: "pallas" for KVarN's 2-bit values at one sequence of up to 8 kv
+        heads (B=1/L=128K 0.0564 -> 0.0540 ms on the H200), else "xla".
     """
     unpack = unpack or ("magic" if interpret else "asm")
     if unpack not in ("magic", "asm") or (unpack == "asm" and interpret):
@@ -956,6 +967,7 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
                          f"integer codes (got fold={fold}, parts={parts}, steps={steps} for {cfg.name})")
     fold = (tokens_major and (tiled or cfg.method == "int")) if fold is None else bool(fold)
     sums = sums or ("mma" if tokens_major else "reduce")
+    merge = default_merge(cfg, nbt, cache.num_kv_heads) if merge is None else merge
     if merge not in ("xla", "pallas"):
         raise ValueError(f"merge must be 'xla' or 'pallas', got {merge!r}")
     if sums not in ("reduce", "mma"):
