@@ -1,7 +1,7 @@
 """Where a decode call's device time goes: every GPU kernel of one call, with its duration.
 
     python benchmarks/decode_profile.py [--shapes 1x131072,8x16384] [--schemes kvarn_k4v2_g128]
-                                        [--entry kernel|public] [--merge xla|pallas] [--calls 20] [--json out.json]
+                                        [--entry kernel|public] [--merge default|xla|pallas] [--calls 20] [--json out.json]
 
 `decode.py` times whole calls (a scan of dependent calls); at small batch that time is far above the
 byte roofline, and this script says which kernels make it up. It runs `--calls` calls of the kernel
@@ -38,7 +38,8 @@ def main():
     p.add_argument("--schemes", default="kvarn_k4v2_g128")
     p.add_argument("--entry", default="kernel", choices=["kernel", "public"])
     p.add_argument("--splits", type=int, default=None)
-    p.add_argument("--merge", default="xla", choices=["xla", "pallas"], help="kernel entry: how the splits are merged")
+    p.add_argument("--merge", default="default", choices=["default", "xla", "pallas"],
+                   help="kernel entry: how the splits are merged (default: the kernel's `default_merge`)")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--hq", type=int, default=32)
     p.add_argument("--hk", type=int, default=8)
@@ -47,7 +48,7 @@ def main():
     p.add_argument("--json", default="")
     args = p.parse_args()
     hq, hk, d, bs = args.hq, args.hk, args.head_dim, args.block_size
-    if args.merge != "xla" and args.entry != "kernel":
+    if args.merge != "default" and args.entry != "kernel":
         p.error("--merge applies to --entry kernel (the public entry uses the kernel's default)")
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "entry": args.entry, "merge": args.merge,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "rows": []}
@@ -59,7 +60,8 @@ def main():
             sid = jnp.arange(batch, dtype=jnp.int32)
             if args.entry == "kernel":
                 fn = lambda q, c, t, l: pdp.paged_decode_pallas(  # noqa: E731
-                    q, c, t, l, sid, scale=1.0 / np.sqrt(d), window=None, num_splits=args.splits, merge=args.merge)
+                    q, c, t, l, sid, scale=1.0 / np.sqrt(d), window=None, num_splits=args.splits,
+                    merge=None if args.merge == "default" else args.merge)
             else:
                 fn = lambda q, c, t, l: kj.paged_decode_attention(q, c, t, l, impl="pallas",  # noqa: E731
                                                                   num_splits=args.splits)
