@@ -570,7 +570,7 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     else:  # q_ref: the sequence's [Hq, D]; the group's q_rows rows, zeros to Gp (no padding pass outside)
         rows = lax.broadcasted_iota(jnp.int32, (gp, d), 0)
         q = _masked_load(q_ref.at[pl.ds(pl.program_id(1) * q_rows, gp), :], mask=rows < q_rows,
-                       other=jnp.zeros((), q_ref.dtype))
+                         other=jnp.zeros((), q_ref.dtype))
     q = q.astype(jnp.float32) * (sm_scale * LOG2E)                            # [Gp, D]
     q_planes = [qp_ref[n] * (sm_scale * LOG2E) for n in range(plan.pk)] if qp_ref is not None else [q]
     if plan.cfg.method == "int":
@@ -947,8 +947,8 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
       merge: how the splits are merged (`split_merge.py`): "xla" (jnp: several XLA fusions) or
         "pallas" (one kernel, which writes the channels in order; the default split count is then
         rounded down to a power of two, and an explicit one pads the split outputs to the next).
-        Default `default_merge`: "pallas" for KVarN's 2-bit values at one sequence of up to 8 kv
-        heads (B=1/L=128K 0.0564 -> 0.0540 ms on the H200), else "xla".
+        Default `default_merge`: "pallas" for KVarN's 2-bit values at up to 8 (sequence, kv head)
+        pairs (B=1/L=128K with 8 kv heads 0.0564 -> 0.0540 ms on the H200), else "xla".
     """
     unpack = unpack or ("magic" if interpret else "asm")
     if unpack not in ("magic", "asm") or (unpack == "asm" and interpret):
@@ -1014,7 +1014,8 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     # With 3+ stages too: the sink/tail loop's buffers then no longer set the shared memory.
     hp_chunk = HP_CHUNK // 2 if (maxnreg is not None or num_stages >= 3) else HP_CHUNK
 
-    # heads of the group the kernel stores (a power of two: Triton's tensors; at least 2)
+    # heads of the group the kernel stores: a power of two (Triton's tensors), at least 2 (a
+    # one-wide Gp axis was not tried on the GPU)
     written = min(gp, max(2, 1 << (grp - 1).bit_length()))
     full = lambda shape: pl.BlockSpec(shape, lambda b, h, s: (0,) * len(shape))
     head_spec = lambda a: pl.BlockSpec((a.shape[0], None) + a.shape[2:],
