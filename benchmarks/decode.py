@@ -352,7 +352,7 @@ def main():
             nbytes = kernel_bytes(cache, batch, ctx)
             best = None
             variants = {}
-            sid = jnp.arange(batch, dtype=jnp.int32)
+            sid = None  # sequence b's sink and tail at row b, as paged_decode_attention passes them
             for ns in splits:
                 for var in variant_names:
                     kw = variant_kwargs(var, s)

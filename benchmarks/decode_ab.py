@@ -12,8 +12,9 @@ their kernel only. Every (version, variant) is first checked against the referen
 cache. Timing: `decode.profile_span` (first kernel start to last kernel end of one call, median of
 20 calls; torch's profiler). Variants: "default" (the version's own defaults) or "wWrR" (num_warps
 W, maxnreg R), followed by any of "-pm" (the splits merged by the Pallas kernel, merge="pallas",
-for versions that have it), "-sN" (num_splits=N), "-tN" (num_stages=N) and "-qN" (q_in_kernel=bool(N)):
-e.g. `--variants default,default-pm,w2r128-pm,w1r168-s8,default-t3,default-q1`. `--check-tol`: the
+for versions that have it), "-sN" (num_splits=N), "-tN" (num_stages=N), "-qN" (q_in_kernel=bool(N)) and "-n" (seq_ids=None: sequence b's sink and tail at
+row b and no sequence-id operand; otherwise the ids are built inside the timed call, an iota kernel in
+XLA): e.g. `--variants default,default-pm,w2r128-pm,w1r168-s8,default-t3,default-q1,default-n`. `--check-tol`: the
 check's tolerance (default 4e-3, the kernel tests'; fp8's random e4m3 codes need ~7e-3, see
 benchmarks/results/2026-12-01_decode_all_shapes_h200.md).
 """
@@ -55,7 +56,7 @@ def load_version(name: str, path: str):
 def variant_kwargs(var: str) -> dict:
     """default or wW[rR] (num_warps W, register cap R), followed by the suffixes -pm
     (merge="pallas"; only for kernel versions that have the option), -sN (num_splits N), -tN
-    (num_stages N) and/or -qN (q_in_kernel bool(N))."""
+    (num_stages N), -qN (q_in_kernel bool(N)) and/or -n (seq_ids None)."""
     base, *suffixes = var.split("-")
     kw = {}
     if base != "default":
@@ -64,9 +65,12 @@ def variant_kwargs(var: str) -> dict:
             raise SystemExit(f"bad variant {var!r} (expected default or wW[rR], then -pm, -sN, -tN, -qN)")
         kw = dict(num_warps=int(m.group(1)), maxnreg=int(m.group(2)) if m.group(2) else None)
     for sfx in suffixes:
+        if sfx == "n":
+            kw["seq_ids"] = None
+            continue
         m = re.fullmatch(r"(pm|s|t|q)(\d*)", sfx)
         if not m or (m.group(1) == "pm") == bool(m.group(2)):
-            raise SystemExit(f"bad suffix -{sfx} in variant {var!r} (expected -pm, -sN, -tN or -qN)")
+            raise SystemExit(f"bad suffix -{sfx} in variant {var!r} (expected -pm, -sN, -tN, -qN or -n)")
         key = {"pm": "merge", "s": "num_splits", "t": "num_stages", "q": "q_in_kernel"}[m.group(1)]
         kw[key] = "pallas" if key == "merge" else bool(int(m.group(2))) if key == "q_in_kernel" else int(m.group(2))
     return kw
@@ -88,7 +92,9 @@ def main():
     rot = kj.parse(args.scheme).rotated
 
     def call(mod, kw):
-        return lambda q, c, t, l: mod.paged_decode_pallas(q, c, t, l, jnp.arange(q.shape[0], dtype=jnp.int32),
+        kw = dict(kw)
+        none = "seq_ids" in kw and kw.pop("seq_ids") is None
+        return lambda q, c, t, l: mod.paged_decode_pallas(q, c, t, l, None if none else jnp.arange(q.shape[0], dtype=jnp.int32),
                                                           scale=1 / np.sqrt(d), window=None, **kw)
 
     out = {"device": jax.devices()[0].device_kind, "scheme": args.scheme, "versions": dict(v.split("=", 1) for v in args.version),
@@ -98,12 +104,17 @@ def main():
     q = jax.random.normal(jax.random.PRNGKey(5), (4, hq, d), jnp.float32)
     ref = kj.paged_decode_attention(q, cache, tables, lens, impl="reference")
     for name, (mod, kw) in list(runs.items()):
-        missing = set(kw) - set(inspect.signature(mod.paged_decode_pallas).parameters)
+        missing = set(kw) - set(inspect.signature(mod.paged_decode_pallas).parameters) - {"seq_ids"}
         if missing:  # an older version without an option the variant sets (e.g. merge)
             print(f"check {name}: this version has no {sorted(missing)}: not timed", flush=True)
             del runs[name]
             continue
-        o = jax.jit(call(mod, kw))(rotate(q) if rot else q, cache, tables, lens)
+        try:
+            o = jax.jit(call(mod, kw))(rotate(q) if rot else q, cache, tables, lens)
+        except Exception as e:  # e.g. seq_ids=None for a version that needs the ids
+            print(f"check {name}: {type(e).__name__}: {str(e)[:200]}: not timed", flush=True)
+            del runs[name]
+            continue
         o = unrotate(o) if rot else o
         err = float(jnp.max(jnp.abs(o - ref)) / jnp.max(jnp.abs(ref)))
         out["checks"][name] = err

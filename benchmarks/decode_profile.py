@@ -57,7 +57,7 @@ def main():
         for s in args.schemes.split(","):
             cache, tables, lens = random_cache(s, batch, ctx, hk, d, bs, jnp.float16)
             q = jax.random.normal(jax.random.PRNGKey(9), (batch, hq, d), jnp.float16)
-            sid = jnp.arange(batch, dtype=jnp.int32)
+            sid = None  # sequence b's sink and tail at row b, as paged_decode_attention passes them
             if args.entry == "kernel":
                 fn = lambda q, c, t, l: pdp.paged_decode_pallas(  # noqa: E731
                     q, c, t, l, sid, scale=1.0 / np.sqrt(d), window=None, num_splits=args.splits,

@@ -21,7 +21,7 @@ if what == "decode":
     batch, ctx = (int(x) for x in (sys.argv[3] if len(sys.argv) > 3 else "32x32768").split("x"))
     cache, tables, lens = random_cache(scheme, batch, ctx, 8, 128, 128, jnp.float16)
     q = jax.random.normal(jax.random.PRNGKey(9), (batch, 32, 128), jnp.float16)
-    sid = jnp.arange(batch, dtype=jnp.int32)
+    sid = None  # sequence b's sink and tail at row b, as paged_decode_attention passes them
     cap = int(sys.argv[4]) if len(sys.argv) > 4 else None
     f = jax.jit(lambda q, c, t, l: pdp.paged_decode_pallas(q, c, t, l, sid, scale=0.088, window=None, maxnreg=cap))
     for _ in range(3):

@@ -126,6 +126,24 @@ def test_seq_ids_zero_length_and_many_splits(rng):
         np.testing.assert_allclose(np.asarray(o), out, atol=4e-3 * np.abs(out).max())
 
 
+def test_default_seq_ids_are_the_row_index(rng):
+    """Without seq_ids the GPU kernel takes no sequence-id operand and reads sequence b's sink and
+    tail from row b (the public entry passes None: no iota kernel before every call). Slots written
+    swapped, so a kernel reading any other row than b fails; the same call with the ids given
+    reads the other rows."""
+    from kvarn_jax.attention import paged_decode_pallas as pdp
+    cache, bt, sl, _ = build("kvarn_k4v2_g32", [150, 70, 33], 2, 64, 32, rng, max_seqs=3, seq_ids=[2, 0, 1])
+    q = jnp.asarray(rng.standard_normal((3, 8, 64)), jnp.float32)
+    compare(q, cache, bt, sl)  # reference: row b of the slots
+    none = pdp.paged_decode_pallas(q, cache, bt, sl, None, scale=0.125, window=None, interpret=INTERPRET)
+    rows = pdp.paged_decode_pallas(q, cache, bt, sl, jnp.arange(3, dtype=jnp.int32), scale=0.125, window=None,
+                                   interpret=INTERPRET)
+    slots = pdp.paged_decode_pallas(q, cache, bt, sl, jnp.array([2, 0, 1], jnp.int32), scale=0.125, window=None,
+                                    interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(none), np.asarray(rows))
+    assert np.abs(np.asarray(none) - np.asarray(slots)).max() > 1e-2 * np.abs(np.asarray(slots)).max()
+
+
 @pytest.mark.parametrize("kernel", ["gpu", "tpu"])
 @pytest.mark.parametrize("cfg", ["kvarn_k4v2_g32", "int4", "fp16"])
 def test_unchecked_out_of_range_indices_are_clamped(kernel, cfg, rng):

@@ -72,14 +72,14 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, scale: float | None
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "interpret", "num_splits", "kernel"))
 def _pallas(q, cache, block_tables, seq_lens, seq_ids, *, scale, window, interpret, num_splits, kernel):
-    if seq_ids is None:  # built here, not eagerly: an eager op would be one more dispatch per call
-        seq_ids = jnp.arange(q.shape[0], dtype=jnp.int32)
     # rotate once before and un-rotate once after: the kernels work in the stored frame
     qr = rotate(q.astype(jnp.float32)) if cache.cfg.rotated else q
     if kernel == "tpu":
+        if seq_ids is None:  # built here, not eagerly: an eager op would be one more dispatch per call
+            seq_ids = jnp.arange(q.shape[0], dtype=jnp.int32)
         o = paged_decode_tpu.paged_decode_tpu(qr, cache, block_tables, seq_lens, seq_ids, scale=scale,
                                               window=window, interpret=interpret)
-    else:
+    else:  # seq_ids None: the GPU kernel reads sequence b's sink and tail from row b
         o = paged_decode_pallas.paged_decode_pallas(qr, cache, block_tables, seq_lens, seq_ids, scale=scale,
                                                     window=window, num_splits=num_splits, interpret=interpret)
     if cache.cfg.rotated:

@@ -534,7 +534,7 @@ class _Plan:
 
 
 # ----------------------------------------------------------------------------- the kernel
-def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tiles_per_block,
+def _kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size, tail_len, tiles_per_block,
             num_splits, sm_scale, window, tokens_major, parts, steps, hp_chunk, ids_ahead, gp, q_rows, written):
     d, vp, t_tok = plan.d, plan.vp, plan.t
     # tokens_major: scores [T, Gp] and accumulator [D/vp, Gp] (the matrix unit's N is the head
@@ -545,7 +545,8 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
     it = iter(refs)
     q_ref = next(it)
     qp_ref = next(it) if plan.pk > 1 else None
-    bt_ref, len_ref, sid_ref = next(it), next(it), next(it)
+    bt_ref, len_ref = next(it), next(it)
+    sid_ref = next(it) if has_sid else None  # None: sequence b's sink and tail are row b
     pages = {side: {n: next(it) for n in names[side]} for side in ("k", "v")}
     static = {side: {n: next(it) for n in static_names[side]} for side in ("k", "v")}
     if has_hp:
@@ -717,7 +718,7 @@ def _kernel(*refs, plan, names, static_names, has_hp, block_size, tail_len, tile
 
     # ---- high-precision sink and partial tail (split 0 only)
     if has_hp:
-        sid = jnp.clip(sid_ref[b], 0, sink_k.shape[0] - 1)
+        sid = jnp.clip(sid_ref[b] if has_sid else b, 0, sink_k.shape[0] - 1)
         hc = min(hp_chunk, bs)
         first = split == 0
 
@@ -908,6 +909,8 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
                         maxnreg: int | None = None, steps: int = 1, merge: str | None = None, chunk: int | None = None,
                         q_in_kernel: bool | None = None):
     """Kernel entry: q_rot [B, Hq, D] in the stored frame -> output [B, Hq, D] fp32 in the stored frame.
+    seq_ids: [B] rows of the high-precision sink and tail buffers, or None for row b of sequence b
+    (the caller checks the range: `paged.check_read_args`).
 
     Launch and layout options (defaults from the H200 sweeps; the results are the same up to fp32
     rounding, which the tests check):
@@ -1037,8 +1040,16 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         qp = qg.reshape(nbt, hk, gp, d // plan.pk, plan.pk).transpose(0, 1, 4, 2, 3)
         operands.append(qp)
         specs.append(pl.BlockSpec((None, None, plan.pk, gp, d // plan.pk), lambda b, h, s: (b, h, 0, 0, 0)))
-    operands += [block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32), seq_ids.astype(jnp.int32)]
-    specs += [full(block_tables.shape), full(seq_lens.shape), full(seq_ids.shape)]
+    operands += [block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32)]
+    specs += [full(block_tables.shape), full(seq_lens.shape)]
+    # sequence ids only index the sink and tail buffers: none passed, none read. Building the
+    # identity (jnp.arange) instead put an iota kernel and its launch gap before every call:
+    # kvarn_k4v2_g128 B=32/L=32K 0.306 -> 0.296-0.300 ms, B=128/L=4K 0.206 -> 0.191 on the H200
+    # (benchmarks/results/2026-12-04_decode_seq_ids_h200.md)
+    has_sid = cache.has_hp and seq_ids is not None
+    if has_sid:
+        operands.append(seq_ids.astype(jnp.int32))
+        specs.append(full(seq_ids.shape))
     names = {}
     for side in ("k", "v"):
         names[side] = sorted(cache.pages[side])
@@ -1061,7 +1072,7 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
             specs.append(head_spec(a))
 
     kernel = functools.partial(
-        _kernel, plan=plan, names=names, static_names=static_names, has_hp=cache.has_hp,
+        _kernel, plan=plan, names=names, static_names=static_names, has_hp=cache.has_hp, has_sid=has_sid,
         block_size=cache.block_size, tail_len=max(cache.tail_len, 1), tiles_per_block=tiles_per_block,
         num_splits=splits, sm_scale=scale, window=window, tokens_major=tokens_major, parts=parts,
         steps=steps, hp_chunk=hp_chunk, ids_ahead=num_stages >= 3, gp=gp, q_rows=q_rows, written=written)
