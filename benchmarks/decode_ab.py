@@ -12,10 +12,11 @@ their kernel only. Every (version, variant) is first checked against the referen
 cache. Timing: `decode.profile_span` (first kernel start to last kernel end of one call, median of
 20 calls; torch's profiler). Variants: "default" (the version's own defaults) or "wWrR" (num_warps
 W, maxnreg R), followed by any of "-pm" (the splits merged by the Pallas kernel, merge="pallas",
-for versions that have it), "-sN" (num_splits=N), "-tN" (num_stages=N), "-qN" (q_in_kernel=bool(N)) and "-n" (seq_ids=None: sequence b's sink and tail at
-row b and no sequence-id operand; otherwise the ids are built inside the timed call, an iota kernel in
-XLA): e.g. `--variants default,default-pm,w2r128-pm,w1r168-s8,default-t3,default-q1,default-n`. `--check-tol`: the
-check's tolerance (default 4e-3, the kernel tests'; fp8's random e4m3 codes need ~7e-3, see
+for versions that have it), "-sN" (num_splits=N), "-tN" (num_stages=N), "-qN" (q_in_kernel=bool(N))
+and "-n" (seq_ids=None: sequence b's sink and tail at row b, no sequence-id operand; without it the
+ids are built inside the timed call, an iota kernel in XLA; versions that need ids are not timed
+with -n): e.g. `--variants default,default-pm,w2r128-pm,w1r168-s8,default-t3,default-q1,default-n`.
+`--check-tol`: the check's tolerance (default 4e-3, the kernel tests'; fp8's random e4m3 codes need ~7e-3, see
 benchmarks/results/2026-12-01_decode_all_shapes_h200.md).
 """
 
@@ -94,8 +95,8 @@ def main():
     def call(mod, kw):
         kw = dict(kw)
         none = "seq_ids" in kw and kw.pop("seq_ids") is None
-        return lambda q, c, t, l: mod.paged_decode_pallas(q, c, t, l, None if none else jnp.arange(q.shape[0], dtype=jnp.int32),
-                                                          scale=1 / np.sqrt(d), window=None, **kw)
+        ids = (lambda q: None) if none else (lambda q: jnp.arange(q.shape[0], dtype=jnp.int32))
+        return lambda q, c, t, l: mod.paged_decode_pallas(q, c, t, l, ids(q), scale=1 / np.sqrt(d), window=None, **kw)
 
     out = {"device": jax.devices()[0].device_kind, "scheme": args.scheme, "versions": dict(v.split("=", 1) for v in args.version),
            "checks": {}, "rows": []}

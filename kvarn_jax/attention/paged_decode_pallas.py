@@ -1044,8 +1044,8 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     specs += [full(block_tables.shape), full(seq_lens.shape)]
     # sequence ids only index the sink and tail buffers: none passed, none read. Building the
     # identity (jnp.arange) instead put an iota kernel and its launch gap before every call:
-    # kvarn_k4v2_g128 B=32/L=32K 0.306 -> 0.296-0.300 ms, B=128/L=4K 0.206 -> 0.191 on the H200
-    # (benchmarks/results/2026-12-04_decode_seq_ids_h200.md)
+    # kvarn_k4v2_g128 B=32/L=32K 0.306-0.322 -> 0.296-0.300 ms, B=128/L=4K 0.201-0.208 -> 0.190-0.192
+    # on the H200, four rounds each (benchmarks/results/2026-12-04_decode_seq_ids_h200.md)
     has_sid = cache.has_hp and seq_ids is not None
     if has_sid:
         operands.append(seq_ids.astype(jnp.int32))
