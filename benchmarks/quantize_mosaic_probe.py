@@ -40,8 +40,7 @@ from kvarn_jax.schemes import kvarn  # noqa: E402
 R = C = 128
 
 
-def _var(s1, s2, n):
-    return jnp.maximum((s2 - s1 * s1 * (1.0 / n)) * (1.0 / (n - 1)), 0.0)
+_var = kvarn._var_from_sums
 
 
 def _sqrt(x):
@@ -49,12 +48,13 @@ def _sqrt(x):
 
 
 def _imbalance(col, row):
+    """`kvarn._imbalance` with the square roots above."""
     return (_sqrt(jnp.max(col) / jnp.maximum(jnp.min(col), 1e-16))
             + _sqrt(jnp.max(row) / jnp.maximum(jnp.min(row), 1e-16)))
 
 
 def _log2_std(var):
-    return 0.5 * jnp.log2(jnp.clip(var, 1e-6, 1e6))
+    return kvarn._log2_std(var, jnp.log2)
 
 
 def _identity(v, side):
