@@ -106,11 +106,11 @@ def device_time(fn, args, reps=20):
 
 def loop_time(fn, args, reps=50):
     f = jax.jit(fn)
-    f(*args).block_until_ready()
+    jax.block_until_ready(f(*args))
     t = time.perf_counter()
     for _ in range(reps):
         o = f(*args)
-    o.block_until_ready()
+    jax.block_until_ready(o)
     return (time.perf_counter() - t) / reps
 
 
@@ -120,11 +120,11 @@ def kernel_events(fn, args, calls):
     from torch.profiler import ProfilerActivity, profile
     f = jax.jit(fn)
     for _ in range(3):
-        f(*args).block_until_ready()
+        jax.block_until_ready(f(*args))
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
-            f(*args).block_until_ready()  # one call at a time: its kernels form one span
+            jax.block_until_ready(f(*args))  # one call at a time: its kernels form one span
         torch.cuda.synchronize()
     out = []
     for e in prof.events():

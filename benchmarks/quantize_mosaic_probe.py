@@ -61,38 +61,64 @@ def _identity(v, side):
     return v
 
 
-def sinkhorn_tile(t, iters: int, compact=_identity, spread=_identity):
+def _identity2(s1, s2, side):
+    return s1, s2
+
+
+def sinkhorn_tile(t, iters: int, compact=_identity2, spread=_identity, fused_squares=False, rolled=False):
     """`kvarn.sinkhorn_log_scales` of one [R, C] fp32 tile, written with the broadcasts Mosaic GPU
     lowers (`broadcast_in_dim`, not `x[:, None]`) and t^2 formed inside each reduction.
-    compact(v, side): a row ("r") or column ("c") statistic as the reduction left it -> the layout
-    its vector math runs in; spread(v, side): back, for the broadcast over the tile."""
+    compact(s1, s2, side): a row ("r") or column ("c") statistic's two sums as the reductions left
+    them -> the layout its vector math runs in; spread(v, side): back, for the broadcast over the
+    tile. fused_squares: the weighted second moments as sums of (t a)^2 over the product t a the
+    first moments take (one multiply an element less and only a, not a^2, broadcast; equal to
+    sum t^2 a^2 up to rounding). rolled: the iterations as a loop, not unrolled (8 unrolled
+    iterations of 128-element tile passes overflow the instruction cache)."""
     rows = lambda v: lax.broadcast_in_dim(spread(v, "r"), (R, C), (0,))  # noqa: E731  [R] over the tile
     cols = lambda v: lax.broadcast_in_dim(spread(v, "c"), (R, C), (1,))  # noqa: E731  [C] over the tile
-    csum = lambda x: compact(jnp.sum(x, axis=0), "c")  # noqa: E731
-    rsum = lambda x: compact(jnp.sum(x, axis=1), "r")  # noqa: E731
-    col = _var(csum(t), csum(t * t), R)
-    row = _var(rsum(t), rsum(t * t), C)
-    lc = jnp.zeros((C,), jnp.float32)
-    lr = jnp.zeros((R,), jnp.float32)
-    best_lc, best_lr, best_imb = lc, lr, _imbalance(col, row)
-    for _ in range(iters):
+
+    def var(x, x2, axis):
+        side = "c" if axis == 0 else "r"
+        s1, s2 = compact(jnp.sum(x, axis=axis), jnp.sum(x2, axis=axis), side)
+        return _var(s1, s2, R if axis == 0 else C)
+
+    col = var(t, t * t, 0)
+    row = var(t, t * t, 1)
+    # zeros in the statistics' own layouts (a loop carries each value in one layout)
+    lc, lr = col - col, row - row
+    state = (lc, lr, col, lc, lr, _imbalance(col, row))
+
+    def step(_, state):
+        lc, lr, col, best_lc, best_lr, best_imb = state
         lc = jnp.clip(lc + _log2_std(col), kvarn.LOG_LO, kvarn.LOG_HI)
         a = jnp.exp2(-lc)
-        ab, a2b = cols(a), cols(a * a)
-        r_var = _var(rsum(t * ab), rsum(t * t * a2b), C)  # rows' moments: a only
+        if fused_squares:
+            ta = t * cols(a)
+            r_var = var(ta, ta * ta, 1)  # rows' moments: a only
+        else:
+            r_var = var(t * cols(a), t * t * cols(a * a), 1)
         lr = jnp.clip(lr + _log2_std(jnp.exp2(-2.0 * lr) * r_var), kvarn.LOG_LO, kvarn.LOG_HI)
         b = jnp.exp2(-lr)
-        bb, b2b = rows(b), rows(b * b)
-        col = (a * a) * _var(csum(t * bb), csum(t * t * b2b), R)
+        if fused_squares:
+            tb = t * rows(b)
+            col = (a * a) * var(tb, tb * tb, 0)
+        else:
+            col = (a * a) * var(t * rows(b), t * t * rows(b * b), 0)
         imb = _imbalance(col, (b * b) * r_var)
         better = imb <= best_imb * (1.0 + kvarn.TIE_RTOL)
-        best_lc = jnp.where(better, lc, best_lc)
-        best_lr = jnp.where(better, lr, best_lr)
-        best_imb = jnp.where(better, imb, best_imb)
+        return (lc, lr, col, jnp.where(better, lc, best_lc), jnp.where(better, lr, best_lr),
+                jnp.where(better, imb, best_imb))
+
+    if rolled:
+        state = lax.fori_loop(0, iters, step, state)
+    else:
+        for i in range(iters):
+            state = step(i, state)
+    best_lc, best_lr = state[3], state[4]
     return best_lc, best_lr
 
 
-VARIANTS = ("replicated", "compact")
+VARIANTS = ("replicated", "compact", "hybrid", "hybrid-auto", "compact-rolled", "hybrid-rolled")
 
 
 def _reduced_layout(axis: int):
@@ -103,45 +129,85 @@ def _reduced_layout(axis: int):
     return plgpu.Layout.TILED(r.tiling, r.warp_dims, r.lane_dims, r.vector_dim)
 
 
-def build(n_tiles: int, iters: int, interpret: bool, variant: str = "replicated"):
+def build(n_tiles: int, iters: int, interpret: bool, variant: str = "replicated", scratch_bytes: int = 0):
     """variant: "replicated" - the statistics' vector math in the layouts the reductions leave (a
     column statistic: 32 values a thread, each on 32 threads; a row one: 4); "compact" - every
     statistic through shared memory into one value per thread for its vector math and back for the
-    broadcast (Mosaic GPU converts between these register layouts only that way; the stores carry
-    the lowering's automatic barriers)."""
+    broadcast (Mosaic GPU converts between these register layouts only that way; each store
+    carries the lowering's automatic barriers, one before and one after); "hybrid" - row
+    statistics where the reductions leave them (4 a thread), the two column sums through shared
+    memory together and the column scale back, behind one explicit barrier each
+    (`commit_smem`, no automatic barriers; two buffers so that a write never races the other
+    buffer's reads), and `fused_squares`; "hybrid-auto" - the same with the automatic barriers.
+    scratch_bytes: shared memory for the cross-warp (column) reductions, 0 for the default."""
+    from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.pallas import mosaic_gpu as plgpu
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    hybrid = variant.startswith("hybrid")
+    explicit = variant in ("hybrid", "hybrid-rolled")
+    rolled = variant.endswith("-rolled")
 
-    def body(x_gmem, lc_gmem, lr_gmem, x_smem, v_smem, bar):
+    def load(ref, layout):
+        if interpret:  # the 0.10.2 interpreter runs no layout-annotated load
+            return ref[...]
+        return plgpu.load(ref, (), layout=layout, optimized=False)
+
+    def kvarn_sinkhorn_probe(x_gmem, lc_gmem, lr_gmem, x_smem, v_smem, sums_smem, bar):
         i = lax.axis_index("tiles")
         plgpu.copy_gmem_to_smem(x_gmem.at[i], x_smem, bar)
         plgpu.barrier_wait(bar)
-        t = x_smem[...] if interpret else plgpu.load(x_smem, (), layout=plgpu.Layout.WGMMA, optimized=False)
+        t = load(x_smem, plgpu.Layout.WGMMA)
         hooks = {}
-        if variant == "compact":
-            def compact(v, side):
-                v_smem[...] = v
-                return v_smem[...]          # the default (strided) layout: one value a thread
+        if variant.startswith("compact"):
+            def compact(s1, s2, side):
+                out = []
+                for v in (s1, s2):
+                    v_smem[...] = v
+                    out.append(v_smem[...])   # the default (strided) layout: one value a thread
+                return tuple(out)
 
             def spread(v, side):
                 v_smem[...] = v
-                if interpret:
-                    return v_smem[...]
-                return plgpu.load(v_smem, (), layout=_reduced_layout(1 if side == "r" else 0), optimized=False)
-            hooks = dict(compact=compact, spread=spread)
+                return load(v_smem, _reduced_layout(1 if side == "r" else 0))
+            hooks = dict(compact=compact, spread=spread, rolled=rolled)
+        elif hybrid:
+            def sync():
+                if explicit and not interpret:
+                    plgpu.commit_smem()
+
+            def compact(s1, s2, side):
+                if side == "r":
+                    return s1, s2
+                sums_smem[0] = s1
+                sums_smem[1] = s2
+                sync()
+                return sums_smem[0], sums_smem[1]
+
+            def spread(v, side):
+                if side == "r":
+                    return v
+                v_smem[...] = v
+                sync()
+                return load(v_smem, _reduced_layout(0))
+            hooks = dict(compact=compact, spread=spread, fused_squares=True, rolled=rolled)
         lc, lr = sinkhorn_tile(t, iters, **hooks)
         lc_gmem[i] = lc
         lr_gmem[i] = lr
 
-    kw = {}
+    # Lane semantics: the layouts written here are the kernel's (jax 0.11 defaults to Warpgroup
+    # semantics, whose layout inference takes no select of a scalar over a vector).
+    params = dict(lowering_semantics=mgpu.LoweringSemantics.Lane, unsafe_no_auto_barriers=explicit)
+    if scratch_bytes:
+        params["reduction_scratch_bytes"] = scratch_bytes
+    kw = dict(compiler_params=plgpu.CompilerParams(**params))
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # not public in 0.10.2
         kw["interpret"] = InterpretGPUParams()
-    return plgpu.kernel(body, out_type=(jax.ShapeDtypeStruct((n_tiles, C), jnp.float32),
+    return plgpu.kernel(kvarn_sinkhorn_probe, out_type=(jax.ShapeDtypeStruct((n_tiles, C), jnp.float32),
                                         jax.ShapeDtypeStruct((n_tiles, R), jnp.float32)),
                         scratch_types=[plgpu.SMEM((R, C), jnp.float32), plgpu.SMEM((R,), jnp.float32),
-                                       plgpu.Barrier()],
+                                       plgpu.SMEM((2, C), jnp.float32), plgpu.Barrier()],
                         grid=(n_tiles,), grid_names=("tiles",), **kw)
 
 
@@ -159,6 +225,7 @@ def main():
     p.add_argument("--interpret", action="store_true")
     p.add_argument("--lower", action="store_true")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--scratch-bytes", default="0", help="comma list of reduction_scratch_bytes to time (0: default)")
     p.add_argument("--json", default="")
     a = p.parse_args()
     n = 8 if a.interpret else a.tiles
@@ -166,13 +233,20 @@ def main():
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "tiles": n, "iters": a.iters,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "variants": {}}
     rlc, rlr = jax.jit(lambda x: kvarn.sinkhorn_log_scales(x, a.iters))(x)
-    for var in a.variants.split(","):
-        f = build(n, a.iters, a.interpret, var)
+    runs = [(v, int(sb)) for v in a.variants.split(",") for sb in a.scratch_bytes.split(",")]
+    for v, sb in runs:
+        var = v if sb == 0 else f"{v}/scratch{sb}"
+        f = build(n, a.iters, a.interpret, v, sb)
         if a.lower:
             jax.jit(f).trace(jax.ShapeDtypeStruct(x.shape, x.dtype)).lower(lowering_platforms=("cuda",))
             print(f"{var}: lowered for CUDA")
             continue
-        lc, lr = jax.jit(f)(x)
+        try:
+            lc, lr = jax.jit(f)(x)
+        except Exception as e:  # a probe: record what this jax's lowering refuses and try the next
+            res["variants"][var] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            print(f"{var}: FAILED {type(e).__name__}: {str(e)[:2000]}", flush=True)
+            continue
         d = np.maximum(np.abs(np.asarray(lc - rlc)).max(-1), np.abs(np.asarray(lr - rlr)).max(-1))  # per tile
         row = res["variants"][var] = {"max_log2_scale_diff": float(d.max()), "tiles_within_1e-3": float(np.mean(d <= 1e-3))}
         print(f"{var}: log2-scale difference vs the reference: max {d.max():.2e}, "
