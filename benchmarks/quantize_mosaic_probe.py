@@ -1,6 +1,6 @@
 """Probe: KVarN's Sinkhorn for one 128 x 128 tile per warpgroup in Mosaic GPU (`plgpu.kernel`).
 
-    python benchmarks/quantize_mosaic_probe.py [--tiles 16384] [--variants replicated,compact] [--json out.json]  # H100/H200
+    python benchmarks/quantize_mosaic_probe.py [--tiles 16384] [--variants compact,hybrid-rolled] [--json out.json]  # H100/H200
     python benchmarks/quantize_mosaic_probe.py --lower        # any machine: lower for CUDA only
     python benchmarks/quantize_mosaic_probe.py --interpret    # any machine: the GPU interpreter, 8 tiles
 
@@ -11,9 +11,12 @@ statistics over the threads that share them, a layout Pallas' Triton lowering gi
 register layouts. This probe is the Sinkhorn alone (`kvarn.sinkhorn_log_scales`: the part that
 costs), one warpgroup holding a tile in the WGMMA register layout, before any product kernel is
 built on it: it checks the log-scales against the reference and times the kernel, so a session with
-a GPU can tell whether the path reaches the target. Two variants (`build`): the statistics' vector
-math in the layouts the reductions leave (a column statistic on 32 threads, 32 values a thread), or
-each statistic moved through shared memory to one value per thread and back.
+a GPU can tell whether the path reaches the target. Variants (`build`): the statistics' vector
+math in the layouts the reductions leave (a column statistic on 32 threads, 32 values a thread),
+each statistic moved through shared memory to one value per thread and back, or only the column
+ones (hybrid); each also as a rolled loop. On the H200 (jax 0.11.2) the best, hybrid-rolled, does
+346 M token-heads/s for the Sinkhorn alone, against 239 M for the whole Triton kernel: too little
+for the 1,000 M target (`benchmarks/results/2026-12-04_quantize_mosaic_gpu_probe_h200.md`).
 
 The GPU interpreter of jax 0.10.2 runs no layout-annotated load, so interpreted the tile is read
 with a plain load (same arithmetic, no layouts); `--lower` checks the layouts on any machine.
