@@ -12,7 +12,7 @@ their kernel only. Every (version, variant) is first checked against the referen
 cache. Timing: `decode.profile_span` (first kernel start to last kernel end of one call, median of
 20 calls; torch's profiler). Variants: "default" (the version's own defaults) or "wWrR" (num_warps
 W, maxnreg R), followed by any of "-pm" (the splits merged by the Pallas kernel, merge="pallas",
-for versions that have it), "-sN" (num_splits=N), "-tN" (num_stages=N), "-qN" (q_in_kernel=bool(N))
+for versions that have it), "-mx" (merge="xla"), "-sN" (num_splits=N), "-tN" (num_stages=N), "-qN" (q_in_kernel=bool(N))
 and "-n" (seq_ids=None: sequence b's sink and tail at row b, no sequence-id operand; without it the
 ids are built inside the timed call, an iota kernel in XLA; versions that need ids are not timed
 with -n): e.g. `--variants default,default-pm,w2r128-pm,w1r168-s8,default-t3,default-q1,default-n`.
@@ -56,7 +56,8 @@ def load_version(name: str, path: str):
 
 def variant_kwargs(var: str) -> dict:
     """default or wW[rR] (num_warps W, register cap R), followed by the suffixes -pm
-    (merge="pallas"; only for kernel versions that have the option), -sN (num_splits N), -tN
+    (merge="pallas"; only for kernel versions that have the option), -mx (merge="xla": also with
+    one split, where the default finishes the output in the kernel), -sN (num_splits N), -tN
     (num_stages N), -qN (q_in_kernel bool(N)) and/or -n (seq_ids None)."""
     base, *suffixes = var.split("-")
     kw = {}
@@ -69,11 +70,14 @@ def variant_kwargs(var: str) -> dict:
         if sfx == "n":
             kw["seq_ids"] = None
             continue
-        m = re.fullmatch(r"(pm|s|t|q)(\d*)", sfx)
-        if not m or (m.group(1) == "pm") == bool(m.group(2)):
-            raise SystemExit(f"bad suffix -{sfx} in variant {var!r} (expected -pm, -sN, -tN, -qN or -n)")
-        key = {"pm": "merge", "s": "num_splits", "t": "num_stages", "q": "q_in_kernel"}[m.group(1)]
-        kw[key] = "pallas" if key == "merge" else bool(int(m.group(2))) if key == "q_in_kernel" else int(m.group(2))
+        m = re.fullmatch(r"(pm|mx|s|t|q)(\d*)", sfx)
+        if not m or (m.group(1) in ("pm", "mx")) == bool(m.group(2)):
+            raise SystemExit(f"bad suffix -{sfx} in variant {var!r} (expected -pm, -mx, -sN, -tN, -qN or -n)")
+        key = {"pm": "merge", "mx": "merge", "s": "num_splits", "t": "num_stages", "q": "q_in_kernel"}[m.group(1)]
+        if key == "merge":
+            kw[key] = "pallas" if m.group(1) == "pm" else "xla"
+        else:
+            kw[key] = bool(int(m.group(2))) if key == "q_in_kernel" else int(m.group(2))
     return kw
 
 

@@ -1,7 +1,7 @@
 """Where a decode call's device time goes: every GPU kernel of one call, with its duration.
 
     python benchmarks/decode_profile.py [--shapes 1x131072,8x16384] [--schemes kvarn_k4v2_g128]
-                                        [--entry kernel|public] [--merge default|xla|pallas] [--calls 20] [--json out.json]
+                                        [--entry kernel|public] [--merge default|xla|pallas|kernel] [--calls 20] [--json out.json]
 
 `decode.py` times whole calls (a scan of dependent calls); at small batch that time is far above the
 byte roofline, and this script says which kernels make it up. It runs `--calls` calls of the kernel
@@ -38,7 +38,7 @@ def main():
     p.add_argument("--schemes", default="kvarn_k4v2_g128")
     p.add_argument("--entry", default="kernel", choices=["kernel", "public"])
     p.add_argument("--splits", type=int, default=None)
-    p.add_argument("--merge", default="default", choices=["default", "xla", "pallas"],
+    p.add_argument("--merge", default="default", choices=["default", "xla", "pallas", "kernel"],
                    help="kernel entry: how the splits are merged (default: the kernel's `default_merge`)")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--hq", type=int, default=32)

@@ -59,7 +59,7 @@ json.dump({"usage": usage, "sass": sass, "shared": k.metadata.shared}, sys.stdou
 
 def triton_ir(kind: str, scheme: str, side: str, warps: int, stages: int, orient: str | None = None,
               fold: bool | None = None, parts: int = 1, sums: str | None = None, maxnreg: int | None = None,
-              steps: int = 1, chunk: int | None = None) -> str:
+              steps: int = 1, chunk: int | None = None, splits: int | None = None) -> str:
     """The Triton IR (text) jax emits for one kernel, captured at lowering."""
     import jax
     import jax.numpy as jnp
@@ -94,7 +94,8 @@ def triton_ir(kind: str, scheme: str, side: str, warps: int, stages: int, orient
             args = (jnp.zeros((32, 32, 128), jnp.float32), cache, jnp.zeros((32, 32), jnp.int32),
                     jnp.full((32,), 4096, jnp.int32), jnp.arange(32, dtype=jnp.int32))
             fn = lambda q, c, t, l, s: pdp.paged_decode_pallas(  # noqa: E731
-                q, c, t, l, s, scale=0.1, window=None, unpack="asm", num_warps=warps, num_stages=stages, orient=orient, fold=fold, parts=parts, sums=sums, maxnreg=maxnreg, steps=steps, chunk=chunk)
+                q, c, t, l, s, scale=0.1, window=None, unpack="asm", num_warps=warps, num_stages=stages, orient=orient, fold=fold, parts=parts, sums=sums, maxnreg=maxnreg, steps=steps, chunk=chunk,
+                num_splits=splits)
         else:
             from kvarn_jax.cache.quantize_pallas import quantize_blocks_pallas
             args = (jnp.zeros((64, 8, 128, 128), jnp.float16),)
@@ -159,6 +160,8 @@ def main():
     p.add_argument("--steps", type=int, default=1, help="decode: tokens-major tile-loop iterations per tile")
     p.add_argument("--maxnreg", type=int, default=None, help="decode, quantize: register cap per thread")
     p.add_argument("--chunk", type=int, default=None, help="decode: per-token schemes' tokens per step")
+    p.add_argument("--splits", type=int, default=None,
+                   help="decode: splits along the KV length (1: the kernel writes the final output, merge='kernel')")
     p.add_argument("--orient", default=None, choices=["heads", "tokens"], help="decode: layout of the products")
     p.add_argument("--fp-fusion", default="off", choices=["on", "off"],
                    help="let the compiler fuse every fp32 multiply-add into FFMA (pip triton's default; "
@@ -185,7 +188,7 @@ def main():
         warps = args.warps or default_num_warps(cfg)
         stages = args.stages or 1
     ir = triton_ir(args.kind, args.scheme, args.side, warps, stages, args.orient, {"on": True, "off": False}.get(args.fold), args.parts, args.sums, args.maxnreg,
-                   args.steps, args.chunk)
+                   args.steps, args.chunk, args.splits)
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "kernel.ttir")
         with open(src, "w") as f:

@@ -113,8 +113,78 @@ def test_decode_with_the_pallas_merge(cfg, orient, rng):
         if "xla" in outs:
             np.testing.assert_allclose(outs["pallas"], outs["xla"], rtol=0, atol=1e-5 * np.abs(ref).max())
         assert (outs["pallas"][3] == 0).all()
-    with pytest.raises(ValueError, match="merge must be 'xla' or 'pallas'"):
-        pdp.paged_decode_pallas(q, cache, bt, sl, sid, scale=0.125, window=None, interpret=True, merge="kernel")
+    with pytest.raises(ValueError, match="merge must be 'xla', 'pallas' or 'kernel'"):
+        pdp.paged_decode_pallas(q, cache, bt, sl, sid, scale=0.125, window=None, interpret=True, merge="host")
+    with pytest.raises(ValueError, match="merge='kernel' needs one split"):
+        pdp.paged_decode_pallas(q, cache, bt, sl, sid, scale=0.125, window=None, interpret=True, merge="kernel",
+                                num_splits=2)
+
+
+def pallas_call_outputs(fn, *args):
+    """Shapes of the outputs of every pallas_call `fn` traces to (through nested jaxprs)."""
+    import jax
+    from jax.extend import core as jex_core
+
+    shapes = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                shapes.append([tuple(v.aval.shape) for v in eqn.outvars])
+            for p in eqn.params.values():
+                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                    if isinstance(sub, jex_core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jex_core.Jaxpr):
+                        walk(sub)
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return shapes
+
+
+@pytest.mark.parametrize("cfg, orient, q_heads", [("kvarn_k4v2_g32", "tokens", 8), ("int4", "heads", 8),
+                                                  ("int8", "tokens", 4), ("kvarn_k4v4_g32", "tokens", 16)])
+def test_one_split_is_finished_in_the_kernel(cfg, orient, q_heads, rng):
+    """One split and a GQA group of a power of two: the decode kernel normalizes its output and
+    stores the channels in order itself (merge='kernel', the default there) - against the
+    attention reference, equal to the XLA merge of the same partials up to its rounding, a
+    sequence of length zero giving zeros, a window; and no merge runs after the kernel (its only
+    output is the final [B, Hk, group, D/vp, vp] array)."""
+    cache, bt, sl, _ = build(cfg, [9 * 32 + 5, 40, 3 * 32, 7], 2, 64, 32, rng, max_seqs=5)
+    bt = jnp.concatenate([bt, bt[:1]])
+    sl = jnp.concatenate([sl, jnp.zeros(1, jnp.int32)])
+    q = jnp.asarray(rng.standard_normal((5, q_heads, 64)), jnp.float32)
+    rot = kj.parse(cfg).rotated
+    qr = rotate(q) if rot else q
+    for window in (None, 50):
+        ref = np.asarray(kj.paged_decode_attention(q, cache, bt, sl, impl="reference", window=window))
+        outs = {}
+        for merge in ("xla", "kernel", None):
+            o = pdp.paged_decode_pallas(qr, cache, bt, sl, None, scale=0.125, window=window, interpret=INTERPRET,
+                                        num_splits=1, orient=orient, merge=merge)
+            outs[merge] = np.asarray(unrotate(o) if rot else o)
+        np.testing.assert_allclose(outs["kernel"], ref, rtol=0, atol=4e-3 * np.abs(ref).max())
+        np.testing.assert_allclose(outs["kernel"], outs["xla"], rtol=0, atol=1e-6 * np.abs(ref).max())
+        np.testing.assert_array_equal(outs[None], outs["kernel"])
+        assert (outs["kernel"][4] == 0).all()
+    shapes = pallas_call_outputs(lambda q: pdp.paged_decode_pallas(q, cache, bt, sl, None, scale=0.125, window=None,
+                                                                   interpret=True, num_splits=1, orient=orient), qr)
+    vp = shapes[0][0][-1]
+    assert shapes == [[(5, 2, q_heads // 2, 64 // vp, vp)]]
+
+
+def test_one_split_merges_outside_for_other_groups(rng):
+    """GQA groups that are not a power of two (1, 3) keep a merge after the kernel (the kernel's
+    Gp axis is a power of two); merge='kernel' is refused for them."""
+    cache, bt, sl, _ = build("kvarn_k4v2_g32", [100, 40], 2, 64, 32, rng)
+    for q_heads in (2, 6):
+        q = rotate(jnp.asarray(rng.standard_normal((2, q_heads, 64)), jnp.float32))
+        ref = np.asarray(kj.paged_decode_attention(unrotate(q), cache, bt, sl, impl="reference"))
+        o = np.asarray(unrotate(pdp.paged_decode_pallas(q, cache, bt, sl, None, scale=0.125, window=None,
+                                                        interpret=INTERPRET, num_splits=1)))
+        np.testing.assert_allclose(o, ref, rtol=0, atol=4e-3 * np.abs(ref).max())
+        with pytest.raises(ValueError, match="a GQA group that is a power of two"):
+            pdp.paged_decode_pallas(q, cache, bt, sl, None, scale=0.125, window=None, interpret=True,
+                                    num_splits=1, merge="kernel")
 
 
 @pytest.mark.parametrize("cfg, batch, heads, want", [("kvarn_k4v2_g128", 1, 8, "pallas"), ("kvarn_k4v2_g128", 2, 8, "xla"),

@@ -6,7 +6,8 @@ One program per (sequence, kv head, split). Each program walks its share of the 
 quantized tiles, reading codes and scales straight from the pages (never materializing fp16 K/V in
 HBM), and keeps an fp32 online softmax for the query heads of its KV head (its GQA group). Split 0
 also covers the high-precision sink block and the partial tail. The splits are merged afterwards
-(flash-decoding, `split_merge.py`), so that small batches still fill the chip.
+(flash-decoding, `split_merge.py`), so that small batches still fill the chip; with one split the
+program finishes its output itself (merge="kernel").
 
 Two layouts of the products (`orient`, `default_orient`): tokens-major (scores [T, Gp] = codes @
 q^T, the GQA group padded to the matrix unit's 8-wide N, zero-point sums as products with a ones
@@ -535,7 +536,8 @@ class _Plan:
 
 # ----------------------------------------------------------------------------- the kernel
 def _kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size, tail_len, tiles_per_block,
-            num_splits, sm_scale, window, tokens_major, parts, steps, hp_chunk, ids_ahead, gp, q_rows, written):
+            num_splits, sm_scale, window, tokens_major, parts, steps, hp_chunk, ids_ahead, gp, q_rows, written,
+            normalize):
     d, vp, t_tok = plan.d, plan.vp, plan.t
     # tokens_major: scores [T, Gp] and accumulator [D/vp, Gp] (the matrix unit's N is the head
     # axis, 8 wide); otherwise scores [Gp, T] and accumulator [Gp, D/vp] (M = heads, 16 wide)
@@ -551,7 +553,8 @@ def _kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size, tail_
     static = {side: {n: next(it) for n in static_names[side]} for side in ("k", "v")}
     if has_hp:
         sink_k, sink_v, tail_k, tail_v = next(it), next(it), next(it), next(it)
-    o_ref, m_ref, l_ref = next(it), next(it), next(it)
+    o_ref = next(it)
+    m_ref, l_ref = (None, None) if normalize else (next(it), next(it))
 
     b, split = pl.program_id(0), pl.program_id(2)
     bs, tpb = block_size, tiles_per_block
@@ -747,6 +750,15 @@ def _kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size, tail_
     # only the first `written` entries of the Gp axis (the group's heads, up to a power of two) are
     # stored: the padding's partial outputs would double what the merge reads for a GQA group of 4
     keep = (lambda x, axis: x) if written == gp else (lambda x, axis: jnp.split(x, gp // written, axis=axis)[0])  # noqa: E731
+    if normalize:
+        # one split: this program's output is final - normalized here and stored with the value
+        # planes' channels in order (o_ref [heads, D/vp, vp], plane n at [..., n]), so no merge
+        # kernel runs after this one
+        den = jnp.where(l > 0, l, 1.0)   # no valid position (length 0): the output is 0, as merged
+        for n in range(vp):
+            o = keep(acc[n] / per_head(den), 1 if tokens_major else 0)
+            o_ref[:, :, n] = o.T if tokens_major else o
+        return
     for n in range(vp):
         o_ref[n] = keep(acc[n], 1 if tokens_major else 0)
     m_ref[...] = keep(m, 0)
@@ -951,7 +963,11 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         "pallas" (one kernel, which writes the channels in order; the default split count is then
         rounded down to a power of two, and an explicit one pads the split outputs to the next).
         Default `default_merge`: "pallas" for KVarN's 2-bit values at up to 8 (sequence, kv head)
-        pairs (B=1/L=128K with 8 kv heads 0.0564 -> 0.0540 ms on the H200), else "xla".
+        pairs (B=1/L=128K with 8 kv heads 0.0564 -> 0.0540 ms on the H200), else "xla" - except
+        with one split (batch x kv heads of a wave or more, e.g. B=128/L=4K and B=256/L=8K at 8 kv
+        heads) and a GQA group that is a power of two: "kernel", the decode kernel normalizes its
+        output and stores the channels in order itself (no merge kernel; explicit "kernel"
+        needs that case).
     """
     unpack = unpack or ("magic" if interpret else "asm")
     if unpack not in ("magic", "asm") or (unpack == "asm" and interpret):
@@ -970,9 +986,10 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
                          f"integer codes (got fold={fold}, parts={parts}, steps={steps} for {cfg.name})")
     fold = (tokens_major and (tiled or cfg.method == "int")) if fold is None else bool(fold)
     sums = sums or ("mma" if tokens_major else "reduce")
+    merge_given = merge
     merge = default_merge(cfg, nbt, cache.num_kv_heads) if merge is None else merge
-    if merge not in ("xla", "pallas"):
-        raise ValueError(f"merge must be 'xla' or 'pallas', got {merge!r}")
+    if merge not in ("xla", "pallas", "kernel"):
+        raise ValueError(f"merge must be 'xla', 'pallas' or 'kernel', got {merge!r}")
     if sums not in ("reduce", "mma"):
         raise ValueError(f"sums must be 'reduce' or 'mma', got {sums!r}")
     if (fold or parts != 1 or steps != 1 or sums != "reduce") and not tokens_major:
@@ -1020,6 +1037,14 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     # heads of the group the kernel stores: a power of two (Triton's tensors), at least 2 (a
     # one-wide Gp axis was not tried on the GPU)
     written = min(gp, max(2, 1 << (grp - 1).bit_length()))
+    # One split and a GQA group that is a power of two: by default the kernel writes the final
+    # output, with no merge kernel after it (merge="kernel"); an explicit merge keeps its own.
+    if merge_given is None and splits == 1 and written == grp:
+        merge = "kernel"
+    if merge == "kernel" and (splits != 1 or written != grp):
+        raise ValueError(f"merge='kernel' needs one split and a GQA group that is a power of two >= 2 "
+                         f"(got {splits} splits, {grp} query heads per kv head)")
+    normalize = merge == "kernel"
     full = lambda shape: pl.BlockSpec(shape, lambda b, h, s: (0,) * len(shape))
     head_spec = lambda a: pl.BlockSpec((a.shape[0], None) + a.shape[2:],
                                        lambda b, h, s, nd=a.ndim - 2: (0, h) + (0,) * nd)
@@ -1075,7 +1100,8 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         _kernel, plan=plan, names=names, static_names=static_names, has_hp=cache.has_hp, has_sid=has_sid,
         block_size=cache.block_size, tail_len=max(cache.tail_len, 1), tiles_per_block=tiles_per_block,
         num_splits=splits, sm_scale=scale, window=window, tokens_major=tokens_major, parts=parts,
-        steps=steps, hp_chunk=hp_chunk, ids_ahead=num_stages >= 3, gp=gp, q_rows=q_rows, written=written)
+        steps=steps, hp_chunk=hp_chunk, ids_ahead=num_stages >= 3, gp=gp, q_rows=q_rows, written=written,
+        normalize=normalize)
     vp = plan.vp
     acc_shape = (d // vp, written) if tokens_major else (written, d // vp)
     # the Pallas merge loads all splits at once: a power-of-two axis (the padding is never written)
@@ -1086,14 +1112,20 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     out_specs = [pl.BlockSpec((None, None, None, vp) + acc_shape, lambda b, h, s: (b, h, s, 0, 0, 0)),
                  pl.BlockSpec((None, None, None, written), lambda b, h, s: (b, h, s, 0)),
                  pl.BlockSpec((None, None, None, written), lambda b, h, s: (b, h, s, 0))]
+    if normalize:  # [B, Hk, heads, D/vp, vp]: channel vp*i + n at [..., i, n]
+        out_shape = jax.ShapeDtypeStruct((nbt, hk, grp, d // vp, vp), jnp.float32)
+        out_specs = pl.BlockSpec((None, None, grp, d // vp, vp), lambda b, h, s: (b, h, 0, 0, 0))
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
         params["compiler_params"] = plgpu.CompilerParams(num_warps=warps, num_stages=num_stages)
-    acc, m, l = pl.pallas_call(kernel, grid=(nbt, hk, splits), in_specs=specs, out_specs=out_specs,
-                               out_shape=out_shape, interpret=interpret,
-                               name=triton_options.kernel_name(f"kvarn_paged_decode_{cfg.name}", maxnreg),
-                               **params)(*operands)
+    outs = pl.pallas_call(kernel, grid=(nbt, hk, splits), in_specs=specs, out_specs=out_specs,
+                          out_shape=out_shape, interpret=interpret,
+                          name=triton_options.kernel_name(f"kvarn_paged_decode_{cfg.name}", maxnreg),
+                          **params)(*operands)
+    if normalize:
+        return outs.reshape(nbt, hq, d)
+    acc, m, l = outs
     # merge the splits (flash-decoding), then re-interleave the value planes: channel vp*i + n
     heads_axis = -1 if tokens_major else -2
     if merge == "pallas":
