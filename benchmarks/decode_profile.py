@@ -39,7 +39,8 @@ def main():
     p.add_argument("--entry", default="kernel", choices=["kernel", "public"])
     p.add_argument("--splits", type=int, default=None)
     p.add_argument("--merge", default="default", choices=["default", "xla", "pallas", "kernel"],
-                   help="kernel entry: how the splits are merged (default: the kernel's `default_merge`)")
+                   help="kernel entry: how the splits are merged (default: the kernel's own choice, "
+                        "`default_merge` or, with one split, kernel; kernel needs one split: --splits 1)")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--hq", type=int, default=32)
     p.add_argument("--hk", type=int, default=8)
@@ -48,6 +49,8 @@ def main():
     p.add_argument("--json", default="")
     args = p.parse_args()
     hq, hk, d, bs = args.hq, args.hk, args.head_dim, args.block_size
+    if args.merge == "kernel" and args.splits != 1:
+        p.error("--merge kernel needs --splits 1 (the kernel finishes its output only with one split)")
     if args.merge != "default" and args.entry != "kernel":
         p.error("--merge applies to --entry kernel (the public entry uses the kernel's default)")
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "entry": args.entry, "merge": args.merge,

@@ -36,6 +36,10 @@ def test_gpu_kernels_lower_for_cuda(scheme):
         fn = lambda q, c, t, l, s, w=window: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1, window=w)  # noqa: E731
         text = lower_for_cuda(fn, *args)
         assert f"kvarn_paged_decode_{cfg.name}" in text
+        if d == 128:  # the default above is one split, finished in the kernel; two leave partials
+            fn = lambda q, c, t, l, s: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1, window=None,  # noqa: E731
+                                                               num_splits=2)
+            assert f"kvarn_paged_decode_{cfg.name}" in lower_for_cuda(fn, *args)
         if cfg.method in ("int", "fp8") and not pdp.tokens_major_unsupported(cfg, d):
             # the per-token schemes' optional tokens-major products
             fn = lambda q, c, t, l, s, w=window: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1,  # noqa: E731

@@ -380,15 +380,12 @@ def test_register_cap_reaches_the_triton_module(monkeypatch):
     from kvarn_jax import triton_options
     from kvarn_jax.attention import paged_decode_pallas as pdp
     triton_options.install()
-    hooked, modules = lowering.lower_jaxpr_to_triton_module, []
+    hooked, modules, merges = lowering.lower_jaxpr_to_triton_module, [], []
 
     def capture(*a, **k):  # what the register-cap hook hands on to jax (decode modules; the split
-        r = hooked(*a, **k)   # merge's, which B x Hk <= 8 gets by default, must carry no cap)
+        r = hooked(*a, **k)   # merge's, asked for below with merge="pallas", must carry no cap)
         asm = r.module.operation.get_asm(enable_debug_info=False)
-        if "module @kvarn_decode_split_merge" in asm:
-            assert triton_options.register_cap(asm) is None
-        else:
-            modules.append(asm)
+        (merges if "module @kvarn_decode_split_merge" in asm else modules).append(asm)
         return r
 
     monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", capture)
@@ -397,11 +394,13 @@ def test_register_cap_reaches_the_triton_module(monkeypatch):
     args = (jnp.zeros((2, 8, 64), jnp.float32), cache, jnp.zeros((2, 4), jnp.int32),
             jnp.full((2,), 200, jnp.int32), jnp.arange(2, dtype=jnp.int32))
     # explicit warps, no cap; explicit cap; the default launch (4 (sequence, head) pairs: 2 warps
-    # capped at 128 registers, `default_launch`)
-    for kw in (dict(num_warps=1), dict(maxnreg=184), {}):
+    # capped at 128 registers, `default_launch`; one split here, so no merge kernel); the default
+    # launch with its splits merged by the Pallas kernel
+    for kw in (dict(num_warps=1), dict(maxnreg=184), {}, dict(merge="pallas", num_splits=2)):
         fn = lambda q, c, t, l, s, kw=kw: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1, window=None, **kw)  # noqa: E731
         lower_for_cuda(fn, *args)
-    assert len(modules) == 3
+    assert len(modules) == 4 and len(merges) == 1
+    assert triton_options.register_cap(merges[0]) is None and triton_options.register_cap(modules[3]) == 128
     assert triton_options.register_cap(modules[0]) is None and "module @kvarn_paged_decode_kvarn_k4v2_g64 " in modules[0]
     assert triton_options.register_cap(modules[1]) == 184
     assert "module @kvarn_paged_decode_kvarn_k4v2_g64_maxnreg184 " in modules[1]
@@ -414,7 +413,7 @@ def test_register_cap_reaches_the_triton_module(monkeypatch):
     args3 = (jnp.zeros((3, 8, 64), jnp.float32), cache, jnp.zeros((3, 4), jnp.int32),
              jnp.full((3,), 200, jnp.int32), jnp.arange(3, dtype=jnp.int32))
     lower_for_cuda(lambda q, c, t, l, s: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1, window=None), *args3)
-    assert len(modules) == 4 and triton_options.register_cap(modules[3]) is None
+    assert len(modules) == 5 and triton_options.register_cap(modules[4]) is None
     with pytest.raises(RuntimeError, match="do not pass maxnreg"):
         lower_for_cuda(lambda q, c, t, l, s: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1, window=None,
                                                                        maxnreg=128), *args3)

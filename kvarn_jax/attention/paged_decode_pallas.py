@@ -874,7 +874,8 @@ def default_q_in_kernel(cfg: KVQuantConfig) -> bool:
 
 def default_merge(cfg: KVQuantConfig, batch: int, num_kv_heads: int) -> str:
     """How the splits are merged by default (`paged_decode_pallas`'s merge): "pallas" for KVarN with
-    2-bit values at up to 8 (sequence, kv head) pairs, else "xla". On the H200 with the partial
+    2-bit values at up to 8 (sequence, kv head) pairs, else "xla". (With one split and a GQA group
+    that is a power of two >= 2, `paged_decode_pallas` merges nothing instead: merge="kernel".) On the H200 with the partial
     outputs of the group's heads only (benchmarks/results/2026-12-03_decode_query_in_kernel_h200.md,
     run 4-5; kvarn_k4v2_g128, 8 kv heads): B=1/L=128K 0.0564 -> 0.0540 ms and B=1/L=64K 0.0440 ->
     0.0417 with the Pallas merge, but B=2/L=64K 0.0573 -> 0.069, B=4/L=32K 0.0563 -> 0.070 and
@@ -964,10 +965,10 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         rounded down to a power of two, and an explicit one pads the split outputs to the next).
         Default `default_merge`: "pallas" for KVarN's 2-bit values at up to 8 (sequence, kv head)
         pairs (B=1/L=128K with 8 kv heads 0.0564 -> 0.0540 ms on the H200), else "xla" - except
-        with one split (batch x kv heads of a wave or more, e.g. B=128/L=4K and B=256/L=8K at 8 kv
-        heads) and a GQA group that is a power of two: "kernel", the decode kernel normalizes its
-        output and stores the channels in order itself (no merge kernel; explicit "kernel"
-        needs that case).
+        where the split count is 1 (`default_num_splits`: more than half a wave of (sequence, kv
+        head) pairs, e.g. B=128/L=4K and B=256/L=8K at 8 kv heads, or short contexts) and the GQA
+        group is a power of two >= 2: "kernel", the decode kernel normalizes its output and stores
+        the channels in order itself (no merge kernel; explicit "kernel" needs that case).
     """
     unpack = unpack or ("magic" if interpret else "asm")
     if unpack not in ("magic", "asm") or (unpack == "asm" and interpret):

@@ -2,7 +2,8 @@
 
 The GPU decode kernel (`paged_decode_pallas.py`) runs several programs per (sequence, kv head) along
 the KV length. Each leaves an unnormalized partial output `acc` with its running max `m` (base-2
-logits) and softmax sum `l`; the merge rescales them to a common max and normalizes:
+logits) and softmax sum `l` (with a single split the kernel normalizes its output itself and none of
+this runs: merge="kernel"); the merge rescales them to a common max and normalizes:
 
     M = max_s m_s,   w_s = 2^(m_s - M),   o = Σ_s w_s · acc_s / Σ_s w_s · l_s
 
