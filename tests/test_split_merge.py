@@ -166,7 +166,7 @@ def test_one_split_is_finished_in_the_kernel(cfg, orient, q_heads, rng):
         np.testing.assert_allclose(outs["kernel"], outs["xla"], rtol=0, atol=1e-6 * np.abs(ref).max())
         np.testing.assert_array_equal(outs[None], outs["kernel"])
         assert (outs["kernel"][4] == 0).all()
-    vp = pdp._Plan(kj.parse(cfg), 64, kj.parse(cfg).tile_tokens if kj.parse(cfg).tile_tokens > 1 else 32).vp
+    vp = pdp._Plan(kj.parse(cfg), 64, max(kj.parse(cfg).tile_tokens, 32)).vp   # value planes (4 for 2-bit values)
     for window in (None, 50):
         shapes = pallas_call_outputs(lambda q: pdp.paged_decode_pallas(q, cache, bt, sl, None, scale=0.125, window=window,
                                                                        interpret=True, num_splits=1, orient=orient), qr)

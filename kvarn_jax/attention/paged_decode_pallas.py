@@ -875,9 +875,9 @@ def default_q_in_kernel(cfg: KVQuantConfig) -> bool:
 def default_merge(cfg: KVQuantConfig, batch: int, num_kv_heads: int) -> str:
     """How the splits are merged by default (`paged_decode_pallas`'s merge): "pallas" for KVarN with
     2-bit values at up to 8 (sequence, kv head) pairs, else "xla". (With one split and a GQA group
-    that is a power of two >= 2, `paged_decode_pallas` merges nothing instead: merge="kernel".) On the H200 with the partial
-    outputs of the group's heads only (benchmarks/results/2026-12-03_decode_query_in_kernel_h200.md,
-    run 4-5; kvarn_k4v2_g128, 8 kv heads): B=1/L=128K 0.0564 -> 0.0540 ms and B=1/L=64K 0.0440 ->
+    that is a power of two >= 2, `paged_decode_pallas` merges nothing instead: merge="kernel".)
+    On the H200 with the partial outputs of the group's heads only
+    (benchmarks/results/2026-12-03_decode_query_in_kernel_h200.md, run 4-5; kvarn_k4v2_g128, 8 kv heads): B=1/L=128K 0.0564 -> 0.0540 ms and B=1/L=64K 0.0440 ->
     0.0417 with the Pallas merge, but B=2/L=64K 0.0573 -> 0.069, B=4/L=32K 0.0563 -> 0.070 and
     B=8/L=16K 0.0579 -> 0.068 slower, B=32/L=32K even, and int8 slower at B=1, 8 and 32."""
     pallas = cfg.method == "kvarn" and cfg.v_bits == 2 and batch * num_kv_heads <= 8
@@ -1107,15 +1107,16 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     acc_shape = (d // vp, written) if tokens_major else (written, d // vp)
     # the Pallas merge loads all splits at once: a power-of-two axis (the padding is never written)
     s_out = split_merge.padded_splits(splits) if merge == "pallas" else splits
-    out_shape = [jax.ShapeDtypeStruct((nbt, hk, s_out, vp) + acc_shape, jnp.float32),
-                 jax.ShapeDtypeStruct((nbt, hk, s_out, written), jnp.float32),
-                 jax.ShapeDtypeStruct((nbt, hk, s_out, written), jnp.float32)]
-    out_specs = [pl.BlockSpec((None, None, None, vp) + acc_shape, lambda b, h, s: (b, h, s, 0, 0, 0)),
-                 pl.BlockSpec((None, None, None, written), lambda b, h, s: (b, h, s, 0)),
-                 pl.BlockSpec((None, None, None, written), lambda b, h, s: (b, h, s, 0))]
-    if normalize:  # [B, Hk, heads, D/vp, vp]: channel vp*i + n at [..., i, n]
+    if normalize:  # the final output [B, Hk, heads, D/vp, vp]: channel vp*i + n at [..., i, n]
         out_shape = jax.ShapeDtypeStruct((nbt, hk, grp, d // vp, vp), jnp.float32)
         out_specs = pl.BlockSpec((None, None, grp, d // vp, vp), lambda b, h, s: (b, h, 0, 0, 0))
+    else:  # each split's partial output, max and sum
+        out_shape = [jax.ShapeDtypeStruct((nbt, hk, s_out, vp) + acc_shape, jnp.float32),
+                     jax.ShapeDtypeStruct((nbt, hk, s_out, written), jnp.float32),
+                     jax.ShapeDtypeStruct((nbt, hk, s_out, written), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, None, None, vp) + acc_shape, lambda b, h, s: (b, h, s, 0, 0, 0)),
+                     pl.BlockSpec((None, None, None, written), lambda b, h, s: (b, h, s, 0)),
+                     pl.BlockSpec((None, None, None, written), lambda b, h, s: (b, h, s, 0))]
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
