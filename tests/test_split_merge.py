@@ -69,11 +69,15 @@ def test_pallas_merge_equals_reference(b, hk, splits, vp, width, gp, heads_axis,
 
 
 def test_merge_launch_spreads_over_the_chip():
-    """B=1 / 128K on the H200 (256 splits of 8 kv heads, 4 value planes of 32 channels, Gp 8): 512
-    programs of 2 channels (4K elements each); large batches keep whole planes; heads-major chunks
-    stay >= 4 contiguous channels, with more warps for the larger blocks that makes."""
-    assert sm.merge_launch(1, 8, 4, 256, 8, 32, -1) == (256, 2, 4)
-    assert sm.merge_launch(32, 8, 4, 4, 8, 32, -1) == (4, 32, 4)
+    """B=1 / 128K on the H200 (256 splits of 8 kv heads, 4 value planes of 32 channels, 4 heads
+    stored): 256 one-warp programs of 4 channels (4K elements each), 2 channels at Gp 8; B=8 / 16K
+    (32 splits) whole planes; large batches keep whole planes; heads-major chunks stay >= 4
+    contiguous channels, with more warps for the larger blocks that makes."""
+    assert sm.merge_launch(1, 8, 4, 256, 4, 32, -1) == (256, 4, 1)
+    assert sm.merge_launch(1, 8, 4, 256, 8, 32, -1) == (256, 2, 1)
+    assert sm.merge_launch(8, 8, 4, 32, 4, 32, -1) == (32, 32, 1)
+    assert sm.merge_launch(32, 8, 4, 4, 8, 32, -1) == (4, 32, 1)
+    assert sm.merge_launch(1, 1, 1, 1024, 16, 128, -1) == (1024, 1, 4)  # one channel of all splits: 16K
     assert sm.merge_launch(1, 8, 1, 256, 16, 128, -2) == (256, 4, 8)
     assert sm.merge_launch(1, 1, 1, 300, 32, 64, -2) == (512, 4, 16)
     assert [sm.padded_splits(s) for s in (1, 2, 3, 7, 8, 200)] == [1, 2, 4, 8, 8, 256]

@@ -26,8 +26,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-MERGE_BLOCK = 8192       # fp32 partial-output elements per program the chunking aims for
-MERGE_PROGRAMS = 264     # aim for at least two programs per H200 SM
+MERGE_BLOCK = 8192       # heads-major: fp32 partial-output elements per program the chunking aims for
+MERGE_PROGRAMS = 264     # heads-major: aim for at least two programs per H200 SM
+# Tokens-major partials (the default decode layout of KVarN/KIVI and per-token int schemes): one
+# warp per 4K elements, at least 256 programs - within 0.4 us of the fastest launch of
+# `benchmarks/merge_sweep.py` on the H200 at B=1/L=128K, B=2/L=64K and B=8/L=16K
+# (2026-12-04_merge_launch_h200.md: 2.45 / 2.44 / 2.42 us, against 3.64 / 2.93 / 2.52 with the
+# heads-major rule's 4 warps).
+TOKENS_BLOCK = 4096
+TOKENS_PROGRAMS = 256
 
 
 def padded_splits(splits: int) -> int:
@@ -77,16 +84,22 @@ def merge_launch(batch: int, num_kv_heads: int, vp: int, splits: int, gp: int, w
     """(padded split axis, channels per program, warps) of `merge_splits_pallas`.
 
     Channels: of the `width` = D/vp of a value plane, as many as keep a program's partial outputs
-    within MERGE_BLOCK elements while the grid keeps MERGE_PROGRAMS programs (powers of two); for
-    heads-major partials, whose chunks are runs of that many contiguous floats, at least 4. Warps:
-    4, more for larger blocks (up to 16: ~64 elements per thread at 32 K), so few splits of a big
-    GQA group still fit in registers."""
+    within a block of elements while the grid keeps enough programs (powers of two). Tokens-major
+    (heads_axis -1): blocks of TOKENS_BLOCK, TOKENS_PROGRAMS programs, one warp per TOKENS_BLOCK
+    elements (more only where one channel of all splits is larger). Heads-major, whose chunks are
+    runs of that many contiguous floats: at least 4 channels, MERGE_BLOCK, MERGE_PROGRAMS, 4 warps,
+    more for larger blocks (up to 16: ~64 elements per thread at 32 K), so few splits of a big GQA
+    group still fit in registers."""
     s_pad = padded_splits(splits)
-    floor = 1 if heads_axis == -1 else min(4, width)
+    tokens = heads_axis == -1
+    block, programs = (TOKENS_BLOCK, TOKENS_PROGRAMS) if tokens else (MERGE_BLOCK, MERGE_PROGRAMS)
+    floor = 1 if tokens else min(4, width)
     c = width
-    while c > floor and (s_pad * gp * c > MERGE_BLOCK or batch * num_kv_heads * vp * (width // c) < MERGE_PROGRAMS):
+    while c > floor and (s_pad * gp * c > block or batch * num_kv_heads * vp * (width // c) < programs):
         c //= 2
     elems = s_pad * gp * c
+    if tokens:
+        return s_pad, c, int(min(16, max(1, elems // TOKENS_BLOCK)))
     return s_pad, c, 4 if elems <= MERGE_BLOCK else 8 if elems <= 2 * MERGE_BLOCK else 16
 
 
