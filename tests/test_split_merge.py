@@ -192,7 +192,7 @@ def test_one_split_merges_outside_for_other_groups(rng):
                                     num_splits=1, merge="kernel")
 
 
-@pytest.mark.parametrize("cfg, batch, heads, want", [("kvarn_k4v2_g128", 1, 8, "pallas"), ("kvarn_k4v2_g128", 2, 8, "xla"),
+@pytest.mark.parametrize("cfg, batch, heads, want", [("kvarn_k4v2_g128", 1, 8, "pallas"), ("kvarn_k4v2_g128", 32, 8, "pallas"),
                                                      ("kvarn_k4v2_g64", 2, 4, "pallas"), ("kvarn_k4v4_g128", 1, 8, "xla"),
                                                      ("int8", 1, 8, "xla")])
 def test_default_merge(cfg, batch, heads, want):

@@ -874,13 +874,16 @@ def default_q_in_kernel(cfg: KVQuantConfig) -> bool:
 
 def default_merge(cfg: KVQuantConfig, batch: int, num_kv_heads: int) -> str:
     """How the splits are merged by default (`paged_decode_pallas`'s merge): "pallas" for KVarN with
-    2-bit values at up to 8 (sequence, kv head) pairs, else "xla". (With one split and a GQA group
-    that is a power of two >= 2, `paged_decode_pallas` merges nothing instead: merge="kernel".)
-    On the H200 with the partial outputs of the group's heads only
-    (benchmarks/results/2026-12-03_decode_query_in_kernel_h200.md, run 4-5; kvarn_k4v2_g128, 8 kv heads): B=1/L=128K 0.0564 -> 0.0540 ms and B=1/L=64K 0.0440 ->
-    0.0417 with the Pallas merge, but B=2/L=64K 0.0573 -> 0.069, B=4/L=32K 0.0563 -> 0.070 and
-    B=8/L=16K 0.0579 -> 0.068 slower, B=32/L=32K even, and int8 slower at B=1, 8 and 32."""
-    pallas = cfg.method == "kvarn" and cfg.v_bits == 2 and batch * num_kv_heads <= 8
+    2-bit values, else "xla". (With one split and a GQA group that is a power of two >= 2,
+    `paged_decode_pallas` merges nothing instead: merge="kernel".)
+    On the H200 (benchmarks/results/2026-12-04_merge_launch_h200.md; 8 kv heads, the merge's
+    one-warp launch of that day, span of the kernel entry): kvarn_k4v2_g128 faster with the Pallas
+    merge at every batch measured - B=1/L=128K 0.0565 -> 0.0536 ms, B=2/L=64K 0.0553 -> 0.0532,
+    B=4/L=32K 0.0556 -> 0.0535, B=8/L=16K 0.0569 -> 0.0551, B=16/L=16K 0.1034 -> 0.1011,
+    B=32/L=32K 0.2995 -> 0.2985 - but kvarn_k4v4_g128, int4 and int8 5-14% slower at B=1/L=128K
+    and B=8/L=16K (e.g. int4 0.0594 -> 0.0650 ms), so they keep XLA's merge. (`batch` and
+    `num_kv_heads` are kept for rules that depend on them; today's does not.)"""
+    pallas = cfg.method == "kvarn" and cfg.v_bits == 2
     return "pallas" if pallas else "xla"
 
 
@@ -963,8 +966,8 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
       merge: how the splits are merged (`split_merge.py`): "xla" (jnp: several XLA fusions) or
         "pallas" (one kernel, which writes the channels in order; the default split count is then
         rounded down to a power of two, and an explicit one pads the split outputs to the next).
-        Default `default_merge`: "pallas" for KVarN's 2-bit values at up to 8 (sequence, kv head)
-        pairs (B=1/L=128K with 8 kv heads 0.0564 -> 0.0540 ms on the H200), else "xla" - except
+        Default `default_merge`: "pallas" for KVarN's 2-bit values (B=1/L=128K with 8 kv heads
+        0.0565 -> 0.0536 ms on the H200, 2-4% at batch 2-16), else "xla" - except
         where the split count is 1 (`default_num_splits`: more than half a wave of (sequence, kv
         head) pairs, e.g. B=128/L=4K and B=256/L=8K at 8 kv heads, or short contexts) and the GQA
         group is a power of two >= 2: "kernel", the decode kernel normalizes its output and stores
