@@ -246,6 +246,15 @@ def jax_paged_time(batch, ctx, hq, hk, d, bs):
         return None
 
 
+def add_model_args(p):
+    """The model-shape flags the decode benchmarks share (default: the issue's Hq=32, Hk=8, D=128,
+    block 128)."""
+    p.add_argument("--hq", type=int, default=32)
+    p.add_argument("--hk", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=128)
+
+
 def variant_kwargs(var: str, scheme: str) -> dict | None:
     """Kernel keyword arguments of a variant name wWsS[a][t][f][m][pP][iI][kK][rR] ("default": none; "rR"
     alone: the defaults with a register cap of R), any of them with the suffix "-pm": the splits
@@ -297,10 +306,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default=DEFAULT_SHAPES)
     p.add_argument("--schemes", default=DEFAULT_SCHEMES)
-    p.add_argument("--hq", type=int, default=32)
-    p.add_argument("--hk", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=128)
+    add_model_args(p)
     p.add_argument("--splits", default="", help="comma list of num_splits to try (default: heuristic only)")
     p.add_argument("--variants", default="", help="comma list of kernel variants wWsS[a][t][f][m][pP][iI][kK][rR] (num_warps W, num_stages S; "
                    "flags: a the PTX unpack `_planes_asm`, t tokens-major products (orient='tokens'), f the "

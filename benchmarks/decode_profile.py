@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import kvarn_jax as kj  # noqa: E402
-from decode import device_time, kernel_events, random_cache, spans  # noqa: E402
+from decode import add_model_args, device_time, kernel_events, random_cache, spans  # noqa: E402
 from kvarn_jax.attention import paged_decode_pallas as pdp  # noqa: E402
 
 
@@ -42,10 +42,7 @@ def main():
                    help="kernel entry: how the splits are merged (default: the kernel's own choice, "
                         "`default_merge` or, with one split, kernel; kernel needs one split: --splits 1)")
     p.add_argument("--calls", type=int, default=20)
-    p.add_argument("--hq", type=int, default=32)
-    p.add_argument("--hk", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=128)
+    add_model_args(p)
     p.add_argument("--json", default="")
     args = p.parse_args()
     hq, hk, d, bs = args.hq, args.hk, args.head_dim, args.block_size

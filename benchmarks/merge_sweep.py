@@ -7,7 +7,8 @@ At small batch the decode call is the kernel plus the merge of its splits (`spli
 1 x 128K the merge was 5.1 us of a 54.4 us call on the H200 (2026-12-04_decode_profile_small_h200.json)
 for ~4 MB of partial outputs that the decode kernel has just written (they sit in L2). This script
 builds partial outputs of the shapes the decode entry gives the merge by default for each shape
-(split count, value planes, GQA heads stored), random but valid (finite maxima, positive sums), and
+(split count, value planes, GQA heads stored; tokens-major partials, the layout of every scheme
+whose default merge is the Pallas one), random but valid (finite maxima, positive sums), and
 times `merge_splits_pallas` for every launch (`merge_launch`'s chunk and warps overridden), each
 checked against `merge_splits_reference` first. Device time per call is the kernel's duration from
 torch's profiler (needs torch with CUDA; without it only the checks run). Prints a table, writes JSON.
@@ -23,12 +24,11 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import kvarn_jax as kj  # noqa: E402
-from decode import kernel_events  # noqa: E402
+from decode import add_model_args, kernel_events  # noqa: E402
 from kvarn_jax.attention import paged_decode_pallas as pdp  # noqa: E402
 from kvarn_jax.attention import split_merge  # noqa: E402
 
@@ -38,9 +38,8 @@ def partials(cfg, batch, ctx, hq, hk, d, bs, seed=0):
     the split count."""
     warps, maxnreg = pdp.default_launch(cfg, batch, hk)
     splits = split_merge.unpadded_splits(pdp.default_num_splits(batch, hk, ctx // bs, warps, maxnreg))
-    vp = 8 // cfg.v_bits if cfg.method in ("kvarn", "kivi", "int") else 1
-    grp = hq // hk
-    written = max(2, 1 << (grp - 1).bit_length())
+    vp = pdp.value_planes(cfg)
+    _, written = pdp.group_rows(hq // hk, tokens_major=True)
     s_pad = split_merge.padded_splits(splits)
     k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
     acc = jax.random.normal(k1, (batch, hk, s_pad, vp, d // vp, written), jnp.float32)
@@ -56,14 +55,10 @@ def main():
     p.add_argument("--channels", default="1,2,4,8,16,32")
     p.add_argument("--warps", default="1,2,4,8")
     p.add_argument("--calls", type=int, default=20)
-    p.add_argument("--hq", type=int, default=32)
-    p.add_argument("--hk", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=128)
+    add_model_args(p)
     p.add_argument("--json", default="")
     args = p.parse_args()
     cfg = kj.parse(args.scheme)
-    hq, hk, d, bs = args.hq, args.hk, args.head_dim, args.block_size
     interpret = jax.default_backend() == "cpu"
     try:
         import torch
@@ -72,12 +67,21 @@ def main():
         timed = False
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "scheme": args.scheme,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "rows": []}
-    default_launch = split_merge.merge_launch
+    rule = split_merge.merge_launch
+    try:
+        sweep(args, cfg, rule, interpret, timed, res)
+    finally:
+        split_merge.merge_launch = rule
+
+
+def sweep(args, cfg, rule, interpret, timed, res):
+    """Every (channels, warps) launch per shape, into res["rows"] (and the JSON after each shape)."""
+    hq, hk, d, bs = args.hq, args.hk, args.head_dim, args.block_size
     for shape in args.shapes.split(","):
         batch, ctx = (int(x) for x in shape.split("x"))
         acc, m, l, splits = partials(cfg, batch, ctx, hq, hk, d, bs)
         ref = split_merge.merge_splits_reference(acc, m, l, splits, -1)
-        s_pad, c0, w0 = default_launch(batch, hk, acc.shape[3], splits, m.shape[-1], acc.shape[4], -1)
+        s_pad, c0, w0 = rule(batch, hk, acc.shape[3], splits, m.shape[-1], acc.shape[4], -1)
         row = {"batch": batch, "ctx": ctx, "splits": splits, "acc_shape": list(acc.shape),
                "default": f"c{c0}w{w0}", "us": {}, "err": {}}
         print(f"B={batch} L={ctx}: {splits} splits, partials {acc.shape} ({acc.nbytes / 1e6:.1f} MB), "
@@ -109,7 +113,6 @@ def main():
                     print(f"    {name}: {us:7.2f} us  (error {err:.1e})")
                 else:
                     print(f"    {name}: error {err:.1e} (not timed: no CUDA)")
-        split_merge.merge_launch = default_launch
         if row["us"]:
             best = min(row["us"], key=row["us"].get)
             print(f"  best {best} {row['us'][best]:.2f} us; default {row['default']} {row['us'].get(row['default'], float('nan')):.2f} us")

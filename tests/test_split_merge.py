@@ -192,11 +192,21 @@ def test_one_split_merges_outside_for_other_groups(rng):
                                     num_splits=1, merge="kernel")
 
 
-@pytest.mark.parametrize("cfg, batch, heads, want", [("kvarn_k4v2_g128", 1, 8, "pallas"), ("kvarn_k4v2_g128", 32, 8, "pallas"),
-                                                     ("kvarn_k4v2_g64", 2, 4, "pallas"), ("kvarn_k4v4_g128", 1, 8, "xla"),
-                                                     ("int8", 1, 8, "xla")])
-def test_default_merge(cfg, batch, heads, want):
-    assert pdp.default_merge(kj.parse(cfg), batch, heads) == want
+def test_group_rows_and_value_planes():
+    """The partial outputs' geometry the entry and the merge share: Gp rows a program computes
+    (8 tokens-major, 16 heads-major, else the group's power of two) and the heads stored (the
+    group's power of two, at least 2); value planes = codes per byte for the integer schemes."""
+    assert pdp.group_rows(4, tokens_major=True) == (8, 4)
+    assert pdp.group_rows(7, tokens_major=False) == (16, 8)
+    assert pdp.group_rows(1, tokens_major=True) == (8, 2)
+    assert pdp.group_rows(12, tokens_major=True) == (16, 16)
+    assert [pdp.value_planes(kj.parse(c)) for c in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "int8", "fp8")] == [4, 2, 1, 1]
+
+
+@pytest.mark.parametrize("cfg, want", [("kvarn_k4v2_g128", "pallas"), ("kvarn_k4v2_g64", "pallas"),
+                                       ("kvarn_k4v4_g128", "xla"), ("kivi_k2v2_g128", "xla"), ("int8", "xla")])
+def test_default_merge(cfg, want):
+    assert pdp.default_merge(kj.parse(cfg)) == want
 
 
 def test_pallas_merge_lowers_for_cuda():

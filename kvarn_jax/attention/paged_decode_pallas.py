@@ -66,6 +66,22 @@ def supports(cfg: KVQuantConfig, block_size: int, head_dim: int) -> str | None:
     return None
 
 
+def value_planes(cfg: KVQuantConfig) -> int:
+    """Channel planes of the values (packed along channels): the kernel's accumulator and partial
+    outputs are kept as that many planes of D / planes channels, re-interleaved by the merge."""
+    return 8 // cfg.v_bits if cfg.method in ("kvarn", "kivi", "int") else 1
+
+
+def group_rows(group: int, tokens_major: bool) -> tuple[int, int]:
+    """(Gp, stored) for a GQA group of `group` query heads: Gp, the query rows a program computes
+    (the matrix unit's 8-wide N tokens-major, 16 rows heads-major, or the group rounded up to a power
+    of two), and the heads of it whose partial outputs the kernel stores - the group rounded up to
+    a power of two (Triton's tensors), at least 2 (a one-wide axis was not tried on the GPU)."""
+    pow2 = 1 << (group - 1).bit_length()
+    gp = max(8 if tokens_major else 16, pow2)
+    return gp, min(gp, max(2, pow2))
+
+
 def tokens_major_unsupported(cfg: KVQuantConfig, head_dim: int) -> str | None:
     """None if `orient="tokens"` applies to this scheme, else why not: the tiled schemes, and
     per-token schemes with one dynamic scale (and zero) per token, which factor out of both
@@ -250,7 +266,7 @@ class _Plan:
         # the matrix unit and spills as a broadcast multiply)
         self.k_whole = self.tiled and tile_tokens // self.kc < 16
         self.pk = 8 // cfg.k_bits if cfg.method == "int" else 1
-        self.vp = 8 // cfg.v_bits if cfg.method in ("kvarn", "kivi", "int") else 1
+        self.vp = value_planes(cfg)
 
     # views of the page fields that make every in-kernel load a plain strided slice
     def page_view(self, side: str, name: str, a):
@@ -872,7 +888,7 @@ def default_q_in_kernel(cfg: KVQuantConfig) -> bool:
     return cfg.method == "kvarn" and cfg.v_bits == 2
 
 
-def default_merge(cfg: KVQuantConfig, batch: int, num_kv_heads: int) -> str:
+def default_merge(cfg: KVQuantConfig) -> str:
     """How the splits are merged by default (`paged_decode_pallas`'s merge): "pallas" for KVarN with
     2-bit values, else "xla". (With one split and a GQA group that is a power of two >= 2,
     `paged_decode_pallas` merges nothing instead: merge="kernel".)
@@ -881,8 +897,7 @@ def default_merge(cfg: KVQuantConfig, batch: int, num_kv_heads: int) -> str:
     merge at every batch measured - B=1/L=128K 0.0565 -> 0.0536 ms, B=2/L=64K 0.0553 -> 0.0532,
     B=4/L=32K 0.0556 -> 0.0535, B=8/L=16K 0.0569 -> 0.0551, B=16/L=16K 0.1034 -> 0.1011,
     B=32/L=32K 0.2995 -> 0.2985 - but kvarn_k4v4_g128, int4 and int8 5-14% slower at B=1/L=128K
-    and B=8/L=16K (e.g. int4 0.0594 -> 0.0650 ms), so they keep XLA's merge. (`batch` and
-    `num_kv_heads` are kept for rules that depend on them; today's does not.)"""
+    and B=8/L=16K (e.g. int4 0.0594 -> 0.0650 ms), so they keep XLA's merge."""
     pallas = cfg.method == "kvarn" and cfg.v_bits == 2
     return "pallas" if pallas else "xla"
 
@@ -991,7 +1006,7 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     fold = (tokens_major and (tiled or cfg.method == "int")) if fold is None else bool(fold)
     sums = sums or ("mma" if tokens_major else "reduce")
     merge_given = merge
-    merge = default_merge(cfg, nbt, cache.num_kv_heads) if merge is None else merge
+    merge = default_merge(cfg) if merge is None else merge
     if merge not in ("xla", "pallas", "kernel"):
         raise ValueError(f"merge must be 'xla', 'pallas' or 'kernel', got {merge!r}")
     if sums not in ("reduce", "mma"):
@@ -1024,7 +1039,7 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
     grp = hq // hk
-    gp = max(8 if tokens_major else 16, 1 << (grp - 1).bit_length())
+    gp, written = group_rows(grp, tokens_major)
     mb = block_tables.shape[1]
     tiles_per_block = cache.block_size // t_tok
     splits = num_splits or default_num_splits(nbt, hk, mb * tiles_per_block, warps, maxnreg)
@@ -1038,9 +1053,6 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     # With 3+ stages too: the sink/tail loop's buffers then no longer set the shared memory.
     hp_chunk = HP_CHUNK // 2 if (maxnreg is not None or num_stages >= 3) else HP_CHUNK
 
-    # heads of the group the kernel stores: a power of two (Triton's tensors), at least 2 (a
-    # one-wide Gp axis was not tried on the GPU)
-    written = min(gp, max(2, 1 << (grp - 1).bit_length()))
     # One split and a GQA group that is a power of two: by default the kernel writes the final
     # output, with no merge kernel after it (merge="kernel"); an explicit merge keeps its own.
     if merge_given is None and splits == 1 and written == grp:
