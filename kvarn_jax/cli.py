@@ -149,7 +149,7 @@ def _generate(args) -> int:
     kv = schemes[0] if layers is None else layers
     engine = Engine(model, kv_cache_dtype=kv, block_size=args.block_size, max_seqs=len(prompts),
                     max_model_len=max_len, num_blocks=blocks, prefill_chunk=args.prefill_chunk,
-                    prefill_batch=len(prompts), impl=args.impl, layers_per_call=args.layers_per_call)
+                    prefill_batch=len(prompts), impl=args.impl)
     attns = {}
     for c in schemes:
         a = args.impl
@@ -221,8 +221,6 @@ def _add_generate_parser(sub) -> None:
     g.add_argument("--impl", default="auto", choices=["auto", "pallas", "reference"],
                    help="decode attention: the Pallas kernel, the jnp reference, or auto (kernel on NVIDIA GPUs)")
     g.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per sequence per prefill call")
-    g.add_argument("--layers-per-call", type=int, default=1,
-                   help="decoder layers per compiled call (more: longer compile, fewer dispatches)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     g.add_argument("--quiet", action="store_true", help="no progress bars")

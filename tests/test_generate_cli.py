@@ -133,17 +133,23 @@ def test_generation_benchmark_cpu_smoke(tmp_path, capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "gen.json"
-    rc = bench.main(["--random-weights", "--num-layers", "2", "--prompt-len", "64", "--batch", "1,2",
-                     "--new-tokens", "4", "--kv-cache-dtype", "fp16,int8", "--json", str(out)])
+    rc = bench.main(["--config", "smollm2-135m", "--num-layers", "2", "--prompt-len", "64", "--batch", "1,2",
+                     "--new-tokens", "4", "--kv-cache-dtype", "int8,fp16", "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
     res = json.loads(out.read_text())
     assert "random weights" in res["env"]["weights"] and "random weights" in text
     rows = {(r["batch"], r["scheme"]): r for r in res["rows"]}
     assert set(rows) == {(1, "fp16"), (1, "int8"), (2, "fp16"), (2, "int8")}
-    for (b, _), r in rows.items():
+    assert [r["scheme"] for r in res["rows"]][:2] == ["fp16", "int8"]  # the baseline runs first
+    for (b, s), r in rows.items():
         assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
         assert r["compiles_during_timed_run"] == 0  # the warm-up compiled every shape
+        assert r["decode_steps"] == 3 and r["dropped_tokens"] == 0
+        assert 0 < r["floor_ms_per_step"] and r["floor_share"] == pytest.approx(r["floor_ms_per_step"]
+                                                                                / r["decode_ms_per_step"])
+        base = rows[(b, "fp16")]["decode_tokens_per_s"]
+        assert r["decode_vs_fp16"] == pytest.approx(r["decode_tokens_per_s"] / base)
         # 2 layers x b sequences x 68 tokens -> one 128-token page each
         assert r["kv_fp16_bytes"] == 2 * b * 128 * HEADS * D * 2 * 2
     assert rows[(2, "int8")]["kv_total_bytes"] != rows[(2, "fp16")]["kv_total_bytes"]

@@ -38,6 +38,20 @@ def bytes_per_token(cfg: Union[str, KVQuantConfig], head_dim: int) -> float:
     return (codes + meta) / cfg.tile_tokens
 
 
+def decode_read_bytes(cfg: Union[str, KVQuantConfig], ctx: int, *, block_size: int, num_kv_heads: int,
+                      head_dim: int, dtype="float16") -> int:
+    """Bytes one decode step must read from one layer's cache for one sequence of `ctx` tokens: the
+    quantized pages of the full blocks between the sink and the query's own block, and the
+    high-precision sink and query's block (`gather_dense` serves the block holding position ctx - 1
+    from the tail ring even when it is full). dtype: the cache's model dtype (its sink and tail)."""
+    cfg = KVQuantConfig.parse(cfg)
+    per_token = bytes_per_token(cfg, head_dim) * num_kv_heads
+    bs = block_size
+    hp_tokens = 0 if cfg.is_passthrough else ctx if ctx <= bs else bs + (ctx - 1) % bs + 1
+    hp_bytes = hp_tokens * num_kv_heads * head_dim * 2 * jnp.dtype(dtype).itemsize
+    return int((ctx - hp_tokens) * per_token + hp_bytes)
+
+
 def _num_layers(cache: PagedKVCache) -> int:
     """1 for a single layer; L for a cache made by `stack_layers` (leaves carry extra leading axes)."""
     name, (shape, _) = next(iter(schemes.side_fields(cache.cfg, "k", cache.head_dim).items()))

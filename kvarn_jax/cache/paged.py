@@ -237,13 +237,16 @@ def completion_sizes(cache: PagedKVCache, num_tokens: int) -> list[int]:
     return sorted(sizes)
 
 
-@functools.partial(jax.jit, static_argnames=("quantizer",))
+@functools.partial(jax.jit, static_argnames=("quantizer", "max_completed"))
 def write_reference(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp.ndarray,
                     seq_ids: jnp.ndarray | None, positions: jnp.ndarray | None,
-                    quantizer: str = "reference") -> PagedKVCache:
+                    quantizer: str = "reference", max_completed: int | None = None) -> PagedKVCache:
     """The write path without checks (see `write`). Never writes outside the named slots.
 
     Everything is jnp except the quantization of completed blocks, done by `quantizer`.
+    max_completed: a caller's static bound on the blocks this write completes (e.g. sequences x
+    ceil(chunk / block_size) for a prefill chunk): completions are quantized in one batch of that
+    size, with no branch on their count; completions beyond it are dropped and counted.
     """
     n = k.shape[0]
     nb, bs = cache.num_blocks, cache.block_size
@@ -265,7 +268,7 @@ def write_reference(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_ma
     # completions; most decode steps complete no block and few complete more than a couple, so the
     # quantization runs in the smallest of a few sizes that holds this call's completions (none at
     # all when nothing completes).
-    sizes = completion_sizes(cache, n)
+    sizes = completion_sizes(cache, n) if max_completed is None else [max(1, min(int(max_completed), n))]
     m = sizes[-1]
     count = jnp.sum(p.completes, dtype=jnp.int32)
     overflow = jnp.maximum(count - m, 0)
@@ -277,12 +280,15 @@ def write_reference(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_ma
                         for name, f in fields[s].items()} for s in schemes.SIDES}
         return branch
 
-    branches = [lambda pages: pages] + [store(size) for size in sizes]
-    which = jnp.int32(0)
-    for i, size in enumerate(reversed(sizes)):  # smallest size that holds `count`
-        which = jnp.where(count <= size, len(sizes) - i, which)
-    which = jnp.where(count == 0, 0, jnp.where(count > m, len(sizes), which))
-    pages = jax.lax.switch(which, branches, cache.pages)
+    if max_completed is not None:
+        pages = store(m)(cache.pages)
+    else:
+        branches = [lambda pages: pages] + [store(size) for size in sizes]
+        which = jnp.int32(0)
+        for i, size in enumerate(reversed(sizes)):  # smallest size that holds `count`
+            which = jnp.where(count <= size, len(sizes) - i, which)
+        which = jnp.where(count == 0, 0, jnp.where(count > m, len(sizes), which))
+        pages = jax.lax.switch(which, branches, cache.pages)
     return dataclasses.replace(cache, pages=pages, sink=sink, tail=tail,
                                dropped_tokens=cache.dropped_tokens + p.dropped + overflow * bs)
 
@@ -315,6 +321,61 @@ def completed_blocks(cache: PagedKVCache, p: WritePlan, size: int, quantizer: st
         buf = jnp.where(from_write, p.xs[s][src], ring)
         fields[s] = pages_from_fields(cache.cfg, s, _quantize_blocks(cache, s, buf.transpose(0, 2, 1, 3), quantizer))
     return c_m, fields
+
+
+def stage_tokens(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp.ndarray, *,
+                 seq_ids: jnp.ndarray | None = None, positions: jnp.ndarray | None = None) -> PagedKVCache:
+    """The first half of a decode-step write: store tokens without quantizing any block.
+
+    Same arguments as `write`, no checks (for compiled serving steps whose metadata comes from their
+    own scheduler). Quantized schemes keep the tokens in the high-precision sink and tail ring only:
+    a scatter of the given rows, whatever the cache's size. A block whose last slot this fills must
+    then be quantized into its page by `commit_blocks` before its sequence writes past the ring
+    (`tail_len` positions later); reads are right in between, since the query's own block is served
+    from the ring. Passthrough schemes store into the pages directly (nothing to commit). Invalid
+    tokens are dropped and counted as by `write`.
+    """
+    p = write_plan(cache, k, v, slot_mapping, seq_ids, positions)
+    if cache.cfg.is_passthrough:
+        b_idx = jnp.where(p.in_range, p.blk, cache.num_blocks)
+        pages = {s: {"values": cache.pages[s]["values"].at[b_idx, :, p.off].set(p.xs[s], mode="drop")}
+                 for s in schemes.SIDES}
+        return dataclasses.replace(cache, pages=pages, dropped_tokens=cache.dropped_tokens + p.dropped)
+    ns, r = cache.max_seqs, cache.tail_len
+    s_idx = jnp.where(p.is_sink, p.seq, ns)
+    r_idx = jnp.where(p.in_ring, p.seq, ns)
+    sink = {s: cache.sink[s].at[s_idx, :, p.off].set(p.xs[s], mode="drop") for s in schemes.SIDES}
+    tail = {s: cache.tail[s].at[r_idx, :, p.pos % r].set(p.xs[s], mode="drop") for s in schemes.SIDES}
+    return dataclasses.replace(cache, sink=sink, tail=tail, dropped_tokens=cache.dropped_tokens + p.dropped)
+
+
+def commit_blocks(cache: PagedKVCache, block_ids: jnp.ndarray, seq_ids: jnp.ndarray, first_positions: jnp.ndarray,
+                  *, quantizer: str = "reference") -> PagedKVCache:
+    """The second half of a decode-step write: quantize whole blocks from the ring into their pages.
+
+    block_ids, seq_ids, first_positions: [M] int - the physical block, the sequence slot whose ring
+    holds its tokens, and the block's first position (a multiple of block_size, past the sink
+    block). Entries with block_id -1 are padding (a fixed M serves any number of completions);
+    other invalid entries are dropped and counted (block_size tokens each). quantizer: as in
+    `write_reference` ("reference", "pallas" or "pallas_interpret"); `auto_quantizer` picks one.
+    The pages equal those `write` stores for the same tokens.
+    """
+    if cache.cfg.is_passthrough:
+        return cache
+    nb, bs, ns, r = cache.num_blocks, cache.block_size, cache.max_seqs, cache.tail_len
+    blk, seq, start = (a.astype(jnp.int32) for a in (block_ids, seq_ids, first_positions))
+    ok = (blk >= 0) & (blk < nb) & (seq >= 0) & (seq < ns) & (start >= bs) & (start % bs == 0)
+    c_m = jnp.where(ok, blk, nb)
+    s_m = jnp.clip(seq, 0, ns - 1)
+    ring_idx = (start[:, None] + jnp.arange(bs)[None, :]) % r           # [M, bs]
+    pages = {}
+    for s in schemes.SIDES:
+        buf = cache.tail[s][s_m[:, None], :, ring_idx]                     # [M, bs, Hk, D]
+        fields = pages_from_fields(cache.cfg, s, _quantize_blocks(cache, s, buf.transpose(0, 2, 1, 3), quantizer))
+        pages[s] = {name: cache.pages[s][name].at[c_m].set(f.astype(cache.pages[s][name].dtype), mode="drop")
+                    for name, f in fields.items()}
+    dropped = jnp.sum(~ok & (blk != -1), dtype=jnp.int32) * bs
+    return dataclasses.replace(cache, pages=pages, dropped_tokens=cache.dropped_tokens + dropped)
 
 
 def _check_write_args(cache, k, v, slot_mapping, seq_ids, positions):

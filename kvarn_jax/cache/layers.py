@@ -1,0 +1,251 @@
+"""`LayerCaches`: every decoder layer's paged cache in a few buffers, for whole-model compiled steps.
+
+The layers that share a scheme share one `PagedKVCache` (a *group*) whose pages, sink and tail hold
+all of them back to back: layer j of a group of n layers owns blocks [j*num_blocks, (j+1)*num_blocks)
+and sequence rows [j*max_seqs, (j+1)*max_seqs). A layer is addressed by offsetting block ids, slots
+and sequence ids, so one kernel call reads one layer without slicing (or copying) its buffers, and
+a compiled step over all layers carries a handful of arrays whatever the depth. One page table and
+one set of sequence slots serve every layer. Static (calibrated) schemes keep each layer's
+parameters stacked beside the group.
+
+`stage`/`gather_dense`/`read_view` take layer-local ids (as the page table holds them) and a static
+or traced layer index; `write_all` stores tokens and `commit` quantizes completed blocks of every
+layer at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence, Union
+
+import jax
+import jax.numpy as jnp
+
+from ..config import KVQuantConfig
+from . import paged
+from .memory import memory_report
+from .paged import PagedKVCache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerCaches:
+    """groups[g]: one `PagedKVCache` holding all layers of scheme g (num_blocks and max_seqs are the
+    per-layer sizes times the group's layer count); statics[g]: those layers' static parameters
+    stacked [n, ...] (None for dynamic schemes); layer_group / layer_index: where each decoder layer
+    lives. num_blocks, max_seqs: the sizes of one layer."""
+
+    groups: tuple
+    statics: tuple
+    layer_group: tuple = dataclasses.field(metadata=dict(static=True))
+    layer_index: tuple = dataclasses.field(metadata=dict(static=True))
+    num_blocks: int = dataclasses.field(metadata=dict(static=True))
+    max_seqs: int = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def create(cls, schemes: Union[str, KVQuantConfig, Sequence], num_layers: int, *, num_blocks: int,
+               block_size: int, num_kv_heads: int, head_dim: int, max_seqs: int, dtype=jnp.float16,
+               calibration=None) -> "LayerCaches":
+        """Empty caches: `schemes` is one scheme for every layer or a sequence of one per layer.
+        calibration: a `Calibration` of all layers, for static schemes. Arguments are checked as
+        `PagedKVCache.create` checks them (one layer at a time, naming it)."""
+        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers <= 0:
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        cfgs = ([KVQuantConfig.parse(schemes)] * num_layers if isinstance(schemes, (str, KVQuantConfig))
+                else [KVQuantConfig.parse(s) for s in schemes])
+        if len(cfgs) != num_layers:
+            raise ValueError(f"{len(cfgs)} per-layer schemes for num_layers={num_layers}")
+        order = list(dict.fromkeys(cfgs))
+        layer_group = tuple(order.index(c) for c in cfgs)
+        layer_index = tuple(layer_group[:i].count(g) for i, g in enumerate(layer_group))
+        groups, statics = [], []
+        for g, cfg in enumerate(order):
+            layers = [i for i, gi in enumerate(layer_group) if gi == g]
+            cal = calibration.layer(layers[0]) if cfg.static and calibration is not None else None
+            flat = PagedKVCache.create(cfg, num_blocks=len(layers) * num_blocks, block_size=block_size,
+                                       num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                       max_seqs=None if cfg.is_passthrough else len(layers) * max_seqs,
+                                       dtype=dtype, calibration=cal)
+            groups.append(dataclasses.replace(flat, static=None))
+            if not cfg.static:
+                statics.append(None)
+                continue
+            per_layer = []
+            for i in layers:  # each layer's own calibrated parameters (checked as a one-layer cache checks them)
+                try:
+                    per_layer.append(PagedKVCache.create(
+                        cfg, num_blocks=1, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                        max_seqs=1, dtype=dtype, calibration=calibration.layer(i)).static)
+                except ValueError as e:
+                    raise ValueError(f"layer {i}: {e}") from None
+            statics.append(jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer))
+        return cls(groups=tuple(groups), statics=tuple(statics), layer_group=layer_group,
+                   layer_index=layer_index, num_blocks=num_blocks, max_seqs=max_seqs)
+
+    # ---------------------------------------------------------------- facts
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_group)
+
+    @property
+    def block_size(self) -> int:
+        return self.groups[0].block_size
+
+    @property
+    def layer_schemes(self) -> list:
+        return [self.groups[g].cfg for g in self.layer_group]
+
+    @property
+    def uniform(self) -> bool:
+        """Every layer has the same scheme (one group: a layer can be picked by a traced index)."""
+        return len(self.groups) == 1
+
+    @property
+    def dropped_tokens(self) -> jnp.ndarray:
+        """Tokens any layer's jitted writes could not store (see `PagedKVCache.dropped_tokens`)."""
+        return sum(c.dropped_tokens for c in self.groups)
+
+    # ---------------------------------------------------------------- one layer
+    def _where(self, layer):
+        """(group, index in the group): static for an int layer; a traced index needs one group."""
+        if isinstance(layer, int):
+            return self.layer_group[layer], self.layer_index[layer]
+        if not self.uniform:
+            raise ValueError("a traced layer index needs caches of one scheme (per-layer schemes: loop over "
+                             "layers in Python)")
+        return 0, layer
+
+    def layer_cache(self, layer) -> tuple:
+        """(the layer's group cache with the layer's static parameters, block offset, sequence offset)."""
+        g, j = self._where(layer)
+        cache = self.groups[g]
+        st = self.statics[g]
+        if st is not None:
+            cache = dataclasses.replace(cache, static=jax.tree.map(lambda a: a[j], st))
+        return cache, j * self.num_blocks, j * self.max_seqs
+
+    def _replace(self, layer, cache: PagedKVCache) -> "LayerCaches":
+        g, _ = self._where(layer)
+        groups = list(self.groups)
+        groups[g] = dataclasses.replace(cache, static=None)
+        return dataclasses.replace(self, groups=tuple(groups))
+
+    def _ids(self, cache, boff, soff, slot_mapping, seq_ids):
+        slots = jnp.where(slot_mapping >= 0, slot_mapping + boff * cache.block_size, -1)
+        return slots, None if seq_ids is None else seq_ids + soff
+
+    def stage(self, layer, k, v, slot_mapping, seq_ids, positions) -> "LayerCaches":
+        """`paged.stage_tokens` into one layer (the decode step's write; blocks committed later)."""
+        cache, boff, soff = self.layer_cache(layer)
+        slots, sid = self._ids(cache, boff, soff, slot_mapping, seq_ids)
+        return self._replace(layer, paged.stage_tokens(cache, k, v, slots, seq_ids=sid, positions=positions))
+
+    def write_all(self, k, v, slot_mapping, seq_ids, positions, *, max_completed: int,
+                  quantizer: str = "auto") -> "LayerCaches":
+        """`paged.write_reference` of every layer's tokens in one call per scheme group: k, v [layers,
+        tokens, Hk, D]; slot_mapping, seq_ids, positions [tokens] (the same for every layer).
+        max_completed: a bound on the blocks the write completes in one layer (e.g. sequences x
+        ceil(chunk / block_size) for a prefill chunk); completed blocks of all the group's layers are
+        quantized together. quantizer: as in `commit`."""
+        groups = list(self.groups)
+        n = k.shape[1]
+        for g, cache in enumerate(self.groups):
+            layers = [i for i, gi in enumerate(self.layer_group) if gi == g]
+            q = paged.auto_quantizer(cache) if quantizer == "auto" else quantizer
+            kg, vg = k[jnp.asarray(layers)], v[jnp.asarray(layers)]                     # [n_g, tokens, Hk, D]
+            off = jnp.arange(len(layers), dtype=jnp.int32)[:, None]
+            if self.statics[g] is None:
+                slots = jnp.where(slot_mapping[None] >= 0, slot_mapping[None] + off * self.num_blocks * cache.block_size,
+                                  -1).reshape(-1)
+                sid = (seq_ids[None] + off * self.max_seqs).reshape(-1)
+                pos = jnp.broadcast_to(positions[None], (len(layers), n)).reshape(-1)
+                flat = (kg.reshape((-1,) + kg.shape[2:]), vg.reshape((-1,) + vg.shape[2:]))
+                groups[g] = paged.write_reference(cache, *flat, slots, sid, pos, quantizer=q,
+                                                  max_completed=len(layers) * max_completed)
+                continue
+
+            def one(c, xs, g=g, q=q):
+                j, kj, vj = xs
+                lc = dataclasses.replace(c, static=jax.tree.map(lambda a: a[j], self.statics[g]))
+                slots = jnp.where(slot_mapping >= 0, slot_mapping + j * self.num_blocks * cache.block_size, -1)
+                lc = paged.write_reference(lc, kj, vj, slots, seq_ids + j * self.max_seqs, positions, quantizer=q,
+                                           max_completed=max_completed)
+                return dataclasses.replace(lc, static=None), None
+            groups[g] = jax.lax.scan(one, cache, (jnp.arange(len(layers)), kg, vg))[0]
+        return dataclasses.replace(self, groups=tuple(groups))
+
+    def read_view(self, layer, block_tables, seq_ids):
+        """(cache, block_tables, seq_ids) that address `layer` in its group: the arguments that
+        `paged_decode_attention` or `gather_dense` take to read that layer."""
+        cache, boff, soff = self.layer_cache(layer)
+        return cache, block_tables + boff, seq_ids + soff
+
+    def gather_dense(self, layer, block_tables, seq_lens, seq_ids):
+        """`paged.gather_dense` of one layer."""
+        cache, tables, sid = self.read_view(layer, block_tables, seq_ids)
+        return paged.gather_dense(cache, tables, seq_lens, sid)
+
+    # ---------------------------------------------------------------- all layers
+    def commit(self, block_ids, seq_ids, first_positions, *, quantizer: str = "auto") -> "LayerCaches":
+        """`paged.commit_blocks` of the same blocks in every layer (entries with block id -1 are padding):
+        one quantization over all layers of a group (a loop over layers for static schemes).
+        quantizer: "auto" (`paged.auto_quantizer` per scheme), "reference", "pallas" or "pallas_interpret"."""
+        groups = list(self.groups)
+        for g, cache in enumerate(self.groups):
+            if cache.cfg.is_passthrough:
+                continue
+            q = paged.auto_quantizer(cache) if quantizer == "auto" else quantizer
+            n = self.layer_group.count(g)
+            if self.statics[g] is None:
+                off = jnp.arange(n, dtype=jnp.int32)[:, None]
+                blk = jnp.where(block_ids[None] >= 0, block_ids[None] + off * self.num_blocks, -1).reshape(-1)
+                sid = (seq_ids[None] + off * self.max_seqs).reshape(-1)
+                pos = jnp.broadcast_to(first_positions[None], (n,) + first_positions.shape).reshape(-1)
+                groups[g] = paged.commit_blocks(cache, blk, sid, pos, quantizer=q)
+                continue
+
+            def one(c, j, g=g, q=q):
+                lc = dataclasses.replace(c, static=jax.tree.map(lambda a: a[j], self.statics[g]))
+                blk = jnp.where(block_ids >= 0, block_ids + j * self.num_blocks, -1)
+                lc = paged.commit_blocks(lc, blk, seq_ids + j * self.max_seqs, first_positions, quantizer=q)
+                return dataclasses.replace(lc, static=None), None
+            groups[g] = jax.lax.scan(one, cache, jnp.arange(n))[0]
+        return dataclasses.replace(self, groups=tuple(groups))
+
+    def memory_report(self) -> dict:
+        """`kvarn_jax.memory_report` summed over layers, counted per layer (tokens and max_seqs of one
+        layer; "layers" the depth); with several schemes, "scheme" summarizes them."""
+        reps = []
+        for g, cache in enumerate(self.groups):
+            r = memory_report(cache)
+            if self.statics[g] is not None:
+                r["static_bytes"] += sum(a.nbytes for d in self.statics[g].values() for a in d.values())
+                r["total_bytes"] += sum(a.nbytes for d in self.statics[g].values() for a in d.values())
+            reps.append(r)
+        out = dict(reps[0])
+        for key in ("code_bytes", "metadata_bytes", "page_bytes", "sink_bytes", "tail_bytes", "static_bytes",
+                    "total_bytes", "fp16_bytes"):
+            out[key] = sum(r[key] for r in reps)
+        out["layers"] = self.num_layers
+        out["tokens"] = self.num_blocks * self.block_size
+        out["max_seqs"] = self.max_seqs if any(c.has_hp for c in self.groups) else 0
+        hk = self.groups[0].num_kv_heads
+        out["bytes_per_token_per_head"] = out["page_bytes"] / (self.num_layers * out["tokens"] * hk)
+        out["capacity_vs_fp16"] = out["fp16_bytes"] / out["total_bytes"]
+        out["layer_schemes"] = [c.name for c in self.layer_schemes]
+        if not self.uniform:
+            counts = {}
+            for c in self.layer_schemes:
+                counts[c.name] = counts.get(c.name, 0) + 1
+            out["scheme"] = "per-layer: " + ", ".join(f"{n} x {name}" for name, n in counts.items())
+        return out
+
+    def layer(self, layer: int) -> PagedKVCache:
+        """A standalone one-layer `PagedKVCache` (a copy of that layer's part; for inspection and tests)."""
+        cache, boff, soff = self.layer_cache(layer)
+        nb, ns = self.num_blocks, self.max_seqs
+        pages = jax.tree.map(lambda a: a[boff:boff + nb], cache.pages)
+        sink = None if cache.sink is None else jax.tree.map(lambda a: a[soff:soff + ns], cache.sink)
+        tail = None if cache.tail is None else jax.tree.map(lambda a: a[soff:soff + ns], cache.tail)
+        return dataclasses.replace(cache, pages=pages, sink=sink, tail=tail, num_blocks=nb,
+                                   max_seqs=ns if cache.has_hp else 0)
