@@ -17,7 +17,7 @@ with one scale per token (scale and zero factored out of both products; int8 0.7
 2026-12-02_decode_value_layout_h200.md), and heads-major (scores [Gp, T] = q @ codes^T, the group
 padded to 16 rows) for fp8, grouped or static int scales and passthrough.
 
-Scales stay out of the inner products (DESIGN.md §3). For KVarN, with K̂[d,t] = (c·sc[d] + z[d])·st[t]:
+Scales stay out of the inner products (docs/design.md §3). For KVarN, with K̂[d,t] = (c·sc[d] + z[d])·st[t]:
     q·K̂[:,t] = st[t]·( Σ_d (q[d]·sc[d])·c[d,t] + Σ_d q[d]·z[d] )
 and with V̂[t,d] = (c·vt[t] + vz[t])·vc[d]:
     Σ_t p[t]·V̂[t,d] = vc[d]·( Σ_t (p[t]·vt[t])·c[t,d] + Σ_t p[t]·vz[t] )
