@@ -15,6 +15,7 @@ import kvarn_jax
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+INDEXES = [ROOT / "benchmarks" / "README.md", ROOT / "benchmarks" / "results" / "README.md"]
 BLOCK = re.compile(r"(<!-- not run: [^>]+ -->\n)?```python\n(.*?)```", re.S)
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
@@ -66,7 +67,7 @@ def _anchors(page: pathlib.Path):
     return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+@pytest.mark.parametrize("page", PAGES + INDEXES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(page):
     for target in LINK.findall(page.read_text()):
         if re.match(r"[a-z]+://", target):

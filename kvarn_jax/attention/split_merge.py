@@ -30,7 +30,7 @@ MERGE_BLOCK = 8192       # heads-major: fp32 partial-output elements per program
 MERGE_PROGRAMS = 264     # heads-major: aim for at least two programs per H200 SM
 # Tokens-major partials (the default decode layout of KVarN/KIVI and per-token int schemes): one
 # warp per 4K elements, at least 256 programs - within 0.4 us of the fastest launch of
-# `benchmarks/merge_sweep.py` on the H200 at B=1/L=128K, B=2/L=64K and B=8/L=16K
+# `benchmarks/tools/merge_sweep.py` on the H200 at B=1/L=128K, B=2/L=64K and B=8/L=16K
 # (2026-12-04_merge_launch_h200.md: 2.45 / 2.44 / 2.42 us, against 3.64 / 2.93 / 2.52 with the
 # heads-major rule's 4 warps).
 TOKENS_BLOCK = 4096
