@@ -144,7 +144,7 @@ def check(cfg, hq, hk, d, bs, kw=None, window=None):
         rot = kj.parse(cfg).rotated
         o = pdp.paged_decode_pallas(rotate(q) if rot else q, cache, tables, lens, jnp.arange(4, dtype=jnp.int32),
                                     scale=1.0 / np.sqrt(d), window=window,
-                                    interpret=jax.default_backend() == "cpu", **kw)
+                                    interpret=jax.default_backend() == "cpu", launch=pdp.Launch(**kw))
         out = unrotate(o) if rot else o
     return float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
 
@@ -170,9 +170,14 @@ def main():
     schemes = [s for s in args.schemes.split(",") if s]
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
     bw = copy_bandwidth()
+    table = pdp.launch_table()
     results = {**run_info(), "copy_bandwidth_Bps": bw, "hq": hq, "hk": hk, "head_dim": d, "block_size": bs,
+               "launch_table": {"measured_on": table.measured_on, "num_sms": table.num_sms,
+                                "this_family_measured": pdp.is_measured()},
                "checks": {}, "rows": []}
-    print(f"device: {results['device']} ({results['backend']}), jax {results['jax']}; copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(f"device: {results['device']} ({results['backend']}), jax {results['jax']}; copy bandwidth {bw / 1e12:.2f} TB/s; "
+          f"launch table of the {table.measured_on} ({table.num_sms} SMs)"
+          + ("" if pdp.is_measured() else ", not measured on this GPU family"))
     variant_names = args.variants.split(",") if args.variants else ["default"]
     if args.check:  # every variant, without and with a sliding window
         for s in schemes:
@@ -212,8 +217,8 @@ def main():
                         continue
                     # the kernel itself (q in the stored frame), as paged_decode_attention calls it
                     fn = lambda q, c, t, l, ns=ns, kw=kw: pdp.paged_decode_pallas(
-                        q, c, t, l, sid, scale=1.0 / np.sqrt(d), window=None, num_splits=ns,
-                        interpret=jax.default_backend() == "cpu", **kw)
+                        q, c, t, l, sid, scale=1.0 / np.sqrt(d), window=None,
+                        interpret=jax.default_backend() == "cpu", launch=pdp.Launch(num_splits=ns, **kw))
                     t_dev = device_time(fn, (q, cache, tables, lens))
                     # the same call's kernels on the device, without the scan's per-iteration overhead
                     # (17-27 us on the H200, benchmarks/results/2026-12-01_decode_maxnreg_h200.md)

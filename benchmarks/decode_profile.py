@@ -60,8 +60,8 @@ def main():
             sid = None  # sequence b's sink and tail at row b, as paged_decode_attention passes them
             if args.entry == "kernel":
                 fn = lambda q, c, t, l: pdp.paged_decode_pallas(  # noqa: E731
-                    q, c, t, l, sid, scale=1.0 / np.sqrt(d), window=None, num_splits=args.splits,
-                    merge=None if args.merge == "default" else args.merge)
+                    q, c, t, l, sid, scale=1.0 / np.sqrt(d), window=None,
+                    launch=pdp.Launch(num_splits=args.splits, merge=None if args.merge == "default" else args.merge))
             else:
                 fn = lambda q, c, t, l: kj.paged_decode_attention(q, c, t, l, impl="pallas",  # noqa: E731
                                                                   num_splits=args.splits)

@@ -1,15 +1,16 @@
-"""A/B of decode kernel versions (files) and launch variants, by span, in one process.
+"""A/B of decode kernel versions (checkouts) and launch variants, by span, in one process.
 
-    git show e48a09b:kvarn_jax/attention/paged_decode_pallas.py > /tmp/pdp_e48a09b.py
-    python3 benchmarks/tools/decode_ab.py --version old=/tmp/pdp_e48a09b.py \\
-        --version new=kvarn_jax/attention/paged_decode_pallas.py --variants default,w2r128 \\
+    git worktree add /tmp/old 10cafbf        # or: mkdir /tmp/old && git archive 10cafbf kvarn_jax | tar -x -C /tmp/old
+    python3 benchmarks/tools/decode_ab.py --version old=/tmp/old --version new=. --variants default,w2r128 \\
         --shapes 32x32768,1x131072,8x16384,256x8192 [--rounds 2] [--json out.json]
 
-Each version is a copy of `kvarn_jax/attention/paged_decode_pallas.py` (e.g. from an older commit)
-loaded as a module of the package, so the versions and variants are timed side by side on the same
-caches and the same device, interleaved `--rounds` times: commits compared this way differ by
-their kernel only. Every (version, variant) is first checked against the reference on a small
-cache. Timing: `decode.profile_span` (first kernel start to last kernel end of one call, median of
+Each version is the `kvarn_jax` package of a checkout (the folder holding `kvarn_jax/`), imported
+under a name of its own, and its GPU decode kernel entry is timed: the versions and variants run
+side by side on the same caches (built by this checkout) and the same device, interleaved `--rounds`
+times, so commits compared this way differ by their kernel only. Versions from before the kernel
+became a package (a module taking launch options as keywords) and after (a `Launch` object) both
+work. Every (version, variant) is first checked against the reference on a small
+cache. Timing: `timing.profile_span` (first kernel start to last kernel end of one call, median of
 20 calls; torch's profiler). Variants: "default" (the version's own defaults) or "wWrR" (num_warps
 W, maxnreg R), followed by any of "-pm" (the splits merged by the Pallas kernel, merge="pallas",
 for versions that have it), "-mx" (merge="xla"), "-sN" (num_splits=N), "-tN" (num_stages=N), "-qN" (q_in_kernel=bool(N))
@@ -23,6 +24,8 @@ benchmarks/results/2026-12-01_decode_all_shapes_h200.md).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
 import importlib.util
 import inspect
 import json
@@ -46,14 +49,25 @@ from kvarn_jax.hadamard import rotate, unrotate  # noqa: E402
 CHECK_TOL = 4e-3  # max |kernel - reference| / max |reference|, the decode kernel tests' tolerance
 
 
-def load_version(name: str, path: str):
-    """The kernel file at `path` as module kvarn_jax.attention._ab_<name> (its relative imports work)."""
-    mod_name = f"kvarn_jax.attention._ab_{name}"
-    spec = importlib.util.spec_from_file_location(mod_name, path)
+def load_version(name: str, root: str):
+    """The GPU decode kernel module of the checkout at `root`: its `kvarn_jax` imported as package
+    `kvarn_jax_ab_<name>` (the package's imports are relative, so they stay inside that copy)."""
+    pkg = f"kvarn_jax_ab_{re.sub(r'[^0-9A-Za-z_]', '_', name)}"
+    init = os.path.join(os.path.abspath(root), "kvarn_jax", "__init__.py")
+    if not os.path.exists(init):
+        raise SystemExit(f"--version {name}={root}: {init} does not exist (give the folder that holds kvarn_jax/)")
+    spec = importlib.util.spec_from_file_location(pkg, init, submodule_search_locations=[os.path.dirname(init)])
     mod = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = mod
+    sys.modules[pkg] = mod
     spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"{pkg}.attention.paged_decode_pallas")
+
+
+def launch_options(mod) -> set:
+    """The launch options a kernel version takes (fields of its `Launch`, or keyword arguments)."""
+    if hasattr(mod, "Launch"):
+        return {f.name for f in dataclasses.fields(mod.Launch)}
+    return set(inspect.signature(mod.paged_decode_pallas).parameters)
 
 
 def variant_kwargs(var: str) -> dict:
@@ -84,12 +98,13 @@ def variant_kwargs(var: str) -> dict:
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--version", action="append", required=True, help="name=path of a paged_decode_pallas.py copy")
-    p.add_argument("--variants", default="default")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="append", required=True,
+                   help="name=folder of a checkout (the folder holding kvarn_jax/); repeat for each version")
+    p.add_argument("--variants", default="default", help="comma list of launch variants (see above)")
     p.add_argument("--scheme", default="kvarn_k4v2_g128")
-    p.add_argument("--shapes", default="32x32768,1x131072,8x16384,256x8192")
-    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--shapes", default="32x32768,1x131072,8x16384,256x8192", help="comma list of BATCHxCONTEXT")
+    p.add_argument("--rounds", type=int, default=1, help="times every (version, variant) is timed, interleaved")
     p.add_argument("--json", default="")
     p.add_argument("--check-tol", type=float, default=CHECK_TOL)
     args = p.parse_args()
@@ -97,11 +112,18 @@ def main():
     versions = {n: load_version(n, path) for n, path in (v.split("=", 1) for v in args.version)}
     runs = {f"{n}/{var}": (mod, variant_kwargs(var)) for n, mod in versions.items() for var in args.variants.split(",")}
     rot = kj.parse(args.scheme).rotated
+    interpret = jax.default_backend() == "cpu"
 
     def call(mod, kw):
         kw = dict(kw)
         none = "seq_ids" in kw and kw.pop("seq_ids") is None
         ids = (lambda q: None) if none else (lambda q: jnp.arange(q.shape[0], dtype=jnp.int32))
+        if interpret:  # a smoke run on CPU
+            kw["interpret"] = True
+        if hasattr(mod, "Launch"):
+            launch = mod.Launch(**{k: v for k, v in kw.items() if k != "interpret"})
+            return lambda q, c, t, l: mod.paged_decode_pallas(q, c, t, l, ids(q), scale=1 / np.sqrt(d), window=None,
+                                                              interpret=interpret, launch=launch)
         return lambda q, c, t, l: mod.paged_decode_pallas(q, c, t, l, ids(q), scale=1 / np.sqrt(d), window=None, **kw)
 
     out = {"device": jax.devices()[0].device_kind, "scheme": args.scheme, "versions": dict(v.split("=", 1) for v in args.version),
@@ -111,7 +133,7 @@ def main():
     q = jax.random.normal(jax.random.PRNGKey(5), (4, hq, d), jnp.float32)
     ref = kj.paged_decode_attention(q, cache, tables, lens, impl="reference")
     for name, (mod, kw) in list(runs.items()):
-        missing = set(kw) - set(inspect.signature(mod.paged_decode_pallas).parameters) - {"seq_ids"}
+        missing = set(kw) - launch_options(mod) - {"seq_ids"}
         if missing:  # an older version without an option the variant sets (e.g. merge)
             print(f"check {name}: this version has no {sorted(missing)}: not timed", flush=True)
             del runs[name]

@@ -86,7 +86,7 @@ def triton_ir(kind: str, scheme: str, side: str, warps: int, stages: int, orient
             args = (jnp.zeros((1, 32, 128), jnp.float32), cache, jnp.zeros((1, 1024), jnp.int32),
                     jnp.full((1,), 131072, jnp.int32), jnp.arange(1, dtype=jnp.int32))
             fn = lambda q, c, t, l, s: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1, window=None,  # noqa: E731
-                                                               merge="pallas")
+                                                               launch=pdp.Launch(merge="pallas"))
         elif kind == "decode":
             from kvarn_jax.attention import paged_decode_pallas as pdp
             cache = kj.PagedKVCache.create(cfg, num_blocks=1024, block_size=128, num_kv_heads=8, head_dim=128,
@@ -94,8 +94,9 @@ def triton_ir(kind: str, scheme: str, side: str, warps: int, stages: int, orient
             args = (jnp.zeros((32, 32, 128), jnp.float32), cache, jnp.zeros((32, 32), jnp.int32),
                     jnp.full((32,), 4096, jnp.int32), jnp.arange(32, dtype=jnp.int32))
             fn = lambda q, c, t, l, s: pdp.paged_decode_pallas(  # noqa: E731
-                q, c, t, l, s, scale=0.1, window=None, unpack="asm", num_warps=warps, num_stages=stages, orient=orient, fold=fold, parts=parts, sums=sums, maxnreg=maxnreg, steps=steps, chunk=chunk,
-                num_splits=splits)
+                q, c, t, l, s, scale=0.1, window=None, launch=pdp.Launch(
+                    unpack="asm", num_warps=warps, num_stages=stages, orient=orient, fold=fold, parts=parts, sums=sums,
+                    maxnreg=maxnreg, steps=steps, chunk=chunk, num_splits=splits))
         else:
             from kvarn_jax.cache.quantize_pallas import quantize_blocks_pallas
             args = (jnp.zeros((64, 8, 128, 128), jnp.float16),)
@@ -109,16 +110,16 @@ def triton_ir(kind: str, scheme: str, side: str, warps: int, stages: int, orient
 
 
 def merge_warps(cfg) -> int:
-    """The warps `split_merge.merge_splits_pallas` launches with for `kernel_sass.py merge`'s shape
-    (B=1, 8 kv heads, 1024 blocks of 128 tokens, the default splits rounded down to a power of two
-    as `paged_decode_pallas` does with merge="pallas")."""
-    from kvarn_jax.attention import paged_decode_pallas as pdp, split_merge as sm
-    tokens = pdp.default_orient(cfg, 128) == "tokens"
-    warps, cap = pdp.default_launch(cfg, 1, 8)
-    t_tok = pdp.default_chunk(cfg, 128)  # a tile, or a per-token scheme's step
-    splits = sm.unpadded_splits(pdp.default_num_splits(1, 8, 1024 * (128 // t_tok), warps, cap))
-    vp = pdp._Plan(cfg, 128, t_tok).vp
-    return sm.merge_launch(1, 8, vp, splits, 8 if tokens else 16, 128 // vp, -1 if tokens else -2)[2]
+    """The warps `merge.merge_splits_pallas` launches with for `kernel_sass.py merge`'s shape
+    (B=1, 32 query and 8 kv heads, 1024 blocks of 128 tokens, merge="pallas")."""
+    from kvarn_jax.attention import paged_decode_pallas as pdp
+    from kvarn_jax.attention.paged_decode_pallas import merge as sm
+    run = pdp.resolve_launch(cfg, pdp.CallShape(batch=1, q_heads=32, kv_heads=8, head_dim=128, block_size=128,
+                                                max_blocks=1024, interpret=False), pdp.Launch(merge="pallas"))
+    tokens = run.orient == "tokens"
+    vp = pdp.value_planes(cfg)
+    _, written = pdp.group_rows(4, tokens)
+    return sm.merge_launch(1, 8, vp, run.num_splits, written, 128 // vp, -1 if tokens else -2)[2]
 
 
 def parse_sass(sass: str):

@@ -3,7 +3,7 @@
     python benchmarks/tools/merge_sweep.py [--shapes 1x131072,8x16384] [--scheme kvarn_k4v2_g128]
                                      [--channels 1,2,4,8,16,32] [--warps 1,2,4,8] [--json out.json]
 
-At small batch the decode call is the kernel plus the merge of its splits (`split_merge.py`); at
+At small batch the decode call is the kernel plus the merge of its splits (`paged_decode_pallas/merge.py`); at
 1 x 128K the merge was 5.1 us of a 54.4 us call on the H200 (2026-12-04_decode_profile_small_h200.json)
 for ~4 MB of partial outputs that the decode kernel has just written (they sit in L2). This script
 builds partial outputs of the shapes the decode entry gives the merge by default for each shape
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))   # the repository (kvarn_jax
 import kvarn_jax as kj  # noqa: E402
 from timing import add_model_args, kernel_events  # noqa: E402
 from kvarn_jax.attention import paged_decode_pallas as pdp  # noqa: E402
-from kvarn_jax.attention import split_merge  # noqa: E402
+from kvarn_jax.attention.paged_decode_pallas import merge as split_merge  # noqa: E402
 
 
 def partials(cfg, batch, ctx, hq, hk, d, bs, seed=0):

@@ -33,7 +33,7 @@ def main():
         q = jax.random.normal(jax.random.PRNGKey(9), (batch, 32, 128), jnp.float16)
         # seq_ids None: sequence b's sink and tail at row b, as paged_decode_attention passes them
         f = jax.jit(lambda q, c, t, l: pdp.paged_decode_pallas(q, c, t, l, None, scale=0.088, window=None,
-                                                                maxnreg=args.maxnreg))
+                                                                launch=pdp.Launch(maxnreg=args.maxnreg)))
         for _ in range(3):
             f(q, cache, tables, lens).block_until_ready()
     else:

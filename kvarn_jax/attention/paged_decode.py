@@ -27,7 +27,7 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, scale: float | None
     q.dtype), plus:
       impl: "pallas" (a fused kernel), "reference" (pure jnp) or "auto": the platform's kernel on
         NVIDIA GPUs and TPUs when it supports the cache, the reference elsewhere (CPU).
-      kernel: which Pallas kernel `impl="pallas"` runs: "gpu" (`paged_decode_pallas.py`, Triton
+      kernel: which Pallas kernel `impl="pallas"` runs: "gpu" (`paged_decode_pallas/`, Triton
         lowering) or "tpu" (`paged_decode_tpu.py`, Mosaic, scalar-prefetched block tables). Default:
         the platform's - "tpu" on TPUs, "gpu" elsewhere (on CPU both run only interpreted).
       interpret: run the Pallas kernel in interpret mode (default: True on CPU; how CI tests it).
@@ -81,7 +81,8 @@ def _pallas(q, cache, block_tables, seq_lens, seq_ids, *, scale, window, interpr
                                               window=window, interpret=interpret)
     else:  # seq_ids None: the GPU kernel reads sequence b's sink and tail from row b
         o = paged_decode_pallas.paged_decode_pallas(qr, cache, block_tables, seq_lens, seq_ids, scale=scale,
-                                                    window=window, num_splits=num_splits, interpret=interpret)
+                                                    window=window, interpret=interpret,
+                                                    launch=paged_decode_pallas.Launch(num_splits=num_splits))
     if cache.cfg.rotated:
         o = unrotate(o)
     return o.astype(q.dtype)

@@ -1,7 +1,7 @@
 """Fused paged decode attention as a Pallas TPU (Mosaic) kernel, with scalar-prefetched block tables.
 
 Oracle: `reference.py` beside this file (`paged_decode_attention_reference`). Same math as the GPU
-kernel (`paged_decode_pallas.py`); what differs is how it is laid out for a TPU:
+kernel (`paged_decode_pallas/`); what differs is how it is laid out for a TPU:
 
 - Grid (sequence, kv head, block). The block tables, sequence lengths and sequence ids are scalar-
   prefetched into SMEM, so the BlockSpec index maps pick each step's physical page (and the

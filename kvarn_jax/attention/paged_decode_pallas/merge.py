@@ -1,6 +1,6 @@
 """Merging the decode kernel's splits (flash-decoding): jnp reference and a Pallas kernel.
 
-The GPU decode kernel (`paged_decode_pallas.py`) runs several programs per (sequence, kv head) along
+The GPU decode kernel (`kernel.py`) runs several programs per (sequence, kv head) along
 the KV length. Each leaves an unnormalized partial output `acc` with its running max `m` (base-2
 logits) and softmax sum `l` (with a single split the kernel normalizes its output itself and none of
 this runs: merge="kernel"); the merge rescales them to a common max and normalizes:
@@ -9,8 +9,7 @@ this runs: merge="kernel"); the merge rescales them to a common max and normaliz
 
 and puts the value planes back in channel order (channel vp·i + n is element i of plane n).
 
-`merge_splits_reference` is that in jnp (on the H200, XLA made 5 fusions of it: 10.6 µs of a
-B=1 / 128K call, benchmarks/results/2026-12-01_decode_maxnreg_h200.md). `merge_splits_pallas` is
+`merge_splits_reference` is that in jnp (a few XLA fusions). `merge_splits_pallas` is
 one kernel: a program per (sequence, kv head, value plane, channel chunk) loads every split of its
 chunk at once (the split axis padded to a power of two, as Triton needs; the padding is masked,
 whatever it holds) and writes its channels in their final places, so small batches still spread
@@ -26,15 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-MERGE_BLOCK = 8192       # heads-major: fp32 partial-output elements per program the chunking aims for
-MERGE_PROGRAMS = 264     # heads-major: aim for at least two programs per H200 SM
-# Tokens-major partials (the default decode layout of KVarN/KIVI and per-token int schemes): one
-# warp per 4K elements, at least 256 programs - within 0.4 us of the fastest launch of
-# `benchmarks/tools/merge_sweep.py` on the H200 at B=1/L=128K, B=2/L=64K and B=8/L=16K
-# (2026-12-04_merge_launch_h200.md: 2.45 / 2.44 / 2.42 us, against 3.64 / 2.93 / 2.52 with the
-# heads-major rule's 4 warps).
-TOKENS_BLOCK = 4096
-TOKENS_PROGRAMS = 256
+from .launch_table import LaunchTable, launch_table
 
 
 def padded_splits(splits: int) -> int:
@@ -80,27 +71,31 @@ def _merge_kernel(m_ref, l_ref, acc_ref, o_ref, *, splits: int, heads_axis: int)
         o_ref[...] = o / den[:, None]
 
 
-def merge_launch(batch: int, num_kv_heads: int, vp: int, splits: int, gp: int, width: int, heads_axis: int):
+def merge_launch(batch: int, num_kv_heads: int, vp: int, splits: int, gp: int, width: int, heads_axis: int,
+                 table: LaunchTable | None = None):
     """(padded split axis, channels per program, warps) of `merge_splits_pallas`.
 
     Channels: of the `width` = D/vp of a value plane, as many as keep a program's partial outputs
-    within a block of elements while the grid keeps enough programs (powers of two). Tokens-major
-    (heads_axis -1): blocks of TOKENS_BLOCK, TOKENS_PROGRAMS programs, one warp per TOKENS_BLOCK
-    elements (more only where one channel of all splits is larger). Heads-major, whose chunks are
-    runs of that many contiguous floats: at least 4 channels, MERGE_BLOCK, MERGE_PROGRAMS, 4 warps,
-    more for larger blocks (up to 16: ~64 elements per thread at 32 K), so few splits of a big GQA
-    group still fit in registers."""
+    within a block of elements while the grid keeps enough programs (powers of two; the numbers
+    are the launch table's). Tokens-major (heads_axis -1): one warp per block of elements (more only
+    where one channel of all splits is larger). Heads-major, whose chunks are runs of that many
+    contiguous floats: at least 4 channels, 4 warps, more for larger blocks (up to 16: ~64 elements
+    per thread at 32 K), so few splits of a big GQA group still fit in registers."""
+    table = table or launch_table()
     s_pad = padded_splits(splits)
     tokens = heads_axis == -1
-    block, programs = (TOKENS_BLOCK, TOKENS_PROGRAMS) if tokens else (MERGE_BLOCK, MERGE_PROGRAMS)
+    if tokens:
+        block, programs = table.tokens_merge_block, table.tokens_merge_programs
+    else:
+        block, programs = table.merge_block, table.merge_programs_per_sm * table.num_sms
     floor = 1 if tokens else min(4, width)
     c = width
     while c > floor and (s_pad * gp * c > block or batch * num_kv_heads * vp * (width // c) < programs):
         c //= 2
     elems = s_pad * gp * c
     if tokens:
-        return s_pad, c, int(min(16, max(1, elems // TOKENS_BLOCK)))
-    return s_pad, c, 4 if elems <= MERGE_BLOCK else 8 if elems <= 2 * MERGE_BLOCK else 16
+        return s_pad, c, int(min(16, max(1, elems // block)))
+    return s_pad, c, 4 if elems <= block else 8 if elems <= 2 * block else 16
 
 
 @functools.partial(jax.jit, static_argnames=("splits", "heads_axis", "interpret", "num_warps"))
