@@ -25,7 +25,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import kvarn_jax as kj  # noqa: E402
 from kvarn_jax import schemes  # noqa: E402
-from kvarn_jax.cache.quantize_pallas import quantize_blocks_pallas  # noqa: E402
+from kvarn_jax.cache.quantize_pallas import quantize_blocks_pallas, supports as quantize_supports  # noqa: E402
+from kvarn_jax.impl import resolve_impl  # noqa: E402
 from timing import markdown_table, run_info  # noqa: E402
 
 
@@ -115,16 +116,17 @@ def write_path(args, th_unit):
         slots = jnp.asarray(perm[seq, pos // bs] * bs + pos % bs, jnp.int32)
         seq, pos = jnp.asarray(seq, jnp.int32), jnp.asarray(pos, jnp.int32)
         out, times = {}, {}
+        auto = resolve_impl("auto", "write", kj.parse(s), quantize_supports(kj.parse(s), bs, d))
         for impl in ("auto", "reference"):
             f = jax.jit(lambda c, impl=impl: kj.write(c, k, v, slots, seq_ids=seq, positions=pos, impl=impl))
             out[impl] = f(cache)
             times[impl] = timed(f, cache)
         diff = sum(int(jnp.sum(out["auto"].pages[sd]["codes"] != out["reference"].pages[sd]["codes"]))
                    for sd in ("k", "v") if "codes" in out["auto"].pages[sd])
-        row = {"scheme": s, "tokens": n * length, "auto_s": times["auto"], "reference_s": times["reference"],
-               "differing_code_bytes": diff}
+        row = {"scheme": s, "tokens": n * length, "auto_is": auto, "auto_s": times["auto"],
+               "reference_s": times["reference"], "differing_code_bytes": diff}
         rows.append(row)
-        print(f"  write {n}x{length} {s:<18s} auto {times['auto'] * 1e3:8.3f} ms | reference "
+        print(f"  write {n}x{length} {s:<18s} auto ({auto}) {times['auto'] * 1e3:8.3f} ms | reference "
               f"{times['reference'] * 1e3:8.3f} ms | {n * length * hk / times['auto'] / 1e6:7.0f} M tok-heads/s (auto)"
               f" | differing code bytes {diff}")
     return rows

@@ -249,7 +249,7 @@ class KVarNCache(Cache):
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if isinstance(scheme, (os.PathLike,)) or (isinstance(scheme, str) and scheme.endswith(".json")):
-            from kvarn_jax.evaluation.layer_config import load_layer_config
+            from kvarn_jax.layer_config import load_layer_config
             scheme = load_layer_config(Path(scheme))
         self.block_size = block_size
         if isinstance(scheme, (str, KVQuantConfig)):

@@ -21,7 +21,7 @@ import json
 import os
 from typing import Optional, Sequence, Union
 
-import kvarn_jax as kj
+from .config import KVQuantConfig
 
 FORMAT = "kvarn-jax/layer-schemes"
 VERSION = 1
@@ -35,7 +35,7 @@ def _validate(layers, block_size, head_dim, source: str) -> list[str]:
         if not isinstance(s, str):
             raise ValueError(f"{source}: layers[{i}] must be a scheme string, got {type(s).__name__}")
         try:
-            cfg = kj.parse(s)
+            cfg = KVQuantConfig.parse(s)
             if block_size is not None:
                 cfg.check_block_size(block_size, "block_size")
             if head_dim is not None:
