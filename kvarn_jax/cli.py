@@ -99,12 +99,11 @@ def _generate(args) -> int:
     import jax
 
     import kvarn_jax as kj
-    from kvarn_jax.attention import paged_decode_pallas
+    from kvarn_jax.attention.paged_decode import decode_impl
+    from kvarn_jax.layer_config import load_layer_config
     from kvarn_jax.models import DEFAULT_MODEL, load_model
     from kvarn_jax.serving import Engine, SamplingParams
     from kvarn_jax.serving.engine import blocks_needed
-
-    from kvarn_jax.evaluation.layer_config import load_layer_config
 
     # fail on bad arguments before loading anything
     layers = None
@@ -150,13 +149,7 @@ def _generate(args) -> int:
     engine = Engine(model, kv_cache_dtype=kv, block_size=args.block_size, max_seqs=len(prompts),
                     max_model_len=max_len, num_blocks=blocks, prefill_chunk=args.prefill_chunk,
                     prefill_batch=len(prompts), impl=args.impl)
-    attns = {}
-    for c in schemes:
-        a = args.impl
-        if a == "auto":
-            why = paged_decode_pallas.supports(c, args.block_size, mc.head_dim)
-            a = "pallas" if backend == "gpu" and why is None else "reference"
-        attns[c.name] = a
+    attns = {c.name: decode_impl(c, args.block_size, mc.head_dim, args.impl, backend=backend)[0] for c in schemes}
     attn = attns[schemes[0].name] if len(set(attns.values())) == 1 else attns
     name = folder.name if args.model else f"{DEFAULT_MODEL} (default)"
     print(f"model: {name}: {mc.model_type}, {mc.num_layers} layers, {mc.num_params / 1e6:.1f}M params, "
@@ -219,7 +212,7 @@ def _add_generate_parser(sub) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations (auto: bfloat16 on GPU, float32 on CPU)")
     g.add_argument("--impl", default="auto", choices=["auto", "pallas", "reference"],
-                   help="decode attention: the Pallas kernel, the jnp reference, or auto (kernel on NVIDIA GPUs)")
+                   help="decode attention: the Pallas kernel, the jnp reference, or auto (the kernel on NVIDIA GPUs and TPUs)")
     g.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per sequence per prefill call")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")

@@ -57,7 +57,7 @@ class KVQuantConfig:
       per scale along head_dim (0 = the whole head_dim).
     static: scales come from a `Calibration` instead of being computed at write time (int, fp8).
     dtype: storage dtype name of passthrough configs.
-    sinkhorn_iters: KVarN variance-normalization iterations (DESIGN.md §1.2).
+    sinkhorn_iters: KVarN variance-normalization iterations (docs/design.md §1.2).
     """
 
     method: str

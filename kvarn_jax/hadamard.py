@@ -1,4 +1,4 @@
-"""The normalized Sylvester Hadamard rotation used by KVarN (DESIGN.md §1.1).
+"""The normalized Sylvester Hadamard rotation used by KVarN (docs/design.md §1.1).
 
 H is symmetric and orthonormal (H @ H = I), so the same matrix rotates and un-rotates: stored K/V
 are `x @ H`, the query is rotated once (`q @ H`) and the attention output un-rotated once (`o @ H`).

@@ -18,7 +18,7 @@ from kvarn_jax.data import load_text
 from kvarn_jax.evaluation.agreement import compare_continuations
 from kvarn_jax.evaluation.cli import main
 from kvarn_jax.evaluation.errors import LayerActivations, error_report, layer_errors
-from kvarn_jax.evaluation.layer_config import load_layer_config, write_layer_config
+from kvarn_jax.layer_config import load_layer_config, write_layer_config
 from kvarn_jax.evaluation.perplexity import _Accumulator, text_token_ids, token_windows
 from kvarn_jax.evaluation.tune import bits_per_element, choose_schemes, parse_fraction
 from test_eval_support import one_torch_thread, tiny_model_folder

@@ -75,7 +75,7 @@ def test_generate_prints_text_rates_and_memory(tmp_path):
     assert outputs["kvarn_k4v2_g128"] == outputs["fp16"]
 
     # --layer-config (a `kvarn-jax tune` file), in this test to share its compiled functions
-    from kvarn_jax.evaluation.layer_config import write_layer_config
+    from kvarn_jax.layer_config import write_layer_config
     uniform = tmp_path / "uniform.json"
     write_layer_config(uniform, ["kvarn_k4v2_g128"] * LAYERS, model={"num_layers": LAYERS})
     rc, text, js = _run_cli(None, tmp_path / "uniform_run.json", ["--layer-config", str(uniform)])
@@ -101,7 +101,7 @@ def test_generate_prints_text_rates_and_memory(tmp_path):
 
 
 def test_layer_config_and_kv_cache_dtype_together_are_refused(tmp_path, capsys):
-    from kvarn_jax.evaluation.layer_config import write_layer_config
+    from kvarn_jax.layer_config import write_layer_config
     path = tmp_path / "layers.json"
     write_layer_config(path, ["int8"] * 2, model={"num_layers": 2})
     assert main(["generate", "hi", "--layer-config", str(path), "--kv-cache-dtype", "int8"]) == 2

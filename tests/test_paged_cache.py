@@ -300,7 +300,7 @@ def test_stack_layers_and_vmap(rng):
 
 # ------------------------------------------------------------------ memory
 @pytest.mark.parametrize("cfg, dim, expected", [
-    ("kvarn_k4v2_g128", 128, 108.0),   # 13,824 B per 128-token tile (DESIGN.md §1.5)
+    ("kvarn_k4v2_g128", 128, 108.0),   # 13,824 B per 128-token tile (docs/design.md §1.5)
     ("kvarn_k4v4_g128", 128, 140.0),   # (8192 + 768) + (8192 + 768) over 128 tokens
     ("int8", 128, 264.0),              # 128 codes + fp16 scale + zero, for K and V
     ("int4_g32", 128, 160.0),          # 64 codes + 4 groups x 4 B, x2

@@ -433,7 +433,7 @@ def test_precision_switch_reloads_nothing_and_equals_a_fresh_run(tmp_path, monke
 
 # --------------------------------------------------------------------------------------- per-layer schemes
 def _layer_file(path, layers):
-    from kvarn_jax.evaluation.layer_config import write_layer_config
+    from kvarn_jax.layer_config import write_layer_config
     write_layer_config(path, layers, block_size=32, model={"num_layers": len(layers)})
     return path
 

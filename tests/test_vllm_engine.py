@@ -416,7 +416,7 @@ def test_layer_config_gives_each_attention_layer_its_scheme(model, tmp_path):
     """kvarn_layer_config (a `kvarn-jax tune` file): each layer's impl and cache take the file's scheme
     for that layer, every page is padded to the largest scheme's (one page size for all layers), and
     generation through the mixed cache works. A file that does not fit the model fails at start."""
-    from kvarn_jax.evaluation.layer_config import write_layer_config
+    from kvarn_jax.layer_config import write_layer_config
     from kvarn_vllm.layout import shared_page_bytes_for_budget
 
     layers = ["int8" if i % 3 == 0 else "kvarn_k4v2_g128" for i in range(30)]
@@ -455,7 +455,7 @@ def test_layer_config_gives_each_attention_layer_its_scheme(model, tmp_path):
 
 def test_layers_built_out_of_order_are_refused(tmp_path):
     """The i-th impl built takes layer i's scheme; the builder refuses an engine whose names disagree."""
-    from kvarn_jax.evaluation.layer_config import write_layer_config
+    from kvarn_jax.layer_config import write_layer_config
     from kvarn_vllm import impl
 
     path = str(tmp_path / "layers.json")

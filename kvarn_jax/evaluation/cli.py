@@ -29,7 +29,7 @@ def _scheme_entries(text: str, arg: str = "--kv-cache-dtype") -> dict:
     """'a,b,layers.json' -> {display name: scheme string or per-layer list}. Validates every entry."""
     import kvarn_jax as kj
 
-    from .layer_config import load_layer_config
+    from ..layer_config import load_layer_config
 
     out = {}
     for item in [s.strip() for s in text.split(",") if s.strip()]:
@@ -301,7 +301,7 @@ def _cmd_capacity(args) -> int:
 # ------------------------------------------------------------------------------------------ tune
 def _cmd_tune(args) -> int:
     from .errors import capture_activations
-    from .layer_config import write_layer_config
+    from ..layer_config import write_layer_config
     from .loading import load_model_and_tokenizer, model_geometry
     from .perplexity import REFERENCE, evaluate_perplexity
     from .tune import best_uniform, choose_schemes, layer_costs, mean_bits, parse_fraction

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Optional, Sequence, Union
+from typing import Mapping, Sequence, Union
 
 import torch
 
@@ -117,20 +117,3 @@ def evaluate_perplexity(model, windows: torch.Tensor,
             del ref_lp
     bar.close()
     return {name: acc.result(name) for name, acc in accs.items()}
-
-
-def relative_increase(result: PerplexityResult, reference: PerplexityResult) -> float:
-    """(ppl - ppl_ref) / ppl_ref."""
-    return result.ppl / reference.ppl - 1.0
-
-
-def results_table(results: Mapping[str, PerplexityResult], reference: Optional[str] = REFERENCE) -> list[dict]:
-    """JSON-ready rows with the perplexity increase over `reference`."""
-    ref = results[reference] if reference else None
-    rows = []
-    for r in results.values():
-        row = dataclasses.asdict(r)
-        if ref is not None:
-            row["ppl_increase"] = relative_increase(r, ref)
-        rows.append(row)
-    return rows

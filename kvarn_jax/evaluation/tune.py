@@ -12,7 +12,7 @@
    that fits the same budget, against the unquantized model; with `max_ppl_increase`, a choice that
    misses it is reported as a failure and not written.
 
-The result is a layer-scheme file (`layer_config.py`), read back by `load_layer_config`.
+The result is a layer-scheme file (`kvarn_jax/layer_config.py`), read back by `load_layer_config`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import numpy as np
 import kvarn_jax as kj
 
 from .errors import LayerActivations, layer_errors
-from .layer_config import load_layer_config, write_layer_config  # noqa: F401  (public re-export)
 
 DEFAULT_CANDIDATES = ("kvarn_k2v2_g128", "kvarn_k2v4_g128", "kvarn_k4v2_g128", "kvarn_k4v4_g128",
                       "kvarn_k8v4_g128", "kvarn_k8v8_g128")

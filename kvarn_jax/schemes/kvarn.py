@@ -1,4 +1,4 @@
-"""KVarN tile quantization, exactly as DESIGN.md §1.2-1.5 (pure jnp; the oracle for the kernels).
+"""KVarN tile quantization, exactly as docs/design.md §1.2-1.5 describes (pure jnp; the oracle for the kernels).
 
 A tile is G tokens x D channels of one head, already rotated (`hadamard.rotate`). Keys are
 normalized as a [D x G] matrix (rows = channels), values as [G x D] (rows = tokens); the RTN runs per

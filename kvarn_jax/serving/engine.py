@@ -224,7 +224,7 @@ class Engine:
         n = self.config.num_layers
         if isinstance(kv_cache_dtype, os.PathLike) or (
                 isinstance(kv_cache_dtype, str) and kv_cache_dtype.lower().endswith(".json")):
-            from ..evaluation.layer_config import load_layer_config
+            from ..layer_config import load_layer_config
             where = f"layer config {os.fspath(kv_cache_dtype)!r}: "
             try:
                 layers = load_layer_config(kv_cache_dtype, num_layers=n)
