@@ -6,7 +6,8 @@
 
 For each batch size and scheme an engine is built on the same weights (fp16 first: every ratio is
 against fp16 measured in the same process). Each row first runs a warm-up generation with the same
-shapes and compiles the decode steps of every batch size the run can use, then the timed
+shapes (compiling what the timed run needs; a commit of completed blocks compiled later is
+counted apart, `compiles_during_timed_run`), then the timed
 generation: `batch` random prompts of `prompt-len` tokens, `new-tokens` tokens each (EOS ignored).
 
 Per row: prefill and decode tokens/s, decode ms per step, the step's byte floor - the weights read
@@ -79,6 +80,55 @@ def weight_bytes_read(model) -> int:
     return total
 
 
+def profile_decode_steps(engine: Engine, prompts, steps: int) -> dict:
+    """Trace `steps` decode steps of `engine` (after the prompts' prefill) and summarize the device's
+    kernels: per step, wall time, time the device was busy (overlapping kernels merged) and the
+    kernels by total time."""
+    import glob
+    import tempfile
+
+    from jax.profiler import ProfileData
+
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=steps + 4, ignore_eos=True)) for p in prompts]
+    pool = engine.pool()
+    while not all(s.computed == len(s.prompt) and s.scheduled >= 1 for s in pool.running) or engine.waiting:
+        engine.step()
+    engine.step()
+    folder = tempfile.mkdtemp(prefix="kvarn_profile_")
+    t0 = time.perf_counter()
+    with jax.profiler.trace(folder):
+        for _ in range(steps):
+            engine.step()
+        engine._drain()
+    wall = time.perf_counter() - t0
+    engine.run()
+    for i in ids:
+        engine.pop_result(i)
+    data = ProfileData.from_file(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0])
+    spans, kernels = [], {}
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if "stream" not in line.name.lower():
+                continue
+            for e in line.events:
+                spans.append((e.start_ns, e.start_ns + e.duration_ns))
+                k = kernels.setdefault(e.name, [0, 0.0])
+                k[0] += 1
+                k[1] += e.duration_ns / 1e6
+    busy, end = 0.0, -1.0
+    for a, b in sorted(spans):  # union of kernel intervals
+        if b > end:
+            busy += (b - max(a, end)) / 1e6
+            end = b
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:15]
+    return {"steps": steps, "wall_ms_per_step": 1000 * wall / steps, "busy_ms_per_step": busy / steps,
+            "kernels_per_step": sum(k[0] for k in kernels.values()) / steps,
+            "top_kernels": [{"name": n[:120], "calls_per_step": c / steps, "ms_per_step": t / steps}
+                            for n, (c, t) in top]}
+
+
 def run_one(model, scheme: str, prompts, args):
     """One engine for one (scheme, batch): warm up (compile), then time one generation; a result row."""
     b, new = len(prompts), args.new_tokens
@@ -94,7 +144,6 @@ def run_one(model, scheme: str, prompts, args):
         row["refused"] = str(e)
         return row
     engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
-    engine.precompile([b])
     engine.stats = type(engine.stats)()
     c0 = engine.runner.stats.compiles
     t0 = time.perf_counter()
@@ -120,6 +169,8 @@ def run_one(model, scheme: str, prompts, args):
         "kv_capacity_vs_fp16": mem["capacity_vs_fp16"], "decode_loop": engine.runner.decode_loop,
         "dropped_tokens": int(engine.pool().caches.dropped_tokens),
     })
+    if args.profile_steps and jax.default_backend() == "gpu":
+        row["profile"] = profile_decode_steps(engine, prompts, args.profile_steps)
     del engine
     gc.collect()
     return row
@@ -149,6 +200,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-layers", type=int, help="override the architecture's depth (random weights only)")
     p.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s of the byte floor")
     p.add_argument("--seed", type=int, default=0, help="weights and prompts")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="on a GPU, also trace this many decode steps per row and list the device's kernels")
     p.add_argument("--json", help="write the rows and the environment to this file")
     args = p.parse_args(argv)
     if args.num_layers is not None and args.config is None and not args.random_weights:
@@ -182,6 +235,12 @@ def main(argv=None) -> int:
                   f"{row['floor_ms_per_step']:.2f} ms: {100 * row['floor_share']:.0f}%)"
                   + (f"  {row['decode_vs_fp16']:.2f}x fp16" if row["decode_vs_fp16"] else "")
                   + f"  KV {row['kv_capacity_vs_fp16']:.2f}x fp16", flush=True)
+            if "profile" in row:
+                pr = row["profile"]
+                print(f"      profile: {pr['wall_ms_per_step']:.2f} ms/step wall, device busy "
+                      f"{pr['busy_ms_per_step']:.2f} ms, {pr['kernels_per_step']:.0f} kernels/step; top: "
+                      + "; ".join(f"{k['name'][:40]} {k['ms_per_step']:.3f} ms x{k['calls_per_step']:.0f}"
+                                  for k in pr["top_kernels"][:6]), flush=True)
 
     print("\n| batch | scheme | decode tok/s | ms/step | byte floor ms | % of floor | vs fp16 | prefill tok/s |")
     print("|---|---|---|---|---|---|---|---|")

@@ -294,9 +294,10 @@ class RMSNorm(nnx.Module):
 
 
 def _product(spec: str, a, b, dtype):
-    """einsum with float32 results: exact float32 for float32 models, else operands in the model dtype
-    (the matrix units' native input) with float32 accumulation."""
-    if jnp.dtype(dtype) == jnp.float32:
+    """einsum with float32 results: exact float32 for float32 models (and on CPUs, whose XLA backend
+    has no 16-bit products with float32 results), else operands in the model dtype (the matrix
+    units' native input) with float32 accumulation."""
+    if jnp.dtype(dtype) == jnp.float32 or jax.default_backend() == "cpu":
         return jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32), precision="highest")
     return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
 
