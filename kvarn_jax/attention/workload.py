@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..cache.memory import bytes_per_token
+from ..cache.memory import decode_read_bytes
 from ..cache.paged import PagedKVCache
 from ..config import KVQuantConfig
 
@@ -48,15 +48,8 @@ def random_cache(cfg: str | KVQuantConfig, batch: int, ctx: int, num_kv_heads: i
 
 
 def decode_bytes(cache: PagedKVCache, batch: int, ctx: int) -> float:
-    """Bytes one decode call must read for `batch` sequences of `ctx` tokens: the quantized pages of
-    the full blocks between the sink and the query's own block, and the high-precision sink and the
-    query's block. As `gather_dense` serves it, the block holding position ctx - 1 is read from the
-    tail ring even when it is full, so at ctx a multiple of the block size that is a whole block in
-    high precision, not none. The query and the output are left out (16 KB a sequence at Hq = 32,
-    D = 128: 0.4% of 4K tokens)."""
-    cfg, bs = cache.cfg, cache.block_size
-    per_token = bytes_per_token(cfg, cache.head_dim) * cache.num_kv_heads
-    hp_tokens = 0 if cfg.is_passthrough else ctx if ctx <= bs else bs + (ctx - 1) % bs + 1
-    quant_tokens = ctx - hp_tokens
-    hp_bytes = hp_tokens * cache.num_kv_heads * cache.head_dim * 2 * jnp.dtype(cache.dtype).itemsize
-    return batch * (quant_tokens * per_token + hp_bytes)
+    """Bytes one decode call must read for `batch` sequences of `ctx` tokens (`decode_read_bytes` of
+    the cache's scheme and sizes). The query and the output are left out (16 KB a sequence at
+    Hq = 32, D = 128: 0.4% of 4K tokens)."""
+    return batch * decode_read_bytes(cache.cfg, ctx, block_size=cache.block_size, num_kv_heads=cache.num_kv_heads,
+                                     head_dim=cache.head_dim, dtype=cache.dtype)
