@@ -10,8 +10,12 @@ it is full, not the sink and not the block of the query (position seq_len - 1). 
 - int8, int4 (per token and head, asymmetric): store npu_dynamic_quant_asymmetric +
   npu_scatter_pa_kv_cache; decode by the fused attention with per-token antiquant (int8 paged,
   mode 5; int4 cannot be paged by the op, so its blocks are gathered first, mode 3).
-- int8_static, int4_static (per channel, calibrated): store npu_quantize + npu_scatter_pa_kv_cache;
-  decode by the fused attention with per-channel antiquant (mode 0; int4 gathered).
+- int8_static, int4_static (per channel, calibrated): store npu_quantize (float32 input, float32
+  scales: exact) + npu_scatter_pa_kv_cache; decode by the fused attention with per-channel antiquant
+  (mode 0; int4 gathered).
+- int4 codes (8 per int32, as the quantize ops return them and the fused attention reads them) are
+  written by npu_scatter_pa_kv_cache as their bytes, an int8 view [..., D/2]: the scatter takes
+  float16, bfloat16 and int8 only on Atlas A2/A3.
 - fp16, bf16: npu_scatter_pa_kv_cache; fused paged attention.
 - kvarn_*, kivi_*: no CANN op does 2-bit codes or Sinkhorn: store in torch ops (Hadamard matmul,
   Sinkhorn, RTN, pack); decode dequantizes the needed blocks in torch, then fused attention.
@@ -304,23 +308,34 @@ class AscendPagedKVCache:
         bits = self.cfg.k_bits
         codes = {}
         for s in SIDES:
+            x = bufs[s].reshape(m * bs * hk, d)
             if self.kind == "int_dynamic":
-                y, sc, off = self._call("npu_dynamic_quant_asymmetric", bufs[s].reshape(m * bs * hk, d),
-                                        dst_type=_int_dtype(bits))
-                self.pages[s]["scale"][blocks] = sc.reshape(m, bs, hk).transpose(1, 2)
+                y, sc, off = self._call("npu_dynamic_quant_asymmetric", x, dst_type=_int_dtype(bits))
                 # the op dequantizes as (y - offset) * scale; the fused attention as (y + offset) * scale
-                self.pages[s]["offset"][blocks] = (-off).reshape(m, bs, hk).transpose(1, 2)
+                off = -off
+                # A constant row gets the kernel's scale floor (1e-12) and an offset near -value / 1e-12,
+                # which the fused attention's antiquant need not hold exactly: store it as code 0, scale 1
+                # and offset = its value, so that every antiquant reproduces it exactly.
+                flat = x.amax(-1) == x.amin(-1)
+                y = torch.where(flat[:, None], torch.zeros_like(y), y)
+                sc = torch.where(flat, torch.ones_like(sc), sc)
+                off = torch.where(flat, x[:, 0].float(), off)
+                self.pages[s]["scale"][blocks] = sc.reshape(m, bs, hk).transpose(1, 2)
+                self.pages[s]["offset"][blocks] = off.reshape(m, bs, hk).transpose(1, 2)
             else:
                 st = self.static[s]
                 inv = (1.0 / st["scale"].float()).reshape(-1)
                 zp = (-st["zero"].float() / st["scale"].float() - 2 ** (bits - 1)).reshape(-1)
-                y = self._call("npu_quantize", bufs[s].reshape(m * bs, hk * d), inv, zp,
-                               torch.qint8 if bits == 8 else torch.quint4x2,
-                               axis=-1, div_mode=False)
+                # aclnnAscendQuantV3 takes scales of the input's dtype only: the input goes in as float32
+                # (exact), so that the float32 scales and zero points are used as they are
+                y = self._call("npu_quantize", x.reshape(m * bs, hk * d).float(), inv, zp,
+                               torch.qint8 if bits == 8 else torch.quint4x2, axis=-1, div_mode=False)
             codes[s] = y.reshape(m * bs, hk, -1)
         slots = (blocks[:, None] * bs + torch.arange(bs, device=blocks.device)).reshape(-1).to(torch.int32)
-        self._call(SCATTER, codes["k"], codes["v"], self.pages["k"]["codes"], self.pages["v"]["codes"], slots,
-                   cache_mode="Norm")
+        # int4 codes (8 per int32) go through the scatter as their bytes: int8 [..., D/2]
+        k_c, v_c, k_p, v_p = (_as_bytes(t) for t in (codes["k"], codes["v"], self.pages["k"]["codes"],
+                                                    self.pages["v"]["codes"]))
+        self._call(SCATTER, k_c, v_c, k_p, v_p, slots, cache_mode="Norm")
 
     # ------------------------------------------------------------------------------------ read
     def dense_kv(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_ids: torch.Tensor | None = None):
@@ -557,6 +572,12 @@ class _CalibrationParams:
 
     def params(self, cfg, num_kv_heads, head_dim):
         return self._params
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """int32 int4 codes [..., D/8] as the int8 view [..., D/2] of the same bytes (npu_scatter_pa_kv_cache
+    takes float16, bfloat16 and int8 on Atlas A2/A3); other tensors unchanged."""
+    return t.view(torch.int8) if t.dtype == torch.int32 else t
 
 
 def _host_int(x, name: str, n: int) -> np.ndarray:
