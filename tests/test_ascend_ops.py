@@ -665,7 +665,7 @@ def _source_tag(message: str) -> str:
     return tag
 
 
-@pytest.mark.parametrize("op,mutation,fragment", BAD, ids=[f"{i}-{b[0][4:]}" for i, b in enumerate(BAD)])
+@pytest.mark.parametrize("op,mutation,fragment", BAD, ids=[f"{b[0][4:]}: {b[2]}" for b in BAD])
 def test_validators_reject_each_documented_bad_case(op, mutation, fragment):
     args = {**BASE[op](), **mutation}
     sentinel = []
