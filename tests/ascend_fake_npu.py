@@ -39,7 +39,8 @@ REAL_SCHEMAS = {
                       "int? src_dtype=None) -> Tensor",
     "npu_scatter_pa_kv_cache": "npu_scatter_pa_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
                                "Tensor(b!) value_cache, Tensor slot_mapping, *, Tensor? compress_lens=None, "
-                               "Tensor? compress_seq_offsets=None, Tensor? seq_lens=None, str? cache_mode='PA_NZ') -> ()",
+                               "Tensor? compress_seq_offsets=None, Tensor? seq_lens=None, "
+                               "str? cache_mode='PA_NZ') -> ()",
     "npu_fused_infer_attention_score": (
         "npu_fused_infer_attention_score(Tensor query, Tensor key, Tensor value, *, Tensor? pse_shift=None, "
         "Tensor? atten_mask=None, SymInt[]? actual_seq_lengths=None, SymInt[]? actual_seq_lengths_kv=None, "
@@ -116,7 +117,8 @@ class FakeTorchNpu(types.ModuleType):
 
     def _wrap(self, name):
         sig = real_signature(name)
-        validate, second_reading, cpu = getattr(validators, name), getattr(self, "_" + name), getattr(cpu_semantics, name)
+        validate, cpu = getattr(validators, name), getattr(cpu_semantics, name)
+        second_reading = getattr(self, "_" + name)
 
         def op(*args, **kwargs):
             bound = sig.bind(*args, **kwargs)  # TypeError on a wrong name or positional misuse

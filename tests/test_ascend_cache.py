@@ -19,7 +19,7 @@ import torch
 import kvarn_jax as kj
 from kvarn_ascend import AscendPagedKVCache, ops, scheme_kind
 from kvarn_ascend.cpu_semantics import unpack_int4
-from kvarn_ascend.kvarn_torch import hadamard, load_tiled, unpack
+from kvarn_ascend.kvarn_torch import hadamard, load_tiled
 
 import ascend_fake_npu
 from helpers import allocate_tables, random_kv
@@ -374,7 +374,8 @@ def test_constant_tokens_are_stored_exactly(fake_torch_npu, rng, scheme):
                  torch.from_numpy((tables[0, pos // BS] * BS + pos % BS).astype(np.int32)),
                  seq_ids=torch.zeros(n, dtype=torch.int32), positions=torch.from_numpy(pos))
         kd, vd = tc.dense_kv(torch.from_numpy(tables), torch.tensor([n]))
-        for got, want, (p, h) in ((kd, k, (5, 0)), (kd, k, (40, 1)), (vd, v, (41, 0)), (vd, v, (33, 0)), (vd, v, (33, 1))):
+        for got, want, (p, h) in ((kd, k, (5, 0)), (kd, k, (40, 1)), (vd, v, (41, 0)), (vd, v, (33, 0)),
+                                  (vd, v, (33, 1))):
             assert torch.equal(got[0, h, p], torch.from_numpy(want[p, h]).bfloat16().float()), (backend, p, h)
         q = torch.from_numpy(rng.standard_normal((1, HQ, D)).astype(np.float32)).bfloat16()
         assert bool(torch.isfinite(tc.decode(q, torch.from_numpy(tables), torch.tensor([n]))).all())

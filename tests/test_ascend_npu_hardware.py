@@ -205,7 +205,8 @@ def _fia_args(rng, kv, qdt, d, bs, hq, hk):
                       value_antiquant_mode=0)
         else:  # key per channel, value per token
             s_kv = kw["block_table"].shape[1] * bs
-            kw.update(key_antiquant_scale=torch.from_numpy(rng.uniform(0.005, 0.02, (1, hk, 1, d)).astype(np.float32)).to(qdt),
+            kw.update(key_antiquant_scale=torch.from_numpy(rng.uniform(0.005, 0.02, (1, hk, 1, d)).astype(np.float32))
+                      .to(qdt),
                       value_antiquant_scale=torch.from_numpy(rng.uniform(0.005, 0.02, (1, b, s_kv)).astype(np.float32)),
                       key_antiquant_mode=0, value_antiquant_mode=1)
     else:  # int4: contiguous BNSD [B, Hk, S, D/8]
@@ -255,7 +256,8 @@ def _reject_cases():
         "quantize_fp16_input_fp32_scales": ("npu_quantize", (f16(4, 16), torch.rand(16), None, torch.qint8),
                                             dict(axis=-1, div_mode=False)),
         "scatter_int32_cache": ("npu_scatter_pa_kv_cache", (i32(3, 2, 2), i32(3, 2, 2), i32(4, 32, 2, 2),
-                                                            i32(4, 32, 2, 2), torch.tensor([0, 9, 31], dtype=torch.int32)),
+                                                            i32(4, 32, 2, 2),
+                                                            torch.tensor([0, 9, 31], dtype=torch.int32)),
                                 dict(cache_mode="Norm")),
         "scatter_float32_cache": ("npu_scatter_pa_kv_cache", (torch.randn(3, 2, 16), torch.randn(3, 2, 16),
                                                               torch.randn(4, 32, 2, 16), torch.randn(4, 32, 2, 16),
@@ -274,7 +276,8 @@ def _reject_cases():
         "fia_mismatched_antiquant_modes": ("npu_fused_infer_attention_score", (f16(2, 4, 1, 64), i8(4, 32, 128),
                                                                                 i8(4, 32, 128)),
                                            dict(fia, block_table=bt, block_size=32, actual_seq_lengths_kv=[40, 64],
-                                                key_antiquant_scale=torch.rand(1, 2, 40), value_antiquant_scale=f16(1, 2, 1, 64),
+                                                key_antiquant_scale=torch.rand(1, 2, 40),
+                                                value_antiquant_scale=f16(1, 2, 1, 64),
                                                 key_antiquant_mode=1, value_antiquant_mode=0)),
     }
 

@@ -349,8 +349,9 @@ def test_vllm_ascend_route_serves_like_the_standalone_cache(fake_torch_npu, rng,
                                   query_start_loc=md.query_start_loc, seq_lens=md.seq_lens, block_tables=bt,
                                   seq_ids=torch.tensor([ref_id[r] for r, _, _ in rows]))
             assert torch.equal(got[i], want), (step, i)
-    scheme_slots = runner.layers[0].impl._kvarn.slots.slot_of
-    assert scheme_slots == {"c": 0, "b": 1}  # "a"'s slot went to "c"
+    tables_ = {id(layer.impl._kvarn.slots) for layer in runner.layers}
+    assert len(tables_) == 1  # one slot table per engine, shared by its layers
+    assert runner.layers[0].impl._kvarn.slots.slot_of == {"c": 0, "b": 1}  # "a"'s slot went to "c"
     assert {"npu_fused_infer_attention_score", "npu_scatter_pa_kv_cache"} <= set(fake_torch_npu.names())
     # no second cache: the bound pages live in vLLM's tensors, the sink/tail in the layer's buffers
     for layer, (kc, vc) in zip(runner.layers, runner.kv):

@@ -138,9 +138,12 @@ class AscendPagedKVCache:
         backend is the NPU, else "cpu". calibration: one layer's kvarn_jax.Calibration (static schemes)."""
         backend = npu.resolve_backend(backend)
         device = torch.device(device if device is not None else ("npu" if backend == "npu" else "cpu"))
+
+        def zeros(side, shape, dt):
+            return torch.zeros(shape, dtype=dt, device=device)
+
         return cls._build(scheme, num_blocks, block_size, num_kv_heads, head_dim, max_seqs, dtype, tail_blocks,
-                          calibration, backend, device, lambda side, shape, dt: torch.zeros(shape, dtype=dt,
-                                                                                           device=device), None)
+                          calibration, backend, device, zeros, None)
 
     @classmethod
     def over_buffers(cls, scheme: Union[str, KVQuantConfig], buffers: dict, *, hp: Union[dict, None],
@@ -169,8 +172,9 @@ class AscendPagedKVCache:
             n = math.prod(shape) * dt.itemsize
             start = -(-used[side] // _ALIGN) * _ALIGN
             if start + n > flat[side].numel():
+                need = page_bytes(scheme, block_size, num_kv_heads, head_dim, dtype)[side]
                 raise ValueError(f"the {side} buffer has {flat[side].numel() // nb} bytes per block, fewer than "
-                                 f"{scheme} needs ({page_bytes(scheme, block_size, num_kv_heads, head_dim, dtype)[side]})")
+                                 f"{scheme} needs ({need})")
             used[side] = start + n
             return flat[side][start:start + n].view(dt).view(shape)
 

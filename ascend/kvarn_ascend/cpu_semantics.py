@@ -148,7 +148,8 @@ def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):
     Arithmetic in float32, rounding half to even and saturation to the output range are those of
     aclnnAscendQuantV3's golden (ops-nn quant/ascend_quant_v2/tests/assets/golden.py: float32,
     np.round, np.clip) - the torch_npu doc gives neither.
-    Doc: torch_npu-npu_quantize.md, aclnnAscendQuantV3.md; golden in op-plugin test/test_custom_ops/test_npu_quantize.py.
+    Doc: torch_npu-npu_quantize.md, aclnnAscendQuantV3.md; golden in op-plugin
+    test/test_custom_ops/test_npu_quantize.py.
     """
     x = input.float()
     if not div_mode:

@@ -120,7 +120,8 @@ def _dynamic_quant(op, input, smooth_scales, group_index, dst_type, quant_mode, 
     doc = f"torch_npu-{op}.md"
     x = _tensor(op, input, "input", doc, FLOAT16S)
     if x.ndim < 2:
-        _fail(op, f"input must have more than 1 dimension, got shape {tuple(x.shape)}", "DynamicQuantKernelNpuOpApi.cpp")
+        _fail(op, f"input must have more than 1 dimension, got shape {tuple(x.shape)}",
+              "DynamicQuantKernelNpuOpApi.cpp")
     if dst_type not in (None, torch.int8, INT4_DTYPE):
         _fail(op, f"dst_type must be None, torch.int8 or torch.quint4x2 on Atlas A2/A3, got {dst_type}", doc)
     if dst_type is INT4_DTYPE and x.shape[-1] % 8:

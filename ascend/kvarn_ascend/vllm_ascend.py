@@ -281,6 +281,9 @@ def impl_class(base: type) -> type:
     return _IMPL_CLASSES[base]
 
 
+_ENGINE_SLOTS: dict = {}  # id(vllm_config) -> (the config, kept alive for its id; its RequestSlots)
+
+
 def _current_vllm_config():
     from vllm.config import get_current_vllm_config
     return get_current_vllm_config()
@@ -305,9 +308,14 @@ class KVarNAttentionScheme:
             raise ValueError(f"kvarn: {self.cfg.name} has fixed scales: set {CALIBRATION_KEY!r} in the quant "
                              "description to a file written by kvarn_jax.Calibration.save")
         if self.calibration_path and not self.cfg.static:
-            raise ValueError(f"kvarn: {CALIBRATION_KEY!r} was given but {self.cfg.name} computes its scales dynamically")
+            raise ValueError(f"kvarn: {CALIBRATION_KEY!r} was given but {self.cfg.name} computes its scales "
+                             "dynamically")
         self._check_engine(self.vllm_config)
-        self.slots = RequestSlots(self.vllm_config.scheduler_config.max_num_seqs)
+        # vllm-ascend builds one scheme per layer: the layers of an engine share one slot table
+        key = id(self.vllm_config)
+        if key not in _ENGINE_SLOTS:
+            _ENGINE_SLOTS[key] = (self.vllm_config, RequestSlots(self.vllm_config.scheduler_config.max_num_seqs))
+        self.slots = _ENGINE_SLOTS[key][1]
 
     @staticmethod
     def _check_engine(c):
