@@ -204,7 +204,7 @@ class Engine:
         self._next_id = 0
         self._finished: dict[int, Result] = {}
         self._inflight: list = []      # what the last step dispatched, collected by the next step
-        self._last_arrival = None      # when the previous step's tokens arrived (stats)
+        self._last_arrival = None      # (time, compile seconds) when the previous step's tokens arrived
         self.stats = EngineStats()
         self.pool()                    # the default pool exists from the start: a size error surfaces here
 
@@ -457,15 +457,18 @@ class Engine:
                 and s.scheduled < s.params.max_new_tokens and len(s.prompt) + s.scheduled < self.max_model_len]
 
     # ------------------------------------------------------------------ driving
-    def _collect(self, launched: list, kind: str, compile_s: float, dispatched_at: float) -> None:
-        """Receive a step's sampled tokens (waits for the device) and account its time."""
+    def _collect(self, launched: list, kind: str, dispatched_at: float, compiled_at: float) -> None:
+        """Receive a step's sampled tokens (waits for the device) and account its time: the interval
+        since the previous step's tokens arrived (or since this step's dispatch, after idling), less
+        the compilation done in it (compiling happens on the host while dispatching)."""
         for _, _, tok, _ in launched:
             tok.copy_to_host_async()
         arrived = [np.asarray(tok) for _, _, tok, _ in launched]
-        now = time.perf_counter()
-        start = dispatched_at if self._last_arrival is None else max(self._last_arrival, dispatched_at)
-        dt = max(0.0, now - start - compile_s)
-        self._last_arrival = now
+        now, compiled = time.perf_counter(), self.runner.stats.compile_s
+        start, start_compiled = ((dispatched_at, compiled_at) if self._last_arrival is None
+                                 else self._last_arrival)
+        dt = max(0.0, now - start - (compiled - start_compiled))
+        self._last_arrival = (now, compiled)
         if kind == "prefill":
             self.stats.prefill_s += dt
         else:
@@ -478,9 +481,9 @@ class Engine:
 
     def _drain(self) -> None:
         if self._inflight:
-            launched, kind, comp, at = self._inflight
+            launched, kind, at, compiled_at = self._inflight
             self._inflight = []
-            self._collect(launched, kind, comp, at)
+            self._collect(launched, kind, at, compiled_at)
 
     def step(self) -> list[Result]:
         """Admit, dispatch one prefill and one decode call per pool with work, then receive the
@@ -499,10 +502,9 @@ class Engine:
         for pool in pools:
             if decoding[id(pool)]:
                 launched += self._decode(pool, decoding[id(pool)])
-        compile_s = self.runner.stats.compile_s - c0
         self._drain()
         if launched:
-            self._inflight = (launched, kind, compile_s, at)
+            self._inflight = (launched, kind, at, c0)
             self.stats.steps += 1
         else:
             self._last_arrival = None  # idle: the next step's time starts at its dispatch
