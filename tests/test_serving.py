@@ -505,3 +505,28 @@ def test_layer_config_errors_name_the_file_and_counts(tiny_model, tmp_path):
         eng.add_request([5, 6, 7], kv_cache_dtype=three)
     with pytest.raises(TypeError, match="kv_cache_dtype"):
         eng.add_request([5, 6, 7], kv_cache_dtype=3)
+
+
+def test_caches_split_into_groups_under_the_kernels_offset_limit(rng, monkeypatch):
+    """A scheme's layers are split into groups whose buffers stay under 2^31 elements (the kernels
+    address a buffer with 32-bit offsets); the split changes no token, in scans and unrolled loops."""
+    from kvarn_jax.cache import layers as layers_mod
+    model = Decoder(dataclasses.replace(TINY, num_layers=4), rngs=nnx.Rngs(5), init_std=0.2)
+    prompts = _prompts(rng, [40, 70])
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    kw = dict(kv_cache_dtype="kvarn_k4v2_g32", **KW)
+    whole = Engine(model, **kw)
+    assert len(whole.pool().caches.groups) == 1
+    expected = [r.output_ids for r in whole.generate(prompts, params)]
+    one = whole.pool().caches.groups[0]
+    per_layer = max(a.size for a in jax.tree.leaves(one) if a.ndim) // 4
+    monkeypatch.setattr(layers_mod, "MAX_BUFFER_ELEMENTS", 2 * per_layer)  # two layers a group
+    for loop in ("scan", "unroll"):
+        split = Engine(model, decode_loop=loop, **kw)
+        caches = split.pool().caches
+        assert len(caches.groups) == 2 and caches.runs() == [(0, 0, 2), (1, 2, 2)]
+        assert all(a.size <= 2 * per_layer for c in caches.groups for a in jax.tree.leaves(c) if a.ndim)
+        assert [r.output_ids for r in split.generate(prompts, params)] == expected, loop
+    monkeypatch.setattr(layers_mod, "MAX_BUFFER_ELEMENTS", per_layer // 2)
+    with pytest.raises(ValueError, match="at most"):
+        Engine(model, **kw)

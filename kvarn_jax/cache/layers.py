@@ -8,9 +8,10 @@ a compiled step over all layers carries a handful of arrays whatever the depth. 
 one set of sequence slots serve every layer. Static (calibrated) schemes keep each layer's
 parameters stacked beside the group.
 
-`stage`/`gather_dense`/`read_view` take layer-local ids (as the page table holds them) and a static
-or traced layer index; `write_all` stores tokens and `commit` quantizes completed blocks of every
-layer at once.
+`stage`/`gather_dense`/`read_view` take layer-local ids (as the page table holds them) and a layer:
+a static index, or (group, index in the group) with a traced index; `write_all` stores tokens and
+`commit` quantizes completed blocks of every layer at once. A group's buffers stay under 2^31
+elements (the kernels' 32-bit offsets): a scheme's layers are split into several groups if needed.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from ..config import KVQuantConfig
 from . import paged
 from .memory import memory_report
 from .paged import PagedKVCache
+
+
+MAX_BUFFER_ELEMENTS = 2 ** 31 - 1
 
 
 @jax.tree_util.register_dataclass
@@ -55,12 +59,29 @@ class LayerCaches:
                 else [KVQuantConfig.parse(s) for s in schemes])
         if len(cfgs) != num_layers:
             raise ValueError(f"{len(cfgs)} per-layer schemes for num_layers={num_layers}")
-        order = list(dict.fromkeys(cfgs))
-        layer_group = tuple(order.index(c) for c in cfgs)
-        layer_index = tuple(layer_group[:i].count(g) for i, g in enumerate(layer_group))
+        # Groups: the layers of one scheme, in runs small enough that every buffer of a group holds
+        # fewer than 2^31 elements (the Pallas kernels address a buffer with 32-bit offsets).
+        members = []
+        for cfg in dict.fromkeys(cfgs):
+            one = jax.eval_shape(lambda cfg=cfg: PagedKVCache.create(
+                cfg, num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                max_seqs=max_seqs, dtype=dtype, calibration=None if not cfg.static or calibration is None
+                else calibration.layer(cfgs.index(cfg))))
+            per_layer = max(a.size for a in jax.tree.leaves(one) if a.ndim)
+            if per_layer > MAX_BUFFER_ELEMENTS:
+                raise ValueError(f"one layer's {cfg.name} cache needs a buffer of {per_layer} elements; at most "
+                                 f"{MAX_BUFFER_ELEMENTS} are supported (fewer num_blocks or max_seqs)")
+            step = max(1, MAX_BUFFER_ELEMENTS // per_layer)
+            layers = [i for i, c in enumerate(cfgs) if c == cfg]
+            members += [(cfg, layers[a:a + step]) for a in range(0, len(layers), step)]
+        layer_group = [0] * num_layers
+        layer_index = [0] * num_layers
+        for g, (_, layers) in enumerate(members):
+            for j, i in enumerate(layers):
+                layer_group[i], layer_index[i] = g, j
+        layer_group, layer_index = tuple(layer_group), tuple(layer_index)
         groups, statics = [], []
-        for g, cfg in enumerate(order):
-            layers = [i for i, gi in enumerate(layer_group) if gi == g]
+        for g, (cfg, layers) in enumerate(members):
             cal = calibration.layer(layers[0]) if cfg.static and calibration is not None else None
             flat = PagedKVCache.create(cfg, num_blocks=len(layers) * num_blocks, block_size=block_size,
                                        num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -97,8 +118,19 @@ class LayerCaches:
 
     @property
     def uniform(self) -> bool:
-        """Every layer has the same scheme (one group: a layer can be picked by a traced index)."""
-        return len(self.groups) == 1
+        """Every layer has the same scheme."""
+        return len({c.cfg for c in self.groups}) == 1
+
+    def runs(self) -> list:
+        """[(group, first layer, layer count)]: consecutive layers that live in one group (a run's
+        layers can be picked by a traced index within the group, e.g. in a `lax.scan`)."""
+        out = []
+        for i, g in enumerate(self.layer_group):
+            if out and out[-1][0] == g and self.layer_index[i] == self.layer_index[i - 1] + 1:
+                out[-1][2] += 1
+            else:
+                out.append([g, i, 1])
+        return [tuple(r) for r in out]
 
     @property
     def dropped_tokens(self) -> jnp.ndarray:
@@ -107,13 +139,11 @@ class LayerCaches:
 
     # ---------------------------------------------------------------- one layer
     def _where(self, layer):
-        """(group, index in the group): static for an int layer; a traced index needs one group."""
-        if isinstance(layer, int):
-            return self.layer_group[layer], self.layer_index[layer]
-        if not self.uniform:
-            raise ValueError("a traced layer index needs caches of one scheme (per-layer schemes: loop over "
-                             "layers in Python)")
-        return 0, layer
+        """(group, index in the group) of a layer: a static int layer index, or a (group, index in the
+        group) pair whose index may be traced (see `runs`)."""
+        if isinstance(layer, tuple):
+            return layer
+        return self.layer_group[layer], self.layer_index[layer]
 
     def layer_cache(self, layer) -> tuple:
         """(the layer's group cache with the layer's static parameters, block offset, sequence offset)."""

@@ -443,34 +443,41 @@ class Decoder(nnx.Module):
 
     def _run_layers(self, kind: str, x, caches: LayerCaches, batch, layer_loop: str, *extra):
         """x through every decoder layer: a Python loop over static layer indices (one copy of the
-        layer's program per layer; each layer's weights a static slice, which GPUs read in place) or,
-        with one scheme in every layer, a `lax.scan` (one copy of the program; each layer's weights
-        dynamically sliced, which XLA copies). Decode layers update the caches; prefill layers only
-        read them and return their (k, v), stacked over the layers."""
+        layer's program per layer; each layer's weights a static slice, which GPUs read in place) or
+        a `lax.scan` over each run of layers that share a cache group (one copy of the program per
+        run; each layer's weights dynamically sliced, which XLA copies). Decode layers update the
+        caches; prefill layers only read them and return their (k, v), stacked over the layers."""
         if layer_loop not in LAYER_LOOPS:
             raise ValueError(f"layer_loop must be one of {list(LAYER_LOOPS)}, got {layer_loop!r}")
         inv = self.inv_freq[...]
-        if layer_loop == "unroll" or not caches.uniform:
-            kvs = []
-            for i in range(self.config.num_layers):
-                x, out = getattr(self.layer(i), kind)(x, caches, i, batch, inv, *extra)
-                if kind == "decode":
-                    caches = out
-                else:
-                    kvs.append(out)
-            return (x, caches) if kind == "decode" else (x, jax.tree.map(lambda *a: jnp.stack(a), *kvs))
         graphdef, state = nnx.split(self.layers)
+        kvs = []
+        for g, first, n in caches.runs():
+            if layer_loop == "unroll" or n == 1:
+                for i in range(first, first + n):
+                    x, out = getattr(self.layer(i), kind)(x, caches, i, batch, inv, *extra)
+                    if kind == "decode":
+                        caches = out
+                    else:
+                        kvs.append(jax.tree.map(lambda a: a[None], out))
+                continue
+            weights = jax.tree.map(lambda a: a[first:first + n], state)
+            j0 = caches.layer_index[first]
+            if kind == "decode":
+                def body(carry, xs, g=g):
+                    x, caches = carry
+                    params, j = xs
+                    return nnx.merge(graphdef, params).decode(x, caches, (g, j), batch, inv, *extra), None
+                x, caches = jax.lax.scan(body, (x, caches), (weights, j0 + jnp.arange(n)))[0]
+            else:
+                def read(x, xs, g=g):  # prefill: the caches are read only, not carried
+                    params, j = xs
+                    return nnx.merge(graphdef, params).prefill(x, caches, (g, j), batch, inv)
+                x, kv = jax.lax.scan(read, x, (weights, j0 + jnp.arange(n)))
+                kvs.append(kv)
         if kind == "decode":
-            def body(carry, xs):
-                x, caches = carry
-                params, i = xs
-                return nnx.merge(graphdef, params).decode(x, caches, i, batch, inv, *extra), None
-            return jax.lax.scan(body, (x, caches), (state, jnp.arange(self.config.num_layers)))[0]
-
-        def read(x, xs):  # prefill: the caches are read only, not carried
-            params, i = xs
-            return nnx.merge(graphdef, params).prefill(x, caches, i, batch, inv)
-        return jax.lax.scan(read, x, (state, jnp.arange(self.config.num_layers)))
+            return x, caches
+        return x, jax.tree.map(lambda *a: jnp.concatenate(a), *kvs)
 
     def prefill(self, caches: LayerCaches, batch: PrefillBatch, *, all_logits: bool = False,
                 layer_loop: str = "scan"):
