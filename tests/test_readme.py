@@ -16,7 +16,7 @@ import kvarn_jax
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 INDEXES = [ROOT / "benchmarks" / "README.md", ROOT / "benchmarks" / "results" / "README.md"]
-BLOCK = re.compile(r"(<!-- not run: [^>]+ -->\n)?```python\n(.*?)```", re.S)
+BLOCK = re.compile(r"(<!-- not run: [^>]+ -->\n[ \t]*)?```python\n(.*?)```", re.S)
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
