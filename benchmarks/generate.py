@@ -14,7 +14,9 @@ Per row: prefill and decode tokens/s, decode ms per step, the step's byte floor 
 once plus the KV bytes one decode step must read (`kvarn_jax.cache.memory.decode_read_bytes`: quantized
 pages, high-precision sink and tail), averaged over the run's contexts, at --bandwidth (4.3 TB/s: a
 device-to-device copy on the H200) - and the share of it reached, and decode tokens/s against fp16's.
-A scheme whose cache does not fit on the device is refused by the engine at start; the row records
+`--tensor-parallel N` runs the engine over N devices (heads, KV-cache heads and MLP units split;
+the floor is then a device's share, replicated embeddings counted whole). A scheme whose cache does
+not fit on the device is refused by the engine at start; the row records
 the refusal (that is the point of a capacity run: e.g. --config llama3-8b --batch 128
 --prompt-len 16384, where fp16 would need ~275 GB).
 
@@ -139,7 +141,7 @@ def run_one(model, scheme: str, prompts, args):
         engine = Engine(model, kv_cache_dtype=scheme, block_size=args.block_size, max_seqs=b,
                         max_model_len=max_len, num_blocks=b * -(-max_len // args.block_size),
                         prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch or b, impl=args.impl,
-                        decode_loop=args.decode_loop)
+                        decode_loop=args.decode_loop, tensor_parallel=args.tensor_parallel)
     except ValueError as e:  # e.g. the pool does not fit on the device: refused at engine start
         row["refused"] = str(e)
         return row
@@ -157,7 +159,8 @@ def run_one(model, scheme: str, prompts, args):
     ctxs = range(len(prompts[0]) + 1, max_len)
     kv = np.mean([decode_read_bytes(scheme, c, block_size=args.block_size, num_kv_heads=cfg.num_kv_heads,
                                     head_dim=cfg.head_dim, dtype=model.dtype) for c in ctxs])
-    floor_bytes = weight_bytes_read(model) + b * cfg.num_layers * kv
+    # per device under tensor parallelism: each reads its share of the split weights and of the cache
+    floor_bytes = (weight_bytes_read(model) + b * cfg.num_layers * kv) / args.tensor_parallel
     ms = 1000 * st.decode_s / max(1, st.decode_calls)
     floor_ms = 1000 * floor_bytes / args.bandwidth
     row.update({
@@ -168,6 +171,7 @@ def run_one(model, scheme: str, prompts, args):
         "compiles_during_timed_run": engine.runner.stats.compiles - c0, "compile_s": engine.runner.stats.compile_s,
         "kv_total_bytes": mem["total_bytes"], "kv_fp16_bytes": mem["fp16_bytes"],
         "kv_capacity_vs_fp16": mem["capacity_vs_fp16"], "decode_loop": engine.runner.decode_loop,
+        "devices": mem["devices"], "kv_bytes_per_device": mem["per_device_bytes"],
         "dropped_tokens": int(engine.pool().caches.dropped_tokens),
     })
     if args.profile_steps and jax.default_backend() == "gpu":
@@ -201,6 +205,9 @@ def main(argv=None) -> int:
     p.add_argument("--num-layers", type=int, help="override the architecture's depth (random weights only)")
     p.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s of the byte floor")
     p.add_argument("--seed", type=int, default=0, help="weights and prompts")
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="split heads, KV-cache heads and MLP units over this many devices (one compiled step "
+                        "over the mesh); the byte floor is then per device")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="on a GPU, also trace this many decode steps per row and list the device's kernels")
     p.add_argument("--json", help="write the rows and the environment to this file")
@@ -235,7 +242,9 @@ def main(argv=None) -> int:
                   f"{row['decode_tokens_per_s']:>9.1f} tok/s ({row['decode_ms_per_step']:.2f} ms/step, floor "
                   f"{row['floor_ms_per_step']:.2f} ms: {100 * row['floor_share']:.0f}%)"
                   + (f"  {row['decode_vs_fp16']:.2f}x fp16" if row["decode_vs_fp16"] else "")
-                  + f"  KV {row['kv_capacity_vs_fp16']:.2f}x fp16", flush=True)
+                  + f"  KV {row['kv_capacity_vs_fp16']:.2f}x fp16"
+                  + (f", {row['kv_bytes_per_device'] / 2 ** 30:.2f} GiB per device x {row['devices']}"
+                     if row["devices"] > 1 else ""), flush=True)
             if "profile" in row:
                 pr = row["profile"]
                 print(f"      profile: {pr['wall_ms_per_step']:.2f} ms/step wall, device busy "

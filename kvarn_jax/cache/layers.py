@@ -138,7 +138,7 @@ class LayerCaches:
         return sum(c.dropped_tokens for c in self.groups)
 
     # ---------------------------------------------------------------- one layer
-    def _where(self, layer):
+    def locate(self, layer):
         """(group, index in the group) of a layer: a static int layer index, or a (group, index in the
         group) pair whose index may be traced (see `runs`)."""
         if isinstance(layer, tuple):
@@ -147,7 +147,7 @@ class LayerCaches:
 
     def layer_cache(self, layer) -> tuple:
         """(the layer's group cache with the layer's static parameters, block offset, sequence offset)."""
-        g, j = self._where(layer)
+        g, j = self.locate(layer)
         cache = self.groups[g]
         st = self.statics[g]
         if st is not None:
@@ -155,7 +155,7 @@ class LayerCaches:
         return cache, j * self.num_blocks, j * self.max_seqs
 
     def _replace(self, layer, cache: PagedKVCache) -> "LayerCaches":
-        g, _ = self._where(layer)
+        g, _ = self.locate(layer)
         groups = list(self.groups)
         groups[g] = dataclasses.replace(cache, static=None)
         return dataclasses.replace(self, groups=tuple(groups))

@@ -26,6 +26,7 @@ accumulation, exactly float32 for float32 models.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -36,8 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from ..attention.paged_decode import IMPLS, paged_decode_attention
+from ..cache.sharding import HeadParallel, on_heads
 from ..cache.layers import LayerCaches
 from ..hadamard import rotate, unrotate
 
@@ -318,46 +321,64 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(lead + (self.num_kv_heads, self.head_dim))
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
-    def prefill(self, x, caches: LayerCaches, layer, batch: PrefillBatch, inv_freq):
+    def prefill(self, x, caches: LayerCaches, layer, batch: PrefillBatch, inv_freq, tp=None):
         """x [P, C, hidden] -> ([P, C, hidden], (k, v) [P, C, Hk, D] to store: `Decoder.prefill` writes
         every layer's after the layers have run, so that no layer writes a cache it still reads)."""
-        cache, _, _ = caches.layer_cache(layer)
         p, c, _ = x.shape
-        hk, g, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-        dt = x.dtype
         q, k, v = self._qkv(x, batch.positions, inv_freq)
+        g, j = caches.locate(layer)
+        o = on_heads(tp, functools.partial(self._prefill_heads, group=g, dtype=x.dtype),
+                      (caches, q, k, v, batch, j), ("caches", 2, 2, 2, "rep", "rep"), (2,))
+        return self.o_proj(o.reshape(p, c, self.num_heads * self.head_dim).astype(x.dtype)), (k, v)
+
+    @staticmethod
+    def _prefill_heads(caches, q, k, v, batch, j, *, group, dtype):
+        """Attention of a chunk's queries (q [P, C, Hq, D]) over the cached tokens of layer (group,
+        j) and the chunk's own k, v, for the heads these arrays hold."""
+        layer = (group, j)
+        cache, _, _ = caches.layer_cache(layer)
+        p, c, hq, d = q.shape
+        hk = k.shape[2]
         scale = 1.0 / math.sqrt(d)
-        qf = q.astype(jnp.float32).reshape(p, c, hk, g, d)
+        qf = q.astype(jnp.float32).reshape(p, c, hk, hq // hk, d)
         # earlier tokens as the cache serves them (storage frame: rotated for KVarN)
         kc, vc = caches.gather_dense(layer, batch.block_tables, batch.start, batch.seq_ids)  # [P, Hk, L, D]
         qc = rotate(qf) if cache.cfg.rotated else qf
-        s_cache = _product("pchgd,phld->phgcl", qc, kc, dt) * scale
+        s_cache = _product("pchgd,phld->phgcl", qc, kc, dtype) * scale
         cached = jnp.arange(kc.shape[2])[None, :] < batch.start[:, None]                   # [P, L]
         s_cache = jnp.where(cached[:, None, None, None, :], s_cache, -jnp.inf)
         # The chunk's own tokens, causally, as computed (padding sits after the real tokens, so real
         # queries never see it; padded queries see at least themselves and stay finite).
-        s_self = _product("pchgd,pthd->phgct", qf, k, dt) * scale
+        s_self = _product("pchgd,pthd->phgct", qf, k, dtype) * scale
         causal = jnp.arange(c)[None, :] <= jnp.arange(c)[:, None]                           # [C, C]
         s_self = jnp.where(causal, s_self, -jnp.inf)
         s = jnp.concatenate([s_cache, s_self], axis=-1)
         prob = jax.nn.softmax(s, axis=-1)
         p_cache, p_self = prob[..., :kc.shape[2]], prob[..., kc.shape[2]:]
-        o_cache = _product("phgcl,phld->pchgd", p_cache, vc, dt)
+        o_cache = _product("phgcl,phld->pchgd", p_cache, vc, dtype)
         if cache.cfg.rotated:
             o_cache = unrotate(o_cache)
-        o = o_cache + _product("phgct,pthd->pchgd", p_self, v, dt)
-        return self.o_proj(o.reshape(p, c, self.num_heads * d).astype(dt)), (k, v)
+        o = o_cache + _product("phgct,pthd->pchgd", p_self, v, dtype)
+        return o.reshape(p, c, hq, d)
 
-    def decode(self, x, caches: LayerCaches, layer, batch: DecodeBatch, inv_freq, impl: str):
+    def decode(self, x, caches: LayerCaches, layer, batch: DecodeBatch, inv_freq, impl: str, tp=None):
         """x [B, hidden] -> ([B, hidden], caches): stores the token's K/V in high precision (no block is
         quantized here), then attends over the cache."""
         b = x.shape[0]
         q, k, v = self._qkv(x, batch.positions, inv_freq)
+        g, j = caches.locate(layer)
+        o, caches = on_heads(tp, functools.partial(self._decode_heads, group=g, impl=impl),
+                              (caches, q, k, v, batch, j), ("caches", 1, 1, 1, "rep", "rep"), (1, "caches"))
+        return self.o_proj(o.reshape(b, self.num_heads * self.head_dim).astype(x.dtype)), caches
+
+    @staticmethod
+    def _decode_heads(caches, q, k, v, batch, j, *, group, impl):
+        layer = (group, j)
         caches = caches.stage(layer, k, v, batch.slot_mapping, batch.seq_ids, batch.positions)
         cache, tables, sid = caches.read_view(layer, batch.block_tables, batch.seq_ids)
         # no value checks: under jit there are no values, and the ids come from the caller's scheduler
         o = paged_decode_attention(q, cache, tables, batch.seq_lens, seq_ids=sid, impl=impl, check_values=False)
-        return self.o_proj(o.reshape(b, self.num_heads * self.head_dim).astype(x.dtype)), caches
+        return o, caches
 
 
 class MLP(nnx.Module):
@@ -378,13 +399,13 @@ class DecoderLayer(nnx.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs, std=std)
 
-    def prefill(self, x, caches, layer, batch, inv_freq):
-        a, kv = self.attn.prefill(self.input_norm(x), caches, layer, batch, inv_freq)
+    def prefill(self, x, caches, layer, batch, inv_freq, tp=None):
+        a, kv = self.attn.prefill(self.input_norm(x), caches, layer, batch, inv_freq, tp)
         x = x + a
         return x + self.mlp(self.post_norm(x)), kv
 
-    def decode(self, x, caches, layer, batch, inv_freq, impl):
-        a, caches = self.attn.decode(self.input_norm(x), caches, layer, batch, inv_freq, impl)
+    def decode(self, x, caches, layer, batch, inv_freq, impl, tp=None):
+        a, caches = self.attn.decode(self.input_norm(x), caches, layer, batch, inv_freq, impl, tp)
         x = x + a
         return x + self.mlp(self.post_norm(x)), caches
 
@@ -442,6 +463,7 @@ class Decoder(nnx.Module):
         return jnp.dot(h, self.lm_head.kernel[...], preferred_element_type=jnp.float32).astype(jnp.float32)
 
     def _run_layers(self, kind: str, x, caches: LayerCaches, batch, layer_loop: str, *extra):
+        # extra: (impl, tp) for decode, (tp,) for prefill
         """x through every decoder layer: a Python loop over static layer indices (one copy of the
         layer's program per layer; each layer's weights a static slice, which GPUs read in place) or
         a `lax.scan` over each run of layers that share a cache group (one copy of the program per
@@ -472,7 +494,7 @@ class Decoder(nnx.Module):
             else:
                 def read(x, xs, g=g):  # prefill: the caches are read only, not carried
                     params, j = xs
-                    return nnx.merge(graphdef, params).prefill(x, caches, (g, j), batch, inv)
+                    return nnx.merge(graphdef, params).prefill(x, caches, (g, j), batch, inv, *extra)
                 x, kv = jax.lax.scan(read, x, (weights, j0 + jnp.arange(n)))
                 kvs.append(kv)
         if kind == "decode":
@@ -480,38 +502,43 @@ class Decoder(nnx.Module):
         return x, jax.tree.map(lambda *a: jnp.concatenate(a), *kvs)
 
     def prefill(self, caches: LayerCaches, batch: PrefillBatch, *, all_logits: bool = False,
-                layer_loop: str = "scan"):
+                layer_loop: str = "scan", tp: HeadParallel | None = None):
         """(logits [P, V] of each row's `last` token (or [P, C, V] with all_logits), updated caches).
-        layer_loop: "scan" (default; with per-layer schemes always a loop) or "unroll"."""
+        layer_loop: "scan" (default; with per-layer schemes always a loop) or "unroll". tp: run
+        tensor-parallel over a mesh (weights and caches placed as `head_parallel_specs` says)."""
         self._check_caches(caches)
-        x, (k, v) = self._run_layers("prefill", self.embed(batch.tokens), caches, batch, layer_loop)
+        x, (k, v) = self._run_layers("prefill", self.embed(batch.tokens), caches, batch, layer_loop, tp)
         p, c = batch.tokens.shape
         n = self.config.num_layers
         hk, d = self.config.num_kv_heads, self.config.head_dim
         # every layer's chunk stored in one write after the layers ran; at most ceil(C / block_size)
         # blocks complete per sequence in a chunk of C positions
-        caches = caches.write_all(k.reshape(n, p * c, hk, d), v.reshape(n, p * c, hk, d), batch.slot_mapping.reshape(-1),
-                                  jnp.repeat(batch.seq_ids, c), batch.positions.reshape(-1),
-                                  max_completed=p * -(-c // caches.block_size))
+        def write(caches, k, v, slots, seq_ids, positions):
+            return caches.write_all(k, v, slots, seq_ids, positions, max_completed=p * -(-c // caches.block_size))
+        caches = on_heads(tp, write, (caches, k.reshape(n, p * c, hk, d), v.reshape(n, p * c, hk, d),
+                                       batch.slot_mapping.reshape(-1), jnp.repeat(batch.seq_ids, c),
+                                       batch.positions.reshape(-1)),
+                           ("caches", 2, 2, "rep", "rep", "rep"), ("caches",))
         if not all_logits:
             x = jnp.take_along_axis(x, batch.last[:, None, None], axis=1)[:, 0]
         return self.logits(x), caches
 
     def decode(self, caches: LayerCaches, batch: DecodeBatch, *, impl: str = "auto", commit: bool = True,
-               layer_loop: str = "unroll"):
+               layer_loop: str = "unroll", tp: HeadParallel | None = None):
         """(logits [B, V] of the next token of each row, updated caches).
 
         commit: quantize the blocks this batch completes before returning (a fixed batch of B, so
         every call pays for B blocks). A serving engine that knows which blocks complete passes
         False and calls `LayerCaches.commit` itself, only when some do.
         layer_loop: "unroll" (default: no weight is copied) or "scan" (compiles faster).
+        tp: as in `prefill`.
         """
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
         self._check_caches(caches)
-        x, caches = self._run_layers("decode", self.embed(batch.tokens), caches, batch, layer_loop, impl)
+        x, caches = self._run_layers("decode", self.embed(batch.tokens), caches, batch, layer_loop, impl, tp)
         if commit:
-            caches = caches.commit(*batch.completions(caches.block_size))
+            caches = commit_blocks(caches, *batch.completions(caches.block_size), tp=tp)
         return self.logits(x), caches
 
     def _check_caches(self, caches) -> None:
@@ -520,6 +547,35 @@ class Decoder(nnx.Module):
                             f"{type(caches).__name__}")
         if caches.num_layers != self.config.num_layers:
             raise ValueError(f"caches hold {caches.num_layers} layers; the model has {self.config.num_layers}")
+
+
+def commit_blocks(caches: LayerCaches, block_ids, seq_ids, first_positions, *, tp: HeadParallel | None = None):
+    """`LayerCaches.commit`, on each device's own heads under tensor parallelism."""
+    return on_heads(tp, lambda c, b, s, f: c.commit(b, s, f), (caches, block_ids, seq_ids, first_positions),
+                     ("caches", "rep", "rep", "rep"), ("caches",))
+
+
+# Megatron-style placement: projections into heads / MLP units split on their output axis, the
+# projections back split on their input axis (XLA sums the partial products across devices).
+_SPLIT_OUT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_SPLIT_IN = ("o_proj", "down_proj")
+
+
+def head_parallel_specs(model: "Decoder", axis: str = "tp"):
+    """PartitionSpecs of a model's state (`nnx.state(model)`) for tensor parallelism over `axis`:
+    the stacked layers' q/k/v and gate/up kernels (and biases) split on their output axis, o and
+    down kernels on their input axis; embeddings, norms and the LM head replicated."""
+    def spec(path, x):
+        names = [str(p) for p in path if str(p) != "value"]  # a Variable's array sits under "value"
+        if not names or names[0] != "layers":
+            return P()
+        if any(n in names for n in _SPLIT_OUT):
+            return P(None, None, axis) if names[-1] == "kernel" else P(None, axis)
+        if any(n in names for n in _SPLIT_IN) and names[-1] == "kernel":
+            return P(None, axis, None)
+        return P()
+    return jax.tree_util.tree_map_with_path(lambda path, x: spec([getattr(k, "key", getattr(k, "name", k))
+                                                                   for k in path], x), nnx.state(model))
 
 
 def model_dtype(dtype) -> str:

@@ -38,10 +38,11 @@ import time
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from ..config import KVQuantConfig
+from ..cache.sharding import HeadParallel
 from ..models.llama import Decoder
 from .allocator import BlockAllocator
 from .runner import DECODE_COLS, PREFILL_COLS, ModelRunner
@@ -128,33 +129,55 @@ class CachePool:
         self.max_blocks_per_seq = max_blocks_per_seq
         make = lambda: runner.new_caches(cfg, num_blocks=num_blocks, block_size=block_size,  # noqa: E731
                                          max_seqs=max_seqs, calibration=calibration)
-        _check_fits(jax.eval_shape(make), cfg, num_blocks, max_seqs)
+        _check_fits(jax.eval_shape(make), cfg, num_blocks, max_seqs, runner.tp)
         self.caches = make()
         self.layer_schemes = self.caches.layer_schemes
-        self.last_tokens = jnp.zeros((max_seqs,), jnp.int32)
+        self.last_tokens = runner.new_tokens(max_seqs)
         self.quantized = any(not c.is_passthrough for c in self.layer_schemes)
         self.blocks = BlockAllocator(num_blocks, "KV-cache pages")
         self.slots = BlockAllocator(max_seqs, "sequence slots")
         self.running: list[_Seq] = []
 
 
-def _check_fits(abstract, cfg, num_blocks: int, max_seqs: int) -> None:
-    """Refuse a pool larger than the device's free memory, saying what it needs (where the device
-    reports its memory: GPUs and TPUs; the CPU backend does not)."""
+def _check_fits(abstract, cfg, num_blocks: int, max_seqs: int, tp=None) -> None:
+    """Refuse a pool larger than the devices' free memory, saying what it needs (where a device
+    reports its memory: GPUs and TPUs; the CPU backend does not). Under tensor parallelism each
+    device holds its share of the heads."""
     need = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
-    try:
-        st = jax.devices()[0].memory_stats()
-    except Exception:  # noqa: BLE001 - a backend without memory statistics
-        st = None
-    if not st or "bytes_limit" not in st:
-        return
-    free = st["bytes_limit"] - st.get("bytes_in_use", 0)
-    if need > free:
-        raise ValueError(
-            f"the {scheme_name(cfg) if isinstance(cfg, KVQuantConfig) else 'per-layer'} KV cache pool needs "
-            f"{_gib(need)} (num_blocks={num_blocks} pages per layer, max_seqs={max_seqs}) but the device has "
-            f"{_gib(free)} free of {_gib(st['bytes_limit'])}: use a quantized kv_cache_dtype, fewer num_blocks "
-            "or max_seqs, or a shorter max_model_len")
+    devices = list(tp.mesh.devices.flat) if tp is not None else jax.devices()[:1]
+    share = need / len(devices)
+    for dev in devices:
+        try:
+            st = dev.memory_stats()
+        except Exception:  # noqa: BLE001 - a backend without memory statistics
+            st = None
+        if not st or "bytes_limit" not in st:
+            continue
+        free = st["bytes_limit"] - st.get("bytes_in_use", 0)
+        if share > free:
+            each = f" ({_gib(share)} on each of {len(devices)} devices)" if len(devices) > 1 else ""
+            raise ValueError(
+                f"the {scheme_name(cfg) if isinstance(cfg, KVQuantConfig) else 'per-layer'} KV cache pool needs "
+                f"{_gib(need)}{each} (num_blocks={num_blocks} pages per layer, max_seqs={max_seqs}) but the device "
+                f"has {_gib(free)} free of {_gib(st['bytes_limit'])}: use a quantized kv_cache_dtype, fewer "
+                "num_blocks or max_seqs, a shorter max_model_len, or more devices (tensor_parallel)")
+
+
+def _head_parallel(tensor_parallel, mesh) -> HeadParallel | None:
+    if mesh is not None:
+        if "tp" not in mesh.axis_names:
+            raise ValueError(f"mesh must have an axis named 'tp' to split heads over, got axes {mesh.axis_names}")
+        if tensor_parallel not in (1, mesh.shape["tp"]):
+            raise ValueError(f"tensor_parallel={tensor_parallel} disagrees with the mesh's tp axis of {mesh.shape['tp']}")
+        return HeadParallel(mesh) if mesh.shape["tp"] > 1 else None
+    if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel must be a positive int, got {tensor_parallel!r}")
+    if tensor_parallel == 1:
+        return None
+    devices = jax.devices()
+    if tensor_parallel > len(devices):
+        raise ValueError(f"tensor_parallel={tensor_parallel} needs that many devices; {len(devices)} are visible")
+    return HeadParallel(Mesh(np.array(devices[:tensor_parallel]), ("tp",)))
 
 
 class Engine:
@@ -173,17 +196,21 @@ class Engine:
     impl: decode attention ("auto": Pallas kernel on NVIDIA GPUs, reference elsewhere).
     calibration: a `kvarn_jax.Calibration` of all layers, for static schemes.
     decode_loop: how the decode step runs the layers (`ModelRunner`): "auto", "unroll" or "scan".
+    tensor_parallel: split attention heads, KV-cache heads and MLP units over this many devices (the
+      first ones of `jax.devices()`), or `mesh`: a `jax.sharding.Mesh` with a "tp" axis to split over.
+      Each step is still one compiled call, over the mesh.
     """
 
     def __init__(self, model: Decoder, *, kv_cache_dtype="kvarn_k4v2_g128", block_size: int = 128,
                  max_seqs: int = 8, max_model_len: int | None = None, num_blocks: int | None = None,
                  prefill_chunk: int = 512, prefill_batch: int = 8, impl: str = "auto", calibration=None,
-                 decode_loop: str = "auto"):
+                 decode_loop: str = "auto", tensor_parallel: int = 1, mesh=None):
         for name, val in (("block_size", block_size), ("max_seqs", max_seqs), ("prefill_chunk", prefill_chunk),
                           ("prefill_batch", prefill_batch)):
             if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
-        self.runner = ModelRunner(model, impl=impl, decode_loop=decode_loop)
+        self.runner = ModelRunner(model, impl=impl, decode_loop=decode_loop,
+                                  tp=_head_parallel(tensor_parallel, mesh))
         self.config = model.config
         cap = self.config.max_position_embeddings
         if max_model_len is None:
@@ -290,9 +317,14 @@ class Engine:
         """`kvarn_jax.memory_report` of a pool, summed over layers (creates the pool if needed).
 
         With per-layer schemes, "scheme" summarizes them ("per-layer: 16 x a, 14 x b") and
-        "layer_schemes" lists them; every byte count is the sum of the layers' own.
+        "layer_schemes" lists them; every byte count is the sum of the layers' own. "devices" and
+        "per_device_bytes": under tensor parallelism each device holds 1/devices of every buffer.
         """
-        return self.pool(kv_cache_dtype).caches.memory_report()
+        report = self.pool(kv_cache_dtype).caches.memory_report()
+        n = 1 if self.runner.tp is None else self.runner.tp.size
+        report["devices"] = n
+        report["per_device_bytes"] = report["total_bytes"] / n  # every buffer is split over the heads
+        return report
 
     def precompile(self, decode_batches: Sequence[int] | None = None, kv_cache_dtype=None) -> None:
         """Compile a pool's decode steps (and block commits) now rather than at their first use:

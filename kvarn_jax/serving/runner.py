@@ -30,10 +30,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..attention.paged_decode import IMPLS
 from ..cache.layers import LayerCaches
-from ..models.llama import LAYER_LOOPS, Decoder, DecodeBatch, PrefillBatch
+from ..cache import sharding as cache_sharding
+from ..cache.sharding import HeadParallel
+from ..models.llama import LAYER_LOOPS, Decoder, DecodeBatch, PrefillBatch, commit_blocks, head_parallel_specs
 from .sampling import sample_rows
 
 _COMPILED: dict = {}       # (kind, model structure, impl, static args, argument shapes) -> executable
@@ -58,7 +61,8 @@ def _u32(a):
 class ModelRunner:
     """Compiled prefill / decode / commit steps of one `Decoder` (weights shared by every cache)."""
 
-    def __init__(self, model: Decoder, *, impl: str = "auto", decode_loop: str = "auto"):
+    def __init__(self, model: Decoder, *, impl: str = "auto", decode_loop: str = "auto",
+                 tp: HeadParallel | None = None):
         if not isinstance(model, Decoder):
             raise TypeError(f"model must be a kvarn_jax.models.Decoder, got {type(model).__name__}")
         if impl not in IMPLS:
@@ -70,23 +74,41 @@ class ModelRunner:
         self.impl = impl
         self.stats = RunnerStats()
         self._model = model  # for cache creation
+        self.tp = tp
         self._graphdef, self._weights = nnx.split(model)
+        if tp is not None:  # each device holds its heads' and MLP units' part of the weights
+            tp.check(model.config)
+            self._weights = jax.device_put(self._weights, self._named(head_parallel_specs(model, tp.axis)))
         # GPUs read each layer's statically sliced weights in place; XLA's CPU backend copies them,
         # and compiles one loop body much faster than a body per layer
         self.decode_loop = decode_loop if decode_loop != "auto" else (
             "scan" if jax.default_backend() == "cpu" else "unroll")
-        self._structure = (self._graphdef, impl, self.decode_loop)
+        self._structure = (self._graphdef, impl, self.decode_loop, tp)
 
     @property
     def weights(self):
         """The model's state (every parameter; shared by every cache pool)."""
         return self._weights
 
+    def _named(self, specs):
+        return jax.tree.map(lambda s: NamedSharding(self.tp.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
     def new_caches(self, kv_cache_dtype, *, num_blocks: int, block_size: int, max_seqs: int,
                    calibration=None) -> LayerCaches:
-        """Empty caches of every layer (one scheme, or a sequence of one per layer)."""
-        return self._model.new_caches(kv_cache_dtype, num_blocks=num_blocks, block_size=block_size,
-                                      max_seqs=max_seqs, calibration=calibration)
+        """Empty caches of every layer (one scheme, or a sequence of one per layer); under tensor
+        parallelism created directly split over the devices (never whole on one)."""
+        def make():
+            return self._model.new_caches(kv_cache_dtype, num_blocks=num_blocks, block_size=block_size,
+                                          max_seqs=max_seqs, calibration=calibration)
+        if self.tp is None:
+            return make()
+        return jax.jit(make, out_shardings=cache_sharding.shardings(jax.eval_shape(make), self.tp.mesh,
+                                                                       self.tp.axis))()
+
+    def new_tokens(self, max_seqs: int):
+        """The per-slot last-token array (replicated under tensor parallelism)."""
+        z = jnp.zeros((max_seqs,), jnp.int32)
+        return z if self.tp is None else jax.device_put(z, NamedSharding(self.tp.mesh, P()))
 
     # ------------------------------------------------------------------ compiled functions
     def _executable(self, kind: str, fn, args, donate=(), static=()):
@@ -111,7 +133,8 @@ class ModelRunner:
         batch = DecodeBatch(tokens=last_tokens[jnp.clip(seq, 0, last_tokens.shape[0] - 1)],
                             positions=cols["positions"], slot_mapping=cols["slots"], seq_ids=seq,
                             block_tables=meta[:, len(DECODE_COLS):])
-        logits, caches = model.decode(caches, batch, impl=self.impl, commit=False, layer_loop=self.decode_loop)
+        logits, caches = model.decode(caches, batch, impl=self.impl, commit=False, layer_loop=self.decode_loop,
+                                      tp=self.tp)
         tok = sample_rows(logits, fmeta[:, 0], fmeta[:, 1], _u32(cols["seeds"]), cols["steps"], sampled)
         last_tokens = last_tokens.at[jnp.where(live, seq, last_tokens.shape[0])].set(tok, mode="drop")
         return tok, caches, last_tokens
@@ -123,15 +146,14 @@ class ModelRunner:
         batch = PrefillBatch(tokens=tokens, positions=cols["start"][:, None] + jnp.arange(c, dtype=jnp.int32)[None],
                              slot_mapping=slots, seq_ids=cols["seq_ids"], block_tables=meta[:, len(PREFILL_COLS):],
                              start=cols["start"], last=cols["last"])
-        logits, caches = model.prefill(caches, batch, layer_loop="scan")
+        logits, caches = model.prefill(caches, batch, layer_loop="scan", tp=self.tp)
         tok = sample_rows(logits, fmeta[:, 0], fmeta[:, 1], _u32(cols["seeds"]), cols["steps"], sampled)
         # a row whose prompt ends in this chunk hands its first generated token to the decode steps
         idx = jnp.where(cols["finishes"] > 0, cols["seq_ids"], last_tokens.shape[0])
         return tok, caches, last_tokens.at[idx].set(tok, mode="drop")
 
-    @staticmethod
-    def _commit_fn(caches, blocks):
-        return caches.commit(blocks[:, 0], blocks[:, 1], blocks[:, 2])
+    def _commit_fn(self, caches, blocks):
+        return commit_blocks(caches, blocks[:, 0], blocks[:, 1], blocks[:, 2], tp=self.tp)
 
     # ------------------------------------------------------------------ steps
     def decode(self, caches: LayerCaches, last_tokens, meta: np.ndarray, fmeta: np.ndarray):
