@@ -185,7 +185,7 @@ class KVQuantConfig:
             raise ValueError(
                 f"{arg}={block_size!r} cannot be used with {self.name}: it must be a multiple of the "
                 f"scheme's tile of {t} token(s) and at most 1024 (e.g. "
-                f"{', '.join(str(m) for m in (16, 64, 128, 256, 512, 1024) if m % t == 0 and m >= t][:3])})")
+                f"{', '.join([str(m) for m in (16, 64, 128, 256, 512, 1024) if m % t == 0 and m >= t][:3])})")
 
 
 def parse(spec: Union[str, KVQuantConfig]) -> KVQuantConfig:
