@@ -255,7 +255,7 @@ def _generate(args) -> int:
         print(f"  {which} stopped at the model's end-of-sequence token right away; try {hint}--ignore-eos "
               "(generate --max-new-tokens tokens regardless)")
     report = engine.memory_report()
-    print(f"memory: {_memory_line(report)} (pool sized to these requests: {blocks} pages)")
+    print(f"memory (pool sized to these requests, {blocks} page{'s' if blocks != 1 else ''}): {_memory_line(report)}")
     if report["capacity_vs_fp16"] < 1 and not all(c.is_passthrough for c in schemes):
         print("  (short sequences live in the high-precision sink and tail blocks, which dominate here; "
               "the saving grows with the number of full pages)")
