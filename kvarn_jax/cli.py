@@ -320,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "round-trip error of K, V and the attention output of each scheme on "
                                          "synthetic keys with outlier channels; the Pareto front of bits against "
                                          "attention error is marked. Real-model accuracy: `kvarn-jax eval`."))
-    s.add_argument("--kv-cache-dtype", default=DEFAULT_SCHEMES, metavar="SCHEMES", help="comma-separated scheme strings")
+    s.add_argument("--kv-cache-dtype", default=DEFAULT_SCHEMES, metavar="SCHEMES",
+                   help=f"comma-separated scheme strings {A.list_default(DEFAULT_SCHEMES)}")
     s.add_argument("--head-dim", type=A.positive_int, metavar="D", default=128, help="head size of the synthetic keys and values")
     s.add_argument("--tokens", type=A.positive_int, metavar="N", default=1024, help="synthetic tokens per kv head")
     s.add_argument("--json", metavar="FILE", help="also write the table as JSON")

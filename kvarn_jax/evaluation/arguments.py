@@ -12,13 +12,14 @@ from pathlib import Path
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Appends "(default: X)" to every option that has a default worth printing (not None, not a
-    False switch: their help says what happens without them); keeps descriptions' line breaks."""
+    False switch: their help says what happens without them) unless its help already says it (long
+    lists, written with spaces so they wrap); keeps the epilog's line breaks."""
 
     def _get_help_string(self, action):
         text = action.help or ""
         default = action.default
         if default is None or default is False or default is argparse.SUPPRESS or "%(default)" in text \
-                or not action.option_strings:
+                or "(default: " in text or not action.option_strings:
             return text
         return super()._get_help_string(action)
 
@@ -101,3 +102,8 @@ def parse_scheme(text: str, flag: str):
         msg = str(e)
         raise ValueError(flag + msg[len("kv_cache_dtype"):] if msg.startswith("kv_cache_dtype ")
                          else f"{flag}: {msg}") from None
+
+
+def list_default(text: str) -> str:
+    """'a,b,c' -> '(default: a, b, c)': a comma list that wraps between items in --help."""
+    return f"(default: {', '.join(text.split(','))})"

@@ -558,7 +558,8 @@ def register(subparsers) -> None:
                           "stored), and greedy agreement with an fp16 cache. Needs torch and transformers.",
                           EVAL_EPILOG))
     p.add_argument("--kv-cache-dtype", default=EVAL_SCHEMES, metavar="SCHEMES",
-                   help="comma-separated schemes or layer-scheme files (.json from `kvarn-jax tune`)")
+                   help="comma-separated schemes or layer-scheme files (.json from `kvarn-jax tune`) "
+                        + A.list_default(EVAL_SCHEMES))
     _model_args(p)
     p.add_argument("--tokens", type=A.positive_int, metavar="N", default=4096, help="tokens evaluated (a multiple of --window)")
     p.add_argument("--quantize-own-full-block", action="store_true",
@@ -579,7 +580,8 @@ def register(subparsers) -> None:
         **A.parser_kwargs("Relative error of K, V and the attention output of every layer and kv head on a real "
                           "model's activations, each scheme's bits beside its errors, and key channels with "
                           "outliers. Needs torch and transformers."))
-    p.add_argument("--kv-cache-dtype", default=ERROR_SCHEMES, metavar="SCHEMES", help="comma-separated schemes")
+    p.add_argument("--kv-cache-dtype", default=ERROR_SCHEMES, metavar="SCHEMES",
+                   help=f"comma-separated schemes {A.list_default(ERROR_SCHEMES)}")
     _model_args(p)
     p.add_argument("--tokens", type=A.positive_int, metavar="N", default=1024,
                    help="tokens of activations (a multiple of --window)")
@@ -601,7 +603,8 @@ def register(subparsers) -> None:
     p.add_argument("--model", default=None, metavar="PATH", help="Hugging Face checkpoint folder or .gguf file instead of a preset")
     p.add_argument("--gpu-mem", required=True, metavar="SIZE",
                    help="accelerator memory, e.g. 141GiB, 80GB (GiB = 2^30 bytes, GB = 10^9)")
-    p.add_argument("--kv-cache-dtype", default=CAPACITY_SCHEMES, metavar="SCHEMES", help="comma-separated schemes")
+    p.add_argument("--kv-cache-dtype", default=CAPACITY_SCHEMES, metavar="SCHEMES",
+                   help=f"comma-separated schemes {A.list_default(CAPACITY_SCHEMES)}")
     p.add_argument("--context", type=A.positive_int, metavar="TOKENS", default=32768, help="tokens per sequence for the max batch")
     p.add_argument("--block-size", type=A.block_size, metavar="TOKENS", default=128, help="cache block size in tokens")
     p.add_argument("--tail-blocks", type=int, choices=(1, 2), default=1,
@@ -628,7 +631,8 @@ def register(subparsers) -> None:
                    help="fail and write nothing unless the written config's perplexity increase stays within this, "
                         "e.g. 1%% or 0.01; default: no limit")
     from .tune import DEFAULT_CANDIDATES
-    p.add_argument("--candidates", default=",".join(DEFAULT_CANDIDATES), metavar="SCHEMES", help="comma-separated candidate schemes")
+    p.add_argument("--candidates", default=",".join(DEFAULT_CANDIDATES), metavar="SCHEMES",
+                   help=f"comma-separated candidate schemes {A.list_default(','.join(DEFAULT_CANDIDATES))}")
     _model_args(p)
     p.add_argument("--calib-tokens", type=A.positive_int, metavar="N", default=1024,
                    help="calibration tokens for the per-layer costs (taken after the checked tokens)")
