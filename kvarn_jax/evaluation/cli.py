@@ -27,12 +27,23 @@ CAPACITY_SCHEMES = "fp16,fp8,int8,int4,kivi_k2v2_g32,kvarn_k4v4_g128,kvarn_k4v2_
 COMMANDS = ("eval", "report-errors", "capacity", "tune")
 FRONT_MARK = "*"
 
-# How long `eval` runs (the --help estimate): SmolLM2-135M in fp32 on 2 shared CPU cores, measured
-# with this code (seconds per 1,000 teacher-forced tokens per configuration; per greedy step of
-# all rows; model load and first-use compilation).
-_SECONDS_PER_KTOK = 4.0
-_SECONDS_PER_STEP = 0.25
-_SECONDS_FIXED = 40
+# How long `eval` runs: SmolLM2-135M in fp32 on this project's 2-core machine with other jobs
+# running (load 5-8), fitted to measured runs: load and first compilations; seconds per 1,000
+# teacher-forced tokens per configuration; per greedy step, fixed and per (scheme, prompt) row.
+_FIXED_S, _PER_KTOK_S, _STEP_S, _STEP_ROW_S = 30.0, 10.0, 0.1, 0.012
+_ESTIMATE_PARAMS = 135e6
+
+
+def estimate_eval_seconds(tokens: int, configs: int, prompts: int, new_tokens: int, params: float = _ESTIMATE_PARAMS,
+                          ) -> float:
+    """Expected wall time of `eval` on 2 CPU cores, scaled linearly by the model's parameter count."""
+    work = tokens / 1000 * configs * _PER_KTOK_S + new_tokens * (_STEP_S + _STEP_ROW_S * prompts * configs)
+    return _FIXED_S + work * params / _ESTIMATE_PARAMS
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
 
 EVAL_EPILOG = f"""\
 What it runs: (--tokens / --window) windows, each once per configuration (the unquantized
@@ -41,13 +52,13 @@ reference and every scheme), batched up to 4,096 tokens per forward; then the gr
 scheme) and continued for --new-tokens steps, every scheme and the --greedy-reference in one batch,
 one token per step (the cache keeps every earlier token; nothing is recomputed).
 
-Run length, SmolLM2-135M on 2 CPU cores: about {_SECONDS_FIXED} s to load and compile, plus
-{_SECONDS_PER_KTOK:.0f} s per 1,000 tokens per configuration, plus {_SECONDS_PER_STEP} s per greedy step.
-  defaults (6 schemes, 4,096 tokens, 4 x 512 greedy tokens): about
-    {(_SECONDS_FIXED + 7 * 4.096 * _SECONDS_PER_KTOK + 512 * _SECONDS_PER_STEP) / 60:.0f} minutes
-  --tokens 1024 --window 512 --greedy-prompts 1 --new-tokens 32: about
-    {(_SECONDS_FIXED + 7 * 1.024 * _SECONDS_PER_KTOK + 32 * _SECONDS_PER_STEP) / 60:.0f} minutes
-A bigger model scales these with its parameter count. A progress bar shows the time left."""
+Run length, SmolLM2-135M on 2 busy CPU cores: about {_FIXED_S:.0f} s to load and compile, plus
+{_PER_KTOK_S:.0f} s per 1,000 tokens per configuration, plus {_STEP_S} s + {_STEP_ROW_S} s per row
+(prompt x configuration) per greedy step; a bigger model scales this with its parameters.
+  the defaults (6 schemes, 4,096 tokens, 4 prompts x 512 new tokens): about {_minutes(estimate_eval_seconds(4096, 7, 4, 512))}
+  --tokens 2048 --new-tokens 128: about {_minutes(estimate_eval_seconds(2048, 7, 4, 128))}
+  --tokens 1024 --window 512 --greedy-prompts 1 --new-tokens 32: about {_minutes(estimate_eval_seconds(1024, 7, 1, 32))}
+The run prints its own estimate once the model is loaded; progress bars show the time left."""
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -217,14 +228,17 @@ def _cmd_eval(args) -> int:
                              f"prompt per --window) need {need} tokens of text, it has {len(ids)}")
         prompts = torch.tensor([ids[i * args.window:i * args.window + args.prompt_tokens]
                                 for i in range(args.greedy_prompts)], dtype=torch.long)
+    model, tok, folder = load_model_and_tokenizer(args.model, tokenizer=tok)
+    geo = model_geometry(model)
     n_cfg = len(schemes) + 1
+    params = sum(p.numel() for p in model.parameters())
+    estimate = estimate_eval_seconds(args.tokens, n_cfg, args.greedy_prompts if greedy else 0,
+                                     args.new_tokens if greedy else 0, params)
     print(f"eval: {windows.shape[0]} window(s) x {args.window} tokens under {n_cfg} configurations (the "
           f"unquantized reference and {len(schemes)} scheme(s))" +
           (f"; greedy: {args.greedy_prompts} prompt(s) x {args.prompt_tokens} tokens, {args.new_tokens} steps of "
-           f"{args.greedy_prompts * n_cfg} rows ({greedy_ref} reference + each scheme)" if greedy else ""),
-          flush=True)
-    model, tok, folder = load_model_and_tokenizer(args.model, tokenizer=tok)
-    geo = model_geometry(model)
+           f"{args.greedy_prompts * n_cfg} rows ({greedy_ref} reference + each scheme)" if greedy else "") +
+          f". Expect about {_minutes(estimate)} on 2 CPU cores ({params / 1e6:.0f}M parameters).", flush=True)
     _check_block_size(schemes, args.block_size, geo["head_dim"])
     progress = not args.no_progress
     ppl = evaluate_perplexity(model, windows, schemes, block_size=args.block_size,

@@ -124,8 +124,9 @@ def evaluate_perplexity(model, windows: torch.Tensor,
     accs = {name: _Accumulator() for name in configs}
     n, t = windows.shape
     per_batch = max(1, max_batch_tokens // t)
-    bar = tqdm(total=n * t * len(configs), desc=f"perplexity ({len(configs)} configs x {n} windows)", unit="tok",
-               unit_scale=True, disable=not progress)
+    # progress in tokens, counted twice: once through the decoder, once through the output head
+    bar = tqdm(total=2 * n * t * len(configs), desc=f"perplexity ({len(configs)} configs x {n} windows)",
+               unit="tok", unit_scale=True, disable=not progress)
     with torch.no_grad():
         for start in range(0, n, per_batch):
             x = windows[start:start + per_batch]
@@ -137,6 +138,7 @@ def evaluate_perplexity(model, windows: torch.Tensor,
                     hidden[name] = decoder(input_ids=x, use_cache=False).last_hidden_state[:, :-1].flatten(0, 1)
                 bar.update(x.numel())
             targets = x[:, 1:].flatten()
+            bar.set_postfix_str("output head")
             for a in range(0, targets.shape[0], _Accumulator.ROWS):
                 sl = slice(a, a + _Accumulator.ROWS)
                 ref_lp = torch.log_softmax(head(hidden[REFERENCE][sl]).float(), dim=-1)
@@ -144,6 +146,8 @@ def evaluate_perplexity(model, windows: torch.Tensor,
                 for name, h in hidden.items():
                     lp = ref_lp if name == REFERENCE else head(h[sl])
                     accs[name].add(lp, targets[sl], ref_lp, ref_top)
+                bar.update(len(configs) * targets[sl].shape[0])
+            bar.update(len(configs) * x.shape[0])   # the last position of each window predicts nothing
             del hidden
     bar.close()
     return {name: acc.result(name) for name, acc in accs.items()}
