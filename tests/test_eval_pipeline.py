@@ -56,7 +56,8 @@ def test_eval_end_to_end(folder, tmp_path, capsys):
                "--kv-cache-dtype", f"int8,int2_g32,fp16,{layers}", "--greedy-prompts", "2", "--prompt-tokens", "40",
                "--new-tokens", "24", "--json", str(out), "--plot", str(png), "--no-progress"])
     assert rc == 0
-    assert "int2_g32" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "int2_g32" in text and "KL (nats)" in text and "front" in text and "Expect about" in text
     doc = json.loads(out.read_text())
     ref = doc["reference"]
     assert ref["tokens"] == 2 * 191
@@ -78,6 +79,11 @@ def test_eval_end_to_end(folder, tmp_path, capsys):
     assert rows["fp16"]["first_divergence"] == [24, 24] and rows["fp16"]["identical_fraction"] == 1.0
     assert 0 <= rows["int2_g32"]["identical_fraction"] <= 1
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    for name, r in rows.items():   # the Pareto front of bits vs KL, computed independently
+        assert r["kl_mean"] >= 0
+        dominated = any(o["bits_per_element"] <= r["bits_per_element"] and o["kl_mean"] < r["kl_mean"]
+                        for o in rows.values() if o is not r)
+        assert r["pareto_front"] == (not dominated), name
 
 
 def test_eval_rejects_bad_arguments(folder, capsys):
