@@ -14,6 +14,9 @@ from kvarn_jax.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Once upon a time", "The capital of France is"]
+LONG_PROMPT = ("The history of the Roman Empire spans more than a thousand years, from the founding of the city to the "
+               "fall of Constantinople. Historians divide it into the Republic, the Principate and the Dominate, and "
+               "each period had its own institutions, wars and culture. Write a summary of the main events.")
 MIB = 2 ** 20
 # SmolLM2-135M: 30 layers x 3 KV heads x head_dim 64
 LAYERS, HEADS, D = 30, 3, 64
@@ -111,6 +114,16 @@ def test_generate_prints_text_rates_and_memory(tmp_path):
         assert main(["generate", PROMPTS[0], "--max-new-tokens", "1", "--quiet"]) == 0
     text = buf.getvalue()
     assert "nan" not in text and "decode: none (every sequence ended with the token prefill produced)" in text
+    assert "(1 token, finish: length)" in text and "stopped at the model's end-of-sequence" not in text
+
+    # a bare instruction without --chat: SmolLM2-Instruct answers with its end-of-text token at once;
+    # the output says so and what to do instead of reporting a rate of nothing
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["generate", LONG_PROMPT, "--max-new-tokens", "8", "--quiet"]) == 0
+    text = buf.getvalue()
+    assert "(1 token, finish: stop)" in text and "nan" not in text
+    assert "decode: none" in text and "[0] stopped at the model's end-of-sequence token right away; try --chat" in text
 
 
 def test_layer_config_and_kv_cache_dtype_together_are_refused(tmp_path, capsys):

@@ -101,6 +101,8 @@ def _check_inputs(args, *outputs) -> None:
     for flag in outputs:
         A.writable_path(getattr(args, flag.lstrip("-").replace("-", "_")), flag)
     A.check_plot_backend(getattr(args, "plot", None))
+    if args.window < 2:
+        raise ValueError(f"--window {args.window}: a window needs at least 2 tokens (one predicts the next)")
     if args.tokens % args.window:
         raise ValueError(f"--tokens {args.tokens} must be a multiple of --window {args.window}")
 
@@ -667,6 +669,8 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
+    import os
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # see kvarn_jax.cli.main
     parser = argparse.ArgumentParser(prog="kvarn-jax", **A.parser_kwargs(__doc__.split("\n")[0]))
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)
