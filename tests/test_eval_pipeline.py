@@ -93,6 +93,16 @@ def test_eval_rejects_bad_arguments(folder, capsys):
     assert main(["eval", "--model", str(folder), "--kv-cache-dtype", "int8,kvarn_k4v2_g128", "--block-size", "64"]) == 2
     assert "kvarn_k4v2_g128: --block-size=64" in capsys.readouterr().err
     assert main(["eval", "--model", str(folder / "nope")]) == 2
+    assert f"--model '{folder / 'nope'}' does not exist" in capsys.readouterr().err
+    assert main(["eval", "--model", str(folder), "--kv-cache-dtype", "int8_static"]) == 2
+    assert "int8_static needs a calibration" in capsys.readouterr().err
+    assert main(["eval", "--model", str(folder), "--text", str(folder / "none.txt")]) == 2
+    assert "--text" in capsys.readouterr().err
+    three = folder.parent / "three.json"
+    write_layer_config(three, ["int8"] * 3, block_size=32)
+    assert main(["eval", "--model", str(folder), "--kv-cache-dtype", str(three), "--block-size", "32", "--tokens",
+                 "192", "--window", "192"]) == 2
+    assert "three: the layer-scheme file has 3 layers but the model has 2" in capsys.readouterr().err
     assert main(["eval", "--model", str(folder), "--tokens", "99999744", "--window", "192"]) == 2
     assert "tokens" in capsys.readouterr().err
 

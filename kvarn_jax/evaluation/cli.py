@@ -79,16 +79,24 @@ def _scheme_entries(text: str, arg: str = "--kv-cache-dtype") -> dict:
     return out
 
 
-def _check_block_size(schemes: dict, block_size: int, head_dim=None) -> None:
-    """Every scheme (or layer of a per-layer entry) takes --block-size (and the model's head_dim)."""
+def _check_schemes(schemes: dict, block_size: int, geo=None) -> None:
+    """Every scheme (or layer of a per-layer entry) is dynamic and takes --block-size; with the
+    model's geometry, its head_dim too, and a per-layer entry has one scheme per layer."""
     import kvarn_jax as kj
 
     for name, scheme in schemes.items():
+        if geo is not None and isinstance(scheme, list) and len(scheme) != geo["num_layers"]:
+            raise ValueError(f"{name}: the layer-scheme file has {len(scheme)} layers but the model has "
+                             f"{geo['num_layers']}")
         for s in scheme if isinstance(scheme, list) else [scheme]:
+            cfg = kj.parse(s)
             try:
-                kj.parse(s).check_block_size(block_size, "--block-size")
-                if head_dim is not None:
-                    kj.parse(s).check_head_dim(head_dim, "the model's head_dim")
+                if cfg.static:
+                    raise ValueError(f"{cfg.name} needs a calibration (static scales); the evaluation tools take "
+                                     "dynamic schemes")
+                cfg.check_block_size(block_size, "--block-size")
+                if geo is not None:
+                    cfg.check_head_dim(geo["head_dim"], "the model's head_dim")
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
 
@@ -214,7 +222,7 @@ def _cmd_eval(args) -> int:
 
     schemes = _scheme_entries(args.kv_cache_dtype)
     greedy_ref = A.parse_scheme(args.greedy_reference, "--greedy-reference").name
-    _check_block_size({**schemes, greedy_ref: greedy_ref}, args.block_size)
+    _check_schemes({**schemes, greedy_ref: greedy_ref}, args.block_size)
     _check_inputs(args, "--json", "--plot")
     greedy = args.new_tokens > 0 and args.greedy_prompts > 0
     _setup_torch(args.threads)
@@ -241,7 +249,7 @@ def _cmd_eval(args) -> int:
           (f"; greedy: {args.greedy_prompts} prompt(s) x {args.prompt_tokens} tokens, {args.new_tokens} steps of "
            f"{args.greedy_prompts * n_cfg} rows ({greedy_ref} reference + each scheme)" if greedy else "") +
           f". Expect about {_minutes(estimate)} on 2 CPU cores ({params / 1e6:.0f}M parameters).", flush=True)
-    _check_block_size(schemes, args.block_size, geo["head_dim"])
+    _check_schemes(schemes, args.block_size, geo)
     progress = not args.no_progress
     ppl = evaluate_perplexity(model, windows, schemes, block_size=args.block_size,
                               quantize_own_full_block=args.quantize_own_full_block, progress=progress)
@@ -319,7 +327,7 @@ def _cmd_report_errors(args) -> int:
     if any(isinstance(s, list) for s in schemes.values()):
         raise ValueError("--kv-cache-dtype: report-errors takes scheme strings (it measures each scheme on every "
                          "layer), not layer-scheme files")
-    _check_block_size(schemes, args.block_size)
+    _check_schemes(schemes, args.block_size)
     _check_inputs(args, "--json", "--plot")
     if args.window < 3 * args.block_size:
         raise ValueError(f"--window {args.window} holds fewer than 3 blocks of --block-size {args.block_size} (a "
@@ -329,7 +337,7 @@ def _cmd_report_errors(args) -> int:
     windows, _, _ = _windows(args, tok, args.tokens)
     model, tok, folder = load_model_and_tokenizer(args.model, tokenizer=tok)
     geo = model_geometry(model)
-    _check_block_size(schemes, args.block_size, geo["head_dim"])
+    _check_schemes(schemes, args.block_size, geo)
     acts = capture_activations(model, windows, block_size=args.block_size)
     report = error_report(acts, list(schemes), block_size=args.block_size, outlier_ratio=args.outlier_ratio,
                           progress=not args.no_progress)
@@ -473,7 +481,7 @@ def _cmd_tune(args) -> int:
     candidates = list(_scheme_entries(args.candidates, "--candidates"))
     if any(not isinstance(c, str) for c in candidates):
         raise ValueError("--candidates takes scheme strings, not layer-scheme files")
-    _check_block_size({c: c for c in candidates}, args.block_size)
+    _check_schemes({c: c for c in candidates}, args.block_size)
     _check_inputs(args, "--out")
     if args.calib_tokens % args.window:
         raise ValueError(f"--calib-tokens {args.calib_tokens} must be a multiple of --window {args.window}")
@@ -487,7 +495,7 @@ def _cmd_tune(args) -> int:
     model, tok, folder = load_model_and_tokenizer(args.model, tokenizer=tok)
     geo = model_geometry(model)
     d = geo["head_dim"]
-    _check_block_size({c: c for c in candidates}, args.block_size, d)
+    _check_schemes({c: c for c in candidates}, args.block_size, geo)
     cheapest = min(candidates, key=lambda c: bits_per_element(c, d))
     if bits_per_element(cheapest, d) > args.budget_bits + 1e-9:
         raise ValueError(f"--budget-bits {args.budget_bits} is below the cheapest candidate {cheapest} "
