@@ -118,7 +118,7 @@ def _fp32_cache(kj, k, v, nb, bs, heads, d):
     return kj.write(c, jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32), jnp.arange(t, dtype=jnp.int32))
 
 
-def _check_generate_args(args) -> list:
+def _check_generate_args(args) -> tuple:
     """Everything about `generate`'s flags that can be checked without the model; returns the
     per-layer schemes (or None) and the distinct schemes."""
     import kvarn_jax as kj
