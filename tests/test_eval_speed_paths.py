@@ -26,6 +26,10 @@ def test_batched_greedy_equals_one_kvarn_cache_loop_per_scheme():
         assert g.shape == (2, 60)
         assert torch.equal(g, want), scheme
     assert not torch.equal(got[0], got[2])   # int2 does change the tokens: the comparison can fail
+    # a prompt whose prefill already fills two blocks after the sink
+    y = torch.randint(0, 97, (1, 3 * BS + 5), generator=torch.Generator().manual_seed(6))
+    (g,) = greedy_continuations(model, y, ["int2_g32"], 12, block_size=BS)
+    assert torch.equal(g, greedy_continuation(model, y, "int2_g32", 12, block_size=BS))
     res = evaluate_agreement(model, x, {"int2_g32": "int2_g32", "mixed": ["int8", "int2_g32"]}, 60,
                              reference="fp16", block_size=BS, progress=False)
     assert res["int2_g32"] == compare_continuations("int2_g32", loops[2], loops[0])
