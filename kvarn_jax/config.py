@@ -184,7 +184,8 @@ class KVQuantConfig:
         if not isinstance(block_size, int) or block_size <= 0 or block_size > 1024 or block_size % t:
             raise ValueError(
                 f"{arg}={block_size!r} cannot be used with {self.name}: it must be a multiple of the "
-                f"scheme's tile of {t} token(s) and at most 1024 (e.g. {max(t, 16)}, {max(t, 128)}, 256)")
+                f"scheme's tile of {t} token(s) and at most 1024 (e.g. "
+                f"{', '.join([str(m) for m in (16, 64, 128, 256, 512, 1024) if m % t == 0 and m >= t][:3])})")
 
 
 def parse(spec: Union[str, KVQuantConfig]) -> KVQuantConfig:

@@ -178,7 +178,7 @@ def test_config_rejects_what_the_model_does_not_implement():
                        ({"num_key_value_heads": 3, "num_attention_heads": 4, "hidden_size": 8}, "multiple")):
         with pytest.raises(ValueError, match=match):
             LlamaConfig.from_hf({**base, **bad})
-    with pytest.raises(ValueError, match="neither"):
+    with pytest.raises(ValueError, match="does not exist"):
         load_model("/nonexistent/path")
     with pytest.raises(ValueError, match="dtype"):
         load_model(None, dtype="int8")
