@@ -121,6 +121,8 @@ def _fp32_cache(kj, k, v, nb, bs, heads, d):
 def _check_generate_args(args) -> tuple:
     """Everything about `generate`'s flags that can be checked without the model; returns the
     per-layer schemes (or None) and the distinct schemes."""
+    import jax
+
     import kvarn_jax as kj
     from kvarn_jax.layer_config import load_layer_config
 
@@ -129,6 +131,9 @@ def _check_generate_args(args) -> tuple:
             raise ValueError(f"PROMPT {i} ({p!r}) is empty: give some text" if len(args.prompt) > 1
                              else f"PROMPT {p!r} is empty: give some text")
     A.check_model(args.model)
+    if args.tensor_parallel > len(jax.devices()):
+        raise ValueError(f"--tensor-parallel {args.tensor_parallel} needs that many devices; {len(jax.devices())} "
+                         f"are visible ({jax.default_backend()})")
     A.writable_path(args.json, "--json")
     if args.seed + len(args.prompt) - 1 >= 2 ** 32:
         raise ValueError(f"--seed {args.seed}: prompt i samples with --seed + i, which must stay below 2**32")
@@ -216,7 +221,7 @@ def _generate(args) -> int:
     kv = schemes[0] if layers is None else layers
     engine = Engine(model, kv_cache_dtype=kv, block_size=args.block_size, max_seqs=len(prompts),
                     max_model_len=max_len, num_blocks=blocks, prefill_chunk=args.prefill_chunk,
-                    prefill_batch=len(prompts), impl=args.impl)
+                    prefill_batch=len(prompts), impl=args.impl, tensor_parallel=args.tensor_parallel)
     attns = {c.name: decode_impl(c, args.block_size, mc.head_dim, args.impl, backend=backend)[0] for c in schemes}
     attn = attns[schemes[0].name] if len(set(attns.values())) == 1 else attns
     name = folder.name if args.model else f"{DEFAULT_MODEL} (default)"
@@ -304,6 +309,8 @@ def _add_generate_parser(sub) -> None:
                         "and TPUs)")
     g.add_argument("--prefill-chunk", type=A.positive_int, metavar="TOKENS", default=512,
                    help="prompt tokens per sequence per prefill call")
+    g.add_argument("--tensor-parallel", type=A.positive_int, metavar="DEVICES", default=1,
+                   help="split attention heads, KV-cache heads and MLP units over this many devices")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
