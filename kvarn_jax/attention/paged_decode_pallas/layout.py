@@ -136,9 +136,10 @@ class LayoutPlan:
     """
 
     def __init__(self, cfg: KVQuantConfig, head_dim: int, tile_tokens: int, unpack: str = "magic",
-                 fold: bool = False, sums: str = "reduce"):
+                 fold: str = "none", sums: str = "reduce"):
         self.cfg, self.d, self.t = cfg, head_dim, tile_tokens
-        self.fold, self.sums = fold, sums
+        # fold: which products take biased codes (`launch.Launch`: "none", "keys" or "all")
+        self.fold, self.value_fold, self.sums = fold in ("keys", "all"), fold == "all", sums
         self.planes = planes_ptx if unpack == "asm" else jnp_planes
         self.tiled = cfg.method in ("kvarn", "kivi")
         self.kc = 8 // cfg.k_bits if self.tiled else 1
@@ -272,7 +273,7 @@ class LayoutPlan:
         """Tokens-major values of a per-token scheme: probabilities [T, Gp] -> list over channel planes
         of [D / vp, Gp], with V[t, d] = c[t, d]·s[t] + z[t]:
             Σ_t p[t]·V[t, d] = Σ_t (p[t]·s[t])·c[t, d] + Σ_t p[t]·z[t]
-        (with `fold`, the biased planes' 2^(10 - n·b)·Σ_t p16 removed as well)."""
+        (with `value_fold`, the biased planes' 2^(10 - n·b)·Σ_t p16 removed as well)."""
         cfg, vp = self.cfg, self.vp
         f = pages["v"]
         sc = f["scale"][blk, sub].astype(jnp.float32)
@@ -280,13 +281,13 @@ class LayoutPlan:
             return [dot(fp8_codes(f["codes"][blk, :, sub]), f16(p * sc[:, None]), min_n=8)]  # codes [D, T]
         p16 = f16(p * sc)                                                  # [T, 1] scales
         pz = p * f["zero"][blk, sub].astype(jnp.float32)
-        planes = self.planes(f["codes"][blk, :, sub], cfg.v_bits, biased=self.fold)  # vp x [D/vp, T]
+        planes = self.planes(f["codes"][blk, :, sub], cfg.v_bits, biased=self.value_fold)  # vp x [D/vp, T]
         corr = self.value_corrections(pz, p16, planes[0].shape[0])
         return [dot(planes[n], p16, min_n=8) + corr[n] for n in range(vp)]
 
     def value_corrections(self, pz, p16, rows: int):
         """What the tokens-major value products [rows, Gp] of a tile leave out, per channel plane n:
-        Σ_t p·z (pz: p·z per token, [T, Gp] fp32), and with `fold` minus 2^(10 - n·b)·Σ_t p16 (the
+        Σ_t p·z (pz: p·z per token, [T, Gp] fp32), and with `value_fold` minus 2^(10 - n·b)·Σ_t p16 (the
         biased planes' magic times the fp16 probabilities the products saw). sums="mma": as
         products ones [rows, T] @ x, which leave every row holding the sum in the outputs' layout;
         "reduce": jnp sums as [1, Gp]."""
@@ -294,11 +295,11 @@ class LayoutPlan:
         if self.sums == "mma":
             ones = jnp.ones((rows, pz.shape[0]), jnp.float16)
             zrows = dot(ones, f16(pz), min_n=8)
-            srows = dot(ones, p16, min_n=8) if self.fold else None
-            return [zrows - m * srows if self.fold else zrows for m in magic]
+            srows = dot(ones, p16, min_n=8) if self.value_fold else None
+            return [zrows - m * srows if self.value_fold else zrows for m in magic]
         zp = jnp.sum(pz, axis=0)[None, :]
-        psum = jnp.sum(p16.astype(jnp.float32), axis=0)[None, :] if self.fold else None
-        return [zp - m * psum if self.fold else zp for m in magic]
+        psum = jnp.sum(p16.astype(jnp.float32), axis=0)[None, :] if self.value_fold else None
+        return [zp - m * psum if self.value_fold else zp for m in magic]
 
     # ---------------------------------------------------------------- tokens-major (tiled schemes)
     def tile_query(self, q, pages, blk, sub, z=None):
@@ -371,7 +372,7 @@ class LayoutPlan:
         else:
             st = None
         if st is not None:
-            planes = self.planes(codes, cfg.v_bits, biased=self.fold)       # vp x [D/vp, G/parts]
+            planes = self.planes(codes, cfg.v_bits, biased=self.value_fold)  # vp x [D/vp, G/parts]
             p16 = f16(p * st.astype(jnp.float32)[:, None])
             corr = self.value_corrections(p * zt.astype(jnp.float32)[:, None], p16, planes[0].shape[0])
             out = [dot(planes[n], p16, min_n=8) + corr[n] for n in range(vp)]
