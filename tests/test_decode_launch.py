@@ -51,8 +51,8 @@ def test_merge_launch_reads_the_table():
                                          q_in_kernel=True, chunk=None)),
     ("kvarn_k4v2_g128", 128, 4096, dict(num_splits=1, merge="kernel")),
     ("kvarn_k4v4_g128", 1, 131072, dict(num_warps=2, maxnreg=128, num_stages=2, merge="xla", q_in_kernel=False)),
-    ("int8", 8, 16384, dict(num_warps=2, orient="tokens", chunk=128, fold=True, sums="mma")),
-    ("fp8", 8, 16384, dict(num_warps=2, orient="heads", chunk=128, fold=False, sums="reduce")),
+    ("int8", 8, 16384, dict(num_warps=2, orient="tokens", chunk=128, fold="keys", sums="mma")),
+    ("fp8", 8, 16384, dict(num_warps=2, orient="heads", chunk=128, fold="none", sums="reduce")),
 ])
 def test_resolve_launch_decides_every_option(cfg, batch, ctx, want):
     shape = pdp.CallShape(batch=batch, q_heads=32, kv_heads=8, head_dim=128, block_size=128,

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from ..config import KVQuantConfig
 from ..hadamard import rotate, unrotate
+from ..schemes.arith import saturate
 from ..impl import IMPLS, check_impl, resolve_impl  # noqa: F401  (IMPLS: the model and runner import it from here)
 from ..validation import require_compiled_backend
 from . import paged_decode_pallas, paged_decode_tpu
@@ -96,4 +97,4 @@ def _pallas(q, cache, block_tables, seq_lens, seq_ids, *, scale, window, interpr
                                                     launch=paged_decode_pallas.Launch(num_splits=num_splits))
     if cache.cfg.rotated:
         o = unrotate(o)
-    return o.astype(q.dtype)
+    return saturate(o, q.dtype)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from ..cache.paged import PagedKVCache, check_read_args, gather_dense
 from ..hadamard import rotate, unrotate
+from ..schemes.arith import saturate
 from ..validation import check_array, check_finite
 
 
@@ -80,5 +81,5 @@ def attend(q, cache, block_tables, seq_lens, scale, seq_ids, window, rotated_io)
     o = o.reshape(nbt, hq, d)
     if cache.cfg.rotated and not rotated_io:
         o = unrotate(o)
-    return o.astype(q.dtype)
+    return saturate(o, q.dtype)
 

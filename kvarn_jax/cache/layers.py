@@ -10,7 +10,9 @@ parameters stacked beside the group.
 
 `stage`/`gather_dense`/`read_view` take layer-local ids (as the page table holds them) and a layer:
 a static index, or (group, index in the group) with a traced index; `write_all` stores tokens and
-`commit` quantizes completed blocks of every layer at once. A group's buffers stay under 2^31
+`commit` quantizes completed blocks of every layer at once. Writes count, per sequence slot, the
+tokens with a NaN or Inf key or value (`nonfinite`; stored as zeros, see `kvarn_jax.storage`), so
+that a server can tell which request's model output went bad. A group's buffers stay under 2^31
 elements (the kernels' 32-bit offsets): a scheme's layers are split into several groups if needed.
 """
 
@@ -37,10 +39,13 @@ class LayerCaches:
     """groups[g]: one `PagedKVCache` holding all layers of scheme g (num_blocks and max_seqs are the
     per-layer sizes times the group's layer count); statics[g]: those layers' static parameters
     stacked [n, ...] (None for dynamic schemes); layer_group / layer_index: where each decoder layer
-    lives. num_blocks, max_seqs: the sizes of one layer."""
+    lives. num_blocks, max_seqs: the sizes of one layer. nonfinite: int32 [max_seqs], per sequence
+    slot, the (token, layer) pairs written with a non-finite key or value (never reset: compare
+    before and after a step)."""
 
     groups: tuple
     statics: tuple
+    nonfinite: jnp.ndarray
     layer_group: tuple = dataclasses.field(metadata=dict(static=True))
     layer_index: tuple = dataclasses.field(metadata=dict(static=True))
     num_blocks: int = dataclasses.field(metadata=dict(static=True))
@@ -100,8 +105,8 @@ class LayerCaches:
                 except ValueError as e:
                     raise ValueError(f"layer {i}: {e}") from None
             statics.append(jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer))
-        return cls(groups=tuple(groups), statics=tuple(statics), layer_group=layer_group,
-                   layer_index=layer_index, num_blocks=num_blocks, max_seqs=max_seqs)
+        return cls(groups=tuple(groups), statics=tuple(statics), nonfinite=jnp.zeros((max_seqs,), jnp.int32),
+                   layer_group=layer_group, layer_index=layer_index, num_blocks=num_blocks, max_seqs=max_seqs)
 
     # ---------------------------------------------------------------- facts
     @property
@@ -134,8 +139,17 @@ class LayerCaches:
 
     @property
     def dropped_tokens(self) -> jnp.ndarray:
-        """Tokens any layer's jitted writes could not store (see `PagedKVCache.dropped_tokens`)."""
+        """(token, layer) pairs the writes did not store as given (see `PagedKVCache.dropped_tokens`);
+        those with a non-finite value are also counted in `nonfinite`."""
         return sum(c.dropped_tokens for c in self.groups)
+
+    def _count_nonfinite(self, k, v, slot_mapping, seq_ids) -> jnp.ndarray:
+        """`nonfinite` plus the tokens of k, v ([..., tokens, Hk, D]; leading axes: layers) stored with
+        a NaN or Inf (those the cache writes count: a slot and a sequence slot in range)."""
+        bad = jnp.any(~jnp.isfinite(k), axis=(-1, -2)) | jnp.any(~jnp.isfinite(v), axis=(-1, -2))
+        bad = bad.reshape(-1, bad.shape[-1]).sum(0, dtype=jnp.int32)           # per token, over layers
+        ok = (slot_mapping >= 0) & (seq_ids >= 0) & (seq_ids < self.max_seqs)
+        return self.nonfinite.at[jnp.where(ok, seq_ids, self.max_seqs)].add(bad, mode="drop")
 
     # ---------------------------------------------------------------- one layer
     def locate(self, layer):
@@ -168,7 +182,8 @@ class LayerCaches:
         """`paged.stage_tokens` into one layer (the decode step's write; blocks committed later)."""
         cache, boff, soff = self.layer_cache(layer)
         slots, sid = self._ids(cache, boff, soff, slot_mapping, seq_ids)
-        return self._replace(layer, paged.stage_tokens(cache, k, v, slots, seq_ids=sid, positions=positions))
+        out = self._replace(layer, paged.stage_tokens(cache, k, v, slots, seq_ids=sid, positions=positions))
+        return dataclasses.replace(out, nonfinite=self._count_nonfinite(k, v, slot_mapping, seq_ids))
 
     def write_all(self, k, v, slot_mapping, seq_ids, positions, *, max_completed: int,
                   quantizer: str = "auto") -> "LayerCaches":
@@ -202,7 +217,8 @@ class LayerCaches:
                                            max_completed=max_completed)
                 return dataclasses.replace(lc, static=None), None
             groups[g] = jax.lax.scan(one, cache, (jnp.arange(len(layers)), kg, vg))[0]
-        return dataclasses.replace(self, groups=tuple(groups))
+        return dataclasses.replace(self, groups=tuple(groups),
+                                   nonfinite=self._count_nonfinite(k, v, slot_mapping, seq_ids))
 
     def read_view(self, layer, block_tables, seq_ids):
         """(cache, block_tables, seq_ids) that address `layer` in its group: the arguments that

@@ -81,6 +81,15 @@ class HeadParallel:
                                  f"{getattr(cfg, name)}: heads and MLP units are split evenly over devices")
 
 
+def _agree(caches: LayerCaches, axis: str) -> LayerCaches:
+    """The replicated counters made equal on every device (they count per token, and a token's heads
+    live on several devices): a non-finite key or value seen on one device's heads counts everywhere."""
+    if isinstance(caches, PagedKVCache):
+        return dataclasses.replace(caches, dropped_tokens=jax.lax.pmax(caches.dropped_tokens, axis))
+    return dataclasses.replace(caches, nonfinite=jax.lax.pmax(caches.nonfinite, axis),
+                               groups=tuple(_agree(c, axis) for c in caches.groups))
+
+
 def on_heads(tp: HeadParallel | None, fn, args, kinds, out_kinds):
     """fn(*args), run on each device's own heads when `tp` is given (`jax.shard_map`; no
     communication). kinds / out_kinds per argument / result: "caches" (a `LayerCaches`, split on its
@@ -100,7 +109,7 @@ def on_heads(tp: HeadParallel | None, fn, args, kinds, out_kinds):
         xs = [local(x, tp.size) if k == "caches" else x for k, x in zip(kinds, xs)]
         out = fn(*xs)
         out = out if isinstance(out, tuple) else (out,)
-        return tuple(global_(o, tp.size) if k == "caches" else o for k, o in zip(out_kinds, out))
+        return tuple(_agree(global_(o, tp.size), tp.axis) if k == "caches" else o for k, o in zip(out_kinds, out))
     out = jax.shard_map(local_fn, mesh=tp.mesh, in_specs=tuple(spec(k, a) for k, a in zip(kinds, args)),
                         out_specs=tuple(spec(k) for k in out_kinds), check_vma=False)(*args)
     return out if len(out_kinds) > 1 else out[0]

@@ -39,6 +39,7 @@ from typing import Sequence
 
 import jax
 import numpy as np
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from ..config import KVQuantConfig
@@ -61,14 +62,16 @@ def blocks_needed(prompt_len: int, max_new_tokens: int, block_size: int, max_mod
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-    """A finished request. finish_reason: "stop" (a stop token, kept as the last output token) or
-    "length" (max_new_tokens or max_model_len reached). kv_cache_dtype: see `scheme_name`."""
+    """A finished request. finish_reason: "stop" (a stop token, kept as the last output token),
+    "length" (max_new_tokens or max_model_len reached) or "error" (then `error` says why; output_ids
+    holds the tokens generated before it). kv_cache_dtype: see `scheme_name`."""
 
     request_id: int
     prompt_ids: tuple
     output_ids: tuple
     finish_reason: str
     kv_cache_dtype: "str | tuple"  # the scheme's name, or a tuple of per-layer names for per-layer schemes
+    error: "str | None" = None
 
 
 @dataclasses.dataclass
@@ -199,12 +202,17 @@ class Engine:
     tensor_parallel: split attention heads, KV-cache heads and MLP units over this many devices (the
       first ones of `jax.devices()`), or `mesh`: a `jax.sharding.Mesh` with a "tp" axis to split over.
       Each step is still one compiled call, over the mesh.
+    debug: after every step, read the caches' count of tokens not stored as given
+      (`LayerCaches.dropped_tokens`, less the non-finite ones, which finish their request with
+      finish_reason="error") and raise RuntimeError if it grew. Waits for each step: slower.
+    A request whose model output put a NaN or Inf into the cache (any layer's key or value; stored
+    as zeros, so its neighbours in the batch are untouched) finishes with finish_reason="error".
     """
 
     def __init__(self, model: Decoder, *, kv_cache_dtype="kvarn_k4v2_g128", block_size: int = 128,
                  max_seqs: int = 8, max_model_len: int | None = None, num_blocks: int | None = None,
                  prefill_chunk: int = 512, prefill_batch: int = 8, impl: str = "auto", calibration=None,
-                 decode_loop: str = "auto", tensor_parallel: int = 1, mesh=None):
+                 decode_loop: str = "auto", tensor_parallel: int = 1, mesh=None, debug: bool = False):
         for name, val in (("block_size", block_size), ("max_seqs", max_seqs), ("prefill_chunk", prefill_chunk),
                           ("prefill_batch", prefill_batch)):
             if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
@@ -233,6 +241,10 @@ class Engine:
         self._inflight: list = []      # what the last step dispatched, collected by the next step
         self._last_arrival = None      # (time, compile seconds) when the previous step's tokens arrived
         self.stats = EngineStats()
+        if not isinstance(debug, bool):
+            raise ValueError(f"debug must be a bool, got {debug!r}")
+        self.debug = debug
+        self._unexplained_drops: dict = {}  # debug: pool key -> dropped less non-finite, as last checked
         self.pool()                    # the default pool exists from the start: a size error surfaces here
 
     # ------------------------------------------------------------------ schemes and pools
@@ -312,6 +324,7 @@ class Engine:
             raise ValueError(f"the {scheme_name(cfg)} pool still has requests; release it when they have finished")
         self._drain()
         del self.pools[cfg]
+        self._unexplained_drops.pop(cfg, None)
 
     def memory_report(self, kv_cache_dtype=None) -> dict:
         """`kvarn_jax.memory_report` of a pool, summed over layers (creates the pool if needed).
@@ -393,7 +406,7 @@ class Engine:
                 still.append(seq)
         self.waiting = still
 
-    def _finish(self, pool: CachePool, seq: _Seq, reason: str) -> None:
+    def _finish(self, pool: CachePool, seq: _Seq, reason: str, error: str | None = None) -> None:
         # Work already dispatched for this sequence may still write its old pages and slot; it runs
         # before anything dispatched later (one device stream, caches passed from call to call), and a
         # later owner reads only what it wrote itself, so freeing now is safe.
@@ -402,7 +415,7 @@ class Engine:
         seq.blocks, seq.slot, seq.finished = [], -1, True
         pool.running.remove(seq)
         self._finished[seq.request_id] = Result(seq.request_id, tuple(seq.prompt), tuple(seq.output), reason,
-                                                scheme_name(seq.cfg))
+                                                scheme_name(seq.cfg), error)
 
     def _accept(self, pool: CachePool, seq: _Seq, token: int) -> None:
         seq.output.append(token)
@@ -440,7 +453,7 @@ class Engine:
         rows = todo + [None] * (p - len(todo))
         meta, fmeta = self._meta(rows, len(PREFILL_COLS))
         col = {n: i for i, n in enumerate(PREFILL_COLS)}
-        finishing = []
+        finishing = []  # whether the row's sampled token is its first generated one
         for i, (s, t) in enumerate(zip(todo, takes)):
             pos = np.arange(s.computed, s.computed + t, dtype=np.int32)
             tokens[i, :t] = s.prompt[s.computed:s.computed + t]
@@ -451,12 +464,12 @@ class Engine:
             s.computed += t
             if done:
                 s.scheduled = 1
-            finishing.append(s if done else None)
+            finishing.append(done)
         tok, pool.caches, pool.last_tokens = self.runner.prefill(pool.caches, pool.last_tokens, tokens, slots,
                                                                  meta, fmeta)
         self.stats.prefill_tokens += sum(takes)
         self.stats.prefill_calls += 1
-        return [(pool, finishing, tok, "prefill")]
+        return [(pool, todo, tok, "prefill", finishing)]
 
     def _decode(self, pool: CachePool, todo: list) -> list:
         b = _pow2(len(todo))
@@ -480,7 +493,7 @@ class Engine:
             pool.caches = self.runner.commit(pool.caches, blocks)
             self.stats.commit_calls += 1
         self.stats.decode_calls += 1
-        return [(pool, rows, tok, "decode")]
+        return [(pool, todo, tok, "decode", [True] * len(todo))]
 
     def _generating(self, pool: CachePool) -> list:
         """Sequences whose next token can be computed now: prompt in the cache, a token sampled, not
@@ -493,9 +506,9 @@ class Engine:
         """Receive a step's sampled tokens (waits for the device) and account its time: the interval
         since the previous step's tokens arrived (or since this step's dispatch, after idling), less
         the compilation done in it (compiling happens on the host while dispatching)."""
-        for _, _, tok, _ in launched:
-            tok.copy_to_host_async()
-        arrived = [np.asarray(tok) for _, _, tok, _ in launched]
+        for entry in launched:
+            entry[2].copy_to_host_async()
+        arrived = [np.asarray(entry[2]) for entry in launched]  # [2, rows]: tokens, non-finite flags
         now, compiled = time.perf_counter(), self.runner.stats.compile_s
         start, start_compiled = ((dispatched_at, compiled_at) if self._last_arrival is None
                                  else self._last_arrival)
@@ -505,9 +518,16 @@ class Engine:
             self.stats.prefill_s += dt
         else:
             self.stats.decode_s += dt
-        for (pool, rows, _, call), toks in zip(launched, arrived):
-            for seq, t in zip(rows, toks):
-                if seq is not None and not seq.finished:
+        for (pool, rows, _, call, takes), (toks, bad) in zip(launched, arrived):
+            for seq, t, b, take in zip(rows, toks, bad, takes):
+                if seq.finished:
+                    continue
+                if b:
+                    where = "its prompt" if call == "prefill" else f"output token {len(seq.output)}"
+                    self._finish(pool, seq, "error", f"the model produced a NaN or Inf key or value while "
+                                 f"processing {where}; it was stored as zeros (no other request is affected) "
+                                 "and the request stopped")
+                elif take:
                     self._accept(pool, seq, int(t))
                     self.stats.decode_tokens += call == "decode"
 
@@ -516,6 +536,21 @@ class Engine:
             launched, kind, at, compiled_at = self._inflight
             self._inflight = []
             self._collect(launched, kind, at, compiled_at)
+            if self.debug:
+                self._check_drops()
+
+    def _check_drops(self) -> None:
+        """debug: RuntimeError if a pool's caches did not store tokens as given, beyond the non-finite
+        ones (reported per request). Reads the latest caches: waits for every dispatched step."""
+        for key, pool in self.pools.items():
+            unexplained = int(pool.caches.dropped_tokens) - int(jnp.sum(pool.caches.nonfinite))
+            if unexplained > self._unexplained_drops.get(key, 0):
+                raise RuntimeError(
+                    f"debug: the {scheme_name(key)} cache did not store {unexplained - self._unexplained_drops.get(key, 0)} "
+                    "(token, layer) write(s) as given in the last step: invalid slots, sequence ids or positions "
+                    "(an engine bug), more completed blocks than a call's bound, or values beyond what the cache "
+                    "can hold (kvarn_jax.storage: e.g. a float16 KVarN token of L2 norm above 65,504)")
+            self._unexplained_drops[key] = unexplained
 
     def step(self) -> list[Result]:
         """Admit, dispatch one prefill and one decode call per pool with work, then receive the
@@ -566,8 +601,14 @@ class Engine:
                 seqs.append(self._request(p, sp, kv_cache_dtype))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
-        for s in seqs:
-            self._pool(s.cfg)  # every pool exists before anything is queued
+        existing = set(self.pools)
+        try:
+            for s in seqs:
+                self._pool(s.cfg)  # every pool exists before anything is queued
+        except Exception:
+            for key in set(self.pools) - existing:  # nor does a pool created for the refused batch stay
+                del self.pools[key]
+            raise
         ids = [self._queue(s) for s in seqs]
         self.run()
         return [self.pop_result(i) for i in ids]

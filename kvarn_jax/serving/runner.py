@@ -58,6 +58,17 @@ def _u32(a):
     return jax.lax.bitcast_convert_type(a, jnp.uint32)
 
 
+def _nonfinite(caches: LayerCaches, seq_ids):
+    """Per row: the non-finite (token, layer) writes its sequence slot has had (`LayerCaches.nonfinite`)."""
+    return caches.nonfinite[jnp.clip(seq_ids, 0, caches.max_seqs - 1)]
+
+
+def _with_flags(tok, bad):
+    """What a step returns for the host: int32 [2, B], the sampled tokens and, per row, 1 if its keys
+    or values were non-finite in this step (one array: one transfer per step)."""
+    return jnp.stack([tok.astype(jnp.int32), bad.astype(jnp.int32)])
+
+
 class ModelRunner:
     """Compiled prefill / decode / commit steps of one `Decoder` (weights shared by every cache)."""
 
@@ -133,11 +144,12 @@ class ModelRunner:
         batch = DecodeBatch(tokens=last_tokens[jnp.clip(seq, 0, last_tokens.shape[0] - 1)],
                             positions=cols["positions"], slot_mapping=cols["slots"], seq_ids=seq,
                             block_tables=meta[:, len(DECODE_COLS):])
+        before = _nonfinite(caches, seq)
         logits, caches = model.decode(caches, batch, impl=self.impl, commit=False, layer_loop=self.decode_loop,
                                       tp=self.tp)
         tok = sample_rows(logits, fmeta[:, 0], fmeta[:, 1], _u32(cols["seeds"]), cols["steps"], sampled)
         last_tokens = last_tokens.at[jnp.where(live, seq, last_tokens.shape[0])].set(tok, mode="drop")
-        return tok, caches, last_tokens
+        return _with_flags(tok, live & (_nonfinite(caches, seq) > before)), caches, last_tokens
 
     def _prefill_fn(self, weights, caches, last_tokens, tokens, slots, meta, fmeta, *, sampled: bool):
         model = nnx.merge(self._graphdef, weights)
@@ -146,18 +158,21 @@ class ModelRunner:
         batch = PrefillBatch(tokens=tokens, positions=cols["start"][:, None] + jnp.arange(c, dtype=jnp.int32)[None],
                              slot_mapping=slots, seq_ids=cols["seq_ids"], block_tables=meta[:, len(PREFILL_COLS):],
                              start=cols["start"], last=cols["last"])
+        before = _nonfinite(caches, cols["seq_ids"])
         logits, caches = model.prefill(caches, batch, layer_loop="scan", tp=self.tp)
         tok = sample_rows(logits, fmeta[:, 0], fmeta[:, 1], _u32(cols["seeds"]), cols["steps"], sampled)
         # a row whose prompt ends in this chunk hands its first generated token to the decode steps
         idx = jnp.where(cols["finishes"] > 0, cols["seq_ids"], last_tokens.shape[0])
-        return tok, caches, last_tokens.at[idx].set(tok, mode="drop")
+        bad = jnp.any(slots >= 0, axis=1) & (_nonfinite(caches, cols["seq_ids"]) > before)
+        return _with_flags(tok, bad), caches, last_tokens.at[idx].set(tok, mode="drop")
 
     def _commit_fn(self, caches, blocks):
         return commit_blocks(caches, blocks[:, 0], blocks[:, 1], blocks[:, 2], tp=self.tp)
 
     # ------------------------------------------------------------------ steps
     def decode(self, caches: LayerCaches, last_tokens, meta: np.ndarray, fmeta: np.ndarray):
-        """One decode step of every row: (sampled tokens [B] device array, caches, last_tokens).
+        """One decode step of every row: (int32 [2, B] device array - the sampled tokens, and 1 where
+        the row's key or value was NaN/Inf in some layer (stored as zeros) -, caches, last_tokens).
 
         meta: int32 [B, 5 + W] - columns `DECODE_COLS` (seeds as int32 bit patterns), then the block
         table; fmeta: float32 [B, 2] temperature and top_p. The input token of each row is
@@ -169,8 +184,8 @@ class ModelRunner:
 
     def prefill(self, caches: LayerCaches, last_tokens, tokens: np.ndarray, slots: np.ndarray, meta: np.ndarray,
                 fmeta: np.ndarray):
-        """One prefill chunk per row: (tokens sampled from each row's last real token [P], caches,
-        last_tokens). tokens, slots: int32 [P, C]; meta: int32 [P, 6 + W] - columns `PREFILL_COLS`,
+        """One prefill chunk per row: (int32 [2, P]: tokens sampled from each row's last real token and
+        the rows whose chunk had a NaN/Inf key or value, caches, last_tokens). tokens, slots: int32 [P, C]; meta: int32 [P, 6 + W] - columns `PREFILL_COLS`,
         then the block table; fmeta: float32 [P, 2]. caches and last_tokens are donated."""
         args = (self._weights, caches, last_tokens, tokens, slots, meta, fmeta)
         sampled = bool((fmeta[:, 0] > 0).any())

@@ -11,8 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .layout import columns, dot, dot_t, dot_tn, token_order, tokens_from_planes
-from .unpack import f16
+from .layout import columns, f16_sat, token_order, tokens_from_planes
 
 NEG = -1e30          # masked logit; every processed chunk holds at least one valid position
 LOG2E = 1.4426950408889634
@@ -79,7 +78,7 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
         # off by an error amplified by code / (code - zero point): int8 keys with outlier channels
         # were 4e-3 of the output's maximum off the reference instead of 4e-4. Rounded once here,
         # not per tile (int4 heads-major: 751 -> 722 loop instructions offline).
-        q, q_planes = f16(q).astype(jnp.float32), [f16(x).astype(jnp.float32) for x in q_planes]
+        q, q_planes = f16_sat(q).astype(jnp.float32), [f16_sat(x).astype(jnp.float32) for x in q_planes]
     # static int parameters [D/planes, planes] -> one [D/planes] vector per plane (Triton cannot
     # slice a loaded block: `layout.columns`); fp8's [1] scale as it is
     st = {side: {n: (columns(r[...].astype(jnp.float32)) if plan.cfg.method == "int" else r[...])
@@ -225,11 +224,11 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
                 kk = k_ref[sid, rows].astype(jnp.float32)                   # [hc, D]
                 pos = start_pos + c * hc + jnp.arange(hc, dtype=jnp.int32)
                 if tokens_major:
-                    vals = lambda ps: [dot_tn(v_ref[sid, rows, :, n].astype(jnp.float32), ps[0], min_n=8)
+                    vals = lambda ps: [plan.dot_tn(v_ref[sid, rows, :, n].astype(jnp.float32), ps[0], min_n=8)
                                        for n in range(vp)]
-                    return update(carry, [dot_t(kk, q, min_n=8)], [pos], vals)
-                vals = lambda ps: [dot(ps[0], v_ref[sid, rows, :, n].astype(jnp.float32)) for n in range(vp)]
-                return update(carry, [dot_t(q, kk)], [pos], vals)
+                    return update(carry, [plan.dot_t(kk, q, min_n=8)], [pos], vals)
+                vals = lambda ps: [plan.dot(ps[0], v_ref[sid, rows, :, n].astype(jnp.float32)) for n in range(vp)]
+                return update(carry, [plan.dot_t(q, kk)], [pos], vals)
             return lax.fori_loop(c_lo, jnp.maximum(c_lo, c_hi), body, carry)
 
         carry = hp_loop(carry, sink_k, sink_v, 0, 0, jnp.minimum(length, bs))

@@ -24,8 +24,16 @@ class Launch:
       (`triton_options`); from 3 stages on the tile loop reads its block ids ahead.
     unpack: "asm" (PTX, compiled only) or "magic" (jnp) - how codes become fp16 (`unpack.py`).
     orient: "tokens" or "heads" - the products' layout (`layout.py`).
-    fold: tokens-major, integer codes: feed magic + code to the products and subtract magic times
-      the other operand's sum from the result.
+    fold: tokens-major, integer codes: which products take the codes biased (magic + code,
+      `unpack.magic`) and subtract magic times the other operand's sum from their result: "keys"
+      (the default; True means the same), "all" (the value products too) or "none" (False).
+      The value products are exact only unbiased: the matrix unit aligns the products it adds to the
+      largest and truncates the rest, so 2^10 + code (2-bit values: 680x the code) loses the codes'
+      low bits in a bias of one sign. Every tile adds the same relative bias, which the value zero
+      point's term no longer cancels: on the H200 kvarn_k4v2_g128 drifted from the reference as the
+      context grew (0.9% at 4K, 5.0% at 128K tokens, relative L2), as the bias ~ magnitude of one
+      value over the output ~ 1/sqrt(context). A key's score bias is one per tile and token class,
+      a perturbation of the softmax that does not grow with the context.
     sums: tokens-major: "mma" (zero-point and fold sums as products with a ones matrix) or "reduce".
     parts, steps: tokens-major tiled schemes: walk each tile in `parts` parts per loop iteration,
       over `steps` iterations.
@@ -40,7 +48,7 @@ class Launch:
     num_stages: int | None = None
     unpack: str | None = None
     orient: str | None = None
-    fold: bool | None = None
+    fold: bool | str | None = None
     sums: str | None = None
     parts: int = 1
     steps: int = 1
@@ -181,17 +189,21 @@ def resolve_launch(cfg: KVQuantConfig, shape: CallShape, launch: Launch = Launch
                          + (f" ({why_not})" if why_not else ""))
     tokens_major = orient == "tokens"
     fold, parts, steps = launch.fold, launch.parts, launch.steps
-    if tokens_major and not tiled and (parts != 1 or steps != 1 or (fold and cfg.method == "fp8")):
+    fold = {True: "keys", False: "none"}.get(fold, fold) if isinstance(fold, bool) else fold
+    if fold not in (None, "none", "keys", "all"):
+        raise ValueError(f"fold must be 'keys', 'all', 'none' (or True / False), got {launch.fold!r}")
+    if tokens_major and not tiled and (parts != 1 or steps != 1 or (fold not in (None, "none") and cfg.method == "fp8")):
         raise ValueError(f"parts and steps apply to the tiled schemes' tokens-major products only, fold to "
                          f"integer codes (got fold={fold}, parts={parts}, steps={steps} for {cfg.name})")
-    fold = (tokens_major and (tiled or cfg.method == "int")) if fold is None else bool(fold)
+    if fold is None:
+        fold = "keys" if tokens_major and (tiled or cfg.method == "int") else "none"
     sums = launch.sums or ("mma" if tokens_major else "reduce")
     merge = default_merge(cfg) if launch.merge is None else launch.merge
     if merge not in ("xla", "pallas", "kernel"):
         raise ValueError(f"merge must be 'xla', 'pallas' or 'kernel', got {merge!r}")
     if sums not in ("reduce", "mma"):
         raise ValueError(f"sums must be 'reduce' or 'mma', got {sums!r}")
-    if (fold or parts != 1 or steps != 1 or sums != "reduce") and not tokens_major:
+    if (fold != "none" or parts != 1 or steps != 1 or sums != "reduce") and not tokens_major:
         raise ValueError(f"fold, parts, steps and sums apply to orient='tokens' only (got fold={fold}, parts={parts}, steps={steps}, "
                          f"sums={sums!r})")
     n_parts = parts * steps

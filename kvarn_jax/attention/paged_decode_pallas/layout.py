@@ -11,6 +11,8 @@ as the matrix unit's 8-wide N), which tiled schemes walk a tile at a time (`tile
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -21,29 +23,61 @@ from .unpack import f16, fp8_codes, planes as jnp_planes, planes_ptx
 
 
 # ----------------------------------------------------------------------------- block helpers
-def dot(a, b, min_n: int = 16):
-    """[M, K] @ [K, N] in fp16 with fp32 accumulation.
+F16_MAX = 65504.0
+
+
+def f16_sat(x):
+    """x as fp16, values beyond its range clipped to ±65,504 (a plain conversion gives inf)."""
+    return x if x.dtype == jnp.float16 else f16(jnp.clip(x, -F16_MAX, F16_MAX))
+
+
+def chunk_scale(x):
+    """A power of two that brings max|x| below 2^15, where fp16 holds it; 1 if it already is."""
+    top = jnp.floor(jnp.log2(jnp.maximum(jnp.max(jnp.abs(x)), 1.0)))
+    return jnp.exp2(jnp.minimum(0.0, 14.0 - top))
+
+
+def _operands(a, b, wide: bool):
+    """(a, b) as fp16 and the factor to divide their product by. wide (a bf16/fp32 cache, whose
+    values may exceed fp16): an operand not already fp16 (codes are) enters scaled by `chunk_scale`,
+    so that its largest values keep fp16's precision instead of becoming inf; exact otherwise."""
+    if not wide:
+        return f16(a), f16(b), None
+    sa = 1.0 if a.dtype == jnp.float16 else chunk_scale(a)
+    sb = 1.0 if b.dtype == jnp.float16 else chunk_scale(b)
+    return f16_sat(a * sa), f16_sat(b * sb), sa * sb
+
+
+def _unscale(y, s):
+    return y if s is None else y / s
+
+
+def dot(a, b, min_n: int = 16, wide: bool = False):
+    """[M, K] @ [K, N] in fp16 with fp32 accumulation (wide: see `_operands`).
 
     Triton's matrix instructions need M, K >= 16 and N >= 8 (mma m16n8k16; N >= 16 unless `min_n`
     says otherwise); smaller products are computed as a broadcast multiply and sum instead.
     """
     if min(a.shape[0], a.shape[1]) < 16 or b.shape[1] < min_n:
         return jnp.sum(a.astype(jnp.float32)[:, :, None] * b.astype(jnp.float32)[None, :, :], axis=1)
-    return jnp.dot(f16(a), f16(b), preferred_element_type=jnp.float32)
+    a, b, s = _operands(a, b, wide)
+    return _unscale(jnp.dot(a, b, preferred_element_type=jnp.float32), s)
 
 
-def dot_t(a, b, min_n: int = 16):
-    """[M, K] @ [N, K]^T in fp16 with fp32 accumulation (see `dot` for small shapes)."""
+def dot_t(a, b, min_n: int = 16, wide: bool = False):
+    """[M, K] @ [N, K]^T in fp16 with fp32 accumulation (see `dot` for small shapes and `wide`)."""
     if min(a.shape[0], a.shape[1]) < 16 or b.shape[0] < min_n:
         return jnp.sum(a.astype(jnp.float32)[:, None, :] * b.astype(jnp.float32)[None, :, :], axis=2)
-    return lax.dot_general(f16(a), f16(b), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    a, b, s = _operands(a, b, wide)
+    return _unscale(lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32), s)
 
 
-def dot_tn(a, b, min_n: int = 16):
-    """[K, M]^T @ [K, N] in fp16 with fp32 accumulation (see `dot` for small shapes)."""
+def dot_tn(a, b, min_n: int = 16, wide: bool = False):
+    """[K, M]^T @ [K, N] in fp16 with fp32 accumulation (see `dot` for small shapes and `wide`)."""
     if min(a.shape[0], a.shape[1]) < 16 or b.shape[1] < min_n:
         return jnp.sum(a.astype(jnp.float32)[:, :, None] * b.astype(jnp.float32)[:, None, :], axis=0)
-    return lax.dot_general(f16(a), f16(b), (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    a, b, s = _operands(a, b, wide)
+    return _unscale(lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32), s)
 
 
 def columns(x):
@@ -136,9 +170,17 @@ class LayoutPlan:
     """
 
     def __init__(self, cfg: KVQuantConfig, head_dim: int, tile_tokens: int, unpack: str = "magic",
-                 fold: bool = False, sums: str = "reduce"):
+                 fold: str = "none", sums: str = "reduce", wide: bool = False):
         self.cfg, self.d, self.t = cfg, head_dim, tile_tokens
-        self.fold, self.sums = fold, sums
+        # wide: the cache's data may exceed fp16 (a bf16 or fp32 cache): operands made of it (the
+        # query times scales, probabilities times scales, high-precision values) stay fp32 up to the
+        # products, which bring each into fp16's range by a power of two (`_operands`); the query
+        # itself is rounded as always (`f16_sat`). fp16 caches: every operand rounded to fp16 here.
+        self.wide = wide
+        self.f16 = (lambda x: x) if wide else f16
+        self.dot, self.dot_t, self.dot_tn = (functools.partial(fn, wide=wide) for fn in (dot, dot_t, dot_tn))
+        # fold: which products take biased codes (`launch.Launch`: "none", "keys" or "all")
+        self.fold, self.value_fold, self.sums = fold in ("keys", "all"), fold == "all", sums
         self.planes = planes_ptx if unpack == "asm" else jnp_planes
         self.tiled = cfg.method in ("kvarn", "kivi")
         self.kc = 8 // cfg.k_bits if self.tiled else 1
@@ -185,18 +227,18 @@ class LayoutPlan:
             else:
                 qs = q * f["scale"][blk, sub].astype(jnp.float32)[None, :]
                 zq = jnp.sum(q * f["zero"][blk, sub].astype(jnp.float32)[None, :], axis=1)
-            qs = f16(qs)
+            qs = self.f16(qs)
             # unpack after the query side is ready: the planes' registers then live only as long as
             # the products need them (unpacking first cost ~45 registers per thread)
             planes = self.planes(codes, cfg.k_bits)                         # kc x [G/kc, D]
             if self.k_whole:  # one product over the tile reassembled in token order
-                s = dot_t(qs, tokens_from_planes(planes)) + zq[:, None]
+                s = self.dot_t(qs, tokens_from_planes(planes)) + zq[:, None]
                 if cfg.method == "kvarn":
                     s = s * f["scale_tok"][blk, sub].astype(jnp.float32)[None, :]
                 return [s]
             out = []
             for j in range(kc):
-                s = dot_t(qs, planes[j]) + zq[:, None]
+                s = self.dot_t(qs, planes[j]) + zq[:, None]
                 if cfg.method == "kvarn":
                     s = s * f["scale_tok"][blk, sub, :, j].astype(jnp.float32)[None, :]
                 out.append(s)
@@ -208,28 +250,28 @@ class LayoutPlan:
                 for n in range(self.pk):
                     k = (planes[n].astype(jnp.float32) * st["k"]["scale"][n][None, :]
                          + st["k"]["zero"][n][None, :])
-                    s = s + dot_t(q_planes[n], k)
+                    s = s + self.dot_t(q_planes[n], k)
                 return [s]
             sc = f["scale"][blk, sub].astype(jnp.float32)                  # [T, D/cg]
             zr = f["zero"][blk, sub].astype(jnp.float32)
             if sc.shape[1] == 1:  # one scale per token: factor it out of the product
                 raw = 0.0
                 for n in range(self.pk):
-                    raw = raw + dot_t(q_planes[n], planes[n])
+                    raw = raw + self.dot_t(q_planes[n], planes[n])
                 return [raw * sc[:, 0][None, :] + jnp.sum(q, axis=1)[:, None] * zr[:, 0][None, :]]
             cgp = cfg.channel_group("k", self.d) // self.pk
             s = 0.0
             for n in range(self.pk):
                 k = (planes[n].astype(jnp.float32) * expand_groups(sc, cgp, self.d // self.pk)
                      + expand_groups(zr, cgp, self.d // self.pk))
-                s = s + dot_t(q_planes[n], k)
+                s = s + self.dot_t(q_planes[n], k)
             return [s]
         if cfg.method == "fp8":
-            raw = dot_t(q, fp8_codes(f["codes"][blk, sub]))                     # [Gp, T]
+            raw = self.dot_t(q, fp8_codes(f["codes"][blk, sub]))                     # [Gp, T]
             if cfg.static:
                 return [raw * st["k"]["scale"].astype(jnp.float32)[0]]
             return [raw * f["scale"][blk, sub].astype(jnp.float32)[None, :]]
-        return [dot_t(q, f["values"][blk, sub].astype(jnp.float32))]
+        return [self.dot_t(q, f["values"][blk, sub].astype(jnp.float32))]
 
     # ---------------------------------------------------------------- tokens-major (per-token schemes)
     def chunk_query(self, q_planes):
@@ -240,7 +282,7 @@ class LayoutPlan:
         the same for every chunk of the sequence, so unlike the tiled schemes' this costs nothing
         per chunk. Int keys: q_planes come rounded to fp16 (`kernel.decode_kernel`), so qsum is the sum of
         the query the code products see."""
-        q16 = [f16(x) for x in q_planes]
+        q16 = [f16_sat(x) for x in q_planes]
         qsum = sum(jnp.sum(x, axis=1) for x in q_planes)[None, :]
         if not self.fold:
             return q16, qsum, None
@@ -257,12 +299,12 @@ class LayoutPlan:
         f = pages["k"]
         q16, qsum, bias = qside
         if cfg.method == "fp8":
-            raw = dot_t(fp8_codes(f["codes"][blk, sub]), q16[0], min_n=8)        # [T, Gp]
+            raw = self.dot_t(fp8_codes(f["codes"][blk, sub]), q16[0], min_n=8)        # [T, Gp]
             return raw * f["scale"][blk, sub].astype(jnp.float32)[:, None]
         planes = self.planes(f["codes"][blk, sub], cfg.k_bits, biased=bias is not None)  # pk x [T, D/pk]
         raw = 0.0
         for n in range(self.pk):
-            raw = raw + dot_t(planes[n], q16[n], min_n=8)
+            raw = raw + self.dot_t(planes[n], q16[n], min_n=8)
         if bias is not None:
             raw = raw - bias
         return (raw * f["scale"][blk, sub].astype(jnp.float32)
@@ -272,33 +314,33 @@ class LayoutPlan:
         """Tokens-major values of a per-token scheme: probabilities [T, Gp] -> list over channel planes
         of [D / vp, Gp], with V[t, d] = c[t, d]·s[t] + z[t]:
             Σ_t p[t]·V[t, d] = Σ_t (p[t]·s[t])·c[t, d] + Σ_t p[t]·z[t]
-        (with `fold`, the biased planes' 2^(10 - n·b)·Σ_t p16 removed as well)."""
+        (with `value_fold`, the biased planes' 2^(10 - n·b)·Σ_t p16 removed as well)."""
         cfg, vp = self.cfg, self.vp
         f = pages["v"]
         sc = f["scale"][blk, sub].astype(jnp.float32)
         if cfg.method == "fp8":                                             # [T] scales
-            return [dot(fp8_codes(f["codes"][blk, :, sub]), f16(p * sc[:, None]), min_n=8)]  # codes [D, T]
-        p16 = f16(p * sc)                                                  # [T, 1] scales
+            return [self.dot(fp8_codes(f["codes"][blk, :, sub]), self.f16(p * sc[:, None]), min_n=8)]  # codes [D, T]
+        p16 = self.f16(p * sc)                                                  # [T, 1] scales
         pz = p * f["zero"][blk, sub].astype(jnp.float32)
-        planes = self.planes(f["codes"][blk, :, sub], cfg.v_bits, biased=self.fold)  # vp x [D/vp, T]
+        planes = self.planes(f["codes"][blk, :, sub], cfg.v_bits, biased=self.value_fold)  # vp x [D/vp, T]
         corr = self.value_corrections(pz, p16, planes[0].shape[0])
-        return [dot(planes[n], p16, min_n=8) + corr[n] for n in range(vp)]
+        return [self.dot(planes[n], p16, min_n=8) + corr[n] for n in range(vp)]
 
     def value_corrections(self, pz, p16, rows: int):
         """What the tokens-major value products [rows, Gp] of a tile leave out, per channel plane n:
-        Σ_t p·z (pz: p·z per token, [T, Gp] fp32), and with `fold` minus 2^(10 - n·b)·Σ_t p16 (the
+        Σ_t p·z (pz: p·z per token, [T, Gp] fp32), and with `value_fold` minus 2^(10 - n·b)·Σ_t p16 (the
         biased planes' magic times the fp16 probabilities the products saw). sums="mma": as
         products ones [rows, T] @ x, which leave every row holding the sum in the outputs' layout;
         "reduce": jnp sums as [1, Gp]."""
         magic = [2.0 ** (10 - n * self.cfg.v_bits) for n in range(self.vp)]
         if self.sums == "mma":
             ones = jnp.ones((rows, pz.shape[0]), jnp.float16)
-            zrows = dot(ones, f16(pz), min_n=8)
-            srows = dot(ones, p16, min_n=8) if self.fold else None
-            return [zrows - m * srows if self.fold else zrows for m in magic]
+            zrows = self.dot(ones, self.f16(pz), min_n=8)
+            srows = self.dot(ones, p16, min_n=8) if self.value_fold else None
+            return [zrows - m * srows if self.value_fold else zrows for m in magic]
         zp = jnp.sum(pz, axis=0)[None, :]
-        psum = jnp.sum(p16.astype(jnp.float32), axis=0)[None, :] if self.fold else None
-        return [zp - m * psum if self.fold else zp for m in magic]
+        psum = jnp.sum(p16.astype(jnp.float32), axis=0)[None, :] if self.value_fold else None
+        return [zp - m * psum if self.value_fold else zp for m in magic]
 
     # ---------------------------------------------------------------- tokens-major (tiled schemes)
     def tile_query(self, q, pages, blk, sub, z=None):
@@ -314,11 +356,13 @@ class LayoutPlan:
         the score product)."""
         f = pages["k"]
         sc, zc = ("scale_chan", "zero_chan") if self.cfg.method == "kvarn" else ("scale", "zero")
-        qs = f16(q * f[sc][blk, sub].astype(jnp.float32)[None, :])
+        qs = self.f16(q * f[sc][blk, sub].astype(jnp.float32)[None, :])
         z = f[zc][blk, sub] if z is None else z
         zero = jnp.sum(q * z.astype(jnp.float32)[None, :], axis=1)[None, :]
         # planes fed as 2^(10 - j*b) + code (fold): remove 2^(10 - j*b) * sum(qs) per score instead
-        if not (self.fold and not self.k_whole):
+        # (wide with sums="reduce": qs is rounded inside the product only, so Σ qs would not be the
+        # operand's sum; the product's own `sums="mma"` form is)
+        if not (self.fold and not self.k_whole) or (self.wide and self.sums == "reduce"):
             return qs, zero, None
         return qs, zero, qs if self.sums == "mma" else jnp.sum(qs.astype(jnp.float32), axis=1)[None, :]
 
@@ -336,7 +380,7 @@ class LayoutPlan:
         planes = self.planes(codes, cfg.k_bits, biased=bias is not None)   # kc x [G/kc, D]
         ks = [tokens_from_planes(planes)] if self.k_whole else planes     # short planes: one tile
         if self.sums == "mma" and bias is not None:  # every row of ones @ qs^T holds sum(qs), in the scores' layout
-            bias = dot_t(jnp.ones(ks[0].shape, jnp.float16), bias, min_n=8)
+            bias = self.dot_t(jnp.ones(ks[0].shape, jnp.float16), bias, min_n=8)
         n_tok = ks[0].shape[0]
         if cfg.method == "kvarn":  # token scales per class: [T/kc] each (whole-block load, `columns`)
             st = f["scale_tok"]
@@ -345,7 +389,7 @@ class LayoutPlan:
                                   else tok_scales).astype(jnp.float32)))
         out = []
         for j, k in enumerate(ks):
-            s = dot_t(k, qs, min_n=8) + zero
+            s = self.dot_t(k, qs, min_n=8) + zero
             if bias is not None:
                 s = s - (2.0 ** (10 - j * cfg.k_bits)) * bias
             if cfg.method == "kvarn":
@@ -371,10 +415,10 @@ class LayoutPlan:
         else:
             st = None
         if st is not None:
-            planes = self.planes(codes, cfg.v_bits, biased=self.fold)       # vp x [D/vp, G/parts]
-            p16 = f16(p * st.astype(jnp.float32)[:, None])
+            planes = self.planes(codes, cfg.v_bits, biased=self.value_fold)  # vp x [D/vp, G/parts]
+            p16 = self.f16(p * st.astype(jnp.float32)[:, None])
             corr = self.value_corrections(p * zt.astype(jnp.float32)[:, None], p16, planes[0].shape[0])
-            out = [dot(planes[n], p16, min_n=8) + corr[n] for n in range(vp)]
+            out = [self.dot(planes[n], p16, min_n=8) + corr[n] for n in range(vp)]
             if chan is not None:  # channel scales per plane (whole-block load, `columns`)
                 block = chan[blk, sub] if chan_tile is None else chan_tile
                 out = [o * c[:, None] for o, c in zip(out, columns(block.astype(jnp.float32)))]
@@ -383,7 +427,7 @@ class LayoutPlan:
         cgp = cfg.channel_group("v", self.d) // vp
         sc = expand_groups(f["scale"][blk, sub, toks].astype(jnp.float32).T, cgp, self.d // vp, axis=0)
         zr = expand_groups(f["zero"][blk, sub, toks].astype(jnp.float32).T, cgp, self.d // vp, axis=0)
-        return [dot(planes[n].astype(jnp.float32) * sc + zr, p, min_n=8) for n in range(vp)]
+        return [self.dot(planes[n].astype(jnp.float32) * sc + zr, p, min_n=8) for n in range(vp)]
 
     # ---------------------------------------------------------------- values
     def values_heads_major(self, ps, pages, st, blk, sub):
@@ -395,9 +439,9 @@ class LayoutPlan:
             codes = f["codes"][blk, sub]                                    # [D*b/8, G]
             if cfg.method == "kvarn":
                 zp = jnp.sum(p * f["zero_tok"][blk, sub].astype(jnp.float32)[None, :], axis=1)
-                p16 = f16(p * f["scale_tok"][blk, sub].astype(jnp.float32)[None, :])
+                p16 = self.f16(p * f["scale_tok"][blk, sub].astype(jnp.float32)[None, :])
                 planes = self.planes(codes, cfg.v_bits)                     # vp x [D/vp, G]
-                return [(dot_t(p16, planes[n]) + zp[:, None])
+                return [(self.dot_t(p16, planes[n]) + zp[:, None])
                         * f["scale_chan"][blk, sub, :, n].astype(jnp.float32)[None, :] for n in range(vp)]
             # KIVI: per-token scales in channel groups, laid out like the planes ([D/vp, G]; the
             # transposes are of the small [G, D/cg] scale arrays, not of the codes)
@@ -405,27 +449,27 @@ class LayoutPlan:
             planes = self.planes(codes, cfg.v_bits)
             sc = expand_groups(f["scale"][blk, sub].astype(jnp.float32).T, cgp, self.d // vp, axis=0)
             zr = expand_groups(f["zero"][blk, sub].astype(jnp.float32).T, cgp, self.d // vp, axis=0)
-            return [dot_t(p, planes[n].astype(jnp.float32) * sc + zr) for n in range(vp)]
+            return [self.dot_t(p, planes[n].astype(jnp.float32) * sc + zr) for n in range(vp)]
         if cfg.method == "int":
             planes = self.planes(f["codes"][blk, :, sub], cfg.v_bits)       # vp x [D/vp, T] (`tokens_last`)
             if cfg.static:
-                return [dot_t(p, planes[n].astype(jnp.float32) * st["v"]["scale"][n][:, None]
+                return [self.dot_t(p, planes[n].astype(jnp.float32) * st["v"]["scale"][n][:, None]
                                + st["v"]["zero"][n][:, None]) for n in range(vp)]
             sc = f["scale"][blk, sub].astype(jnp.float32)
             zr = f["zero"][blk, sub].astype(jnp.float32)
             if sc.shape[1] == 1:
                 pz = jnp.sum(p * zr[:, 0][None, :], axis=1)[:, None]
-                ps16 = f16(p * sc[:, 0][None, :])
-                return [dot_t(ps16, planes[n]) + pz for n in range(vp)]
+                ps16 = self.f16(p * sc[:, 0][None, :])
+                return [self.dot_t(ps16, planes[n]) + pz for n in range(vp)]
             # scales per token and channel group, laid out like the planes ([D/vp, T]; the
             # transposes are of the small [T, D/cg] scale arrays, not of the codes)
             cgp = cfg.channel_group("v", self.d) // vp
             sc = expand_groups(sc.T, cgp, self.d // vp, axis=0)
             zr = expand_groups(zr.T, cgp, self.d // vp, axis=0)
-            return [dot_t(p, planes[n].astype(jnp.float32) * sc + zr) for n in range(vp)]
+            return [self.dot_t(p, planes[n].astype(jnp.float32) * sc + zr) for n in range(vp)]
         if cfg.method == "fp8":
             v = fp8_codes(f["codes"][blk, :, sub])                                 # [D, T] (`tokens_last`)
             if cfg.static:
-                return [dot_t(p, v) * st["v"]["scale"][...].astype(jnp.float32)[0]]
-            return [dot_t(p * f["scale"][blk, sub].astype(jnp.float32)[None, :], v)]
-        return [dot(p, f["values"][blk, sub].astype(jnp.float32))]
+                return [self.dot_t(p, v) * st["v"]["scale"][...].astype(jnp.float32)[0]]
+            return [self.dot_t(p * f["scale"][blk, sub].astype(jnp.float32)[None, :], v)]
+        return [self.dot(p, f["values"][blk, sub].astype(jnp.float32))]
