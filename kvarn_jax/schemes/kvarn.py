@@ -12,6 +12,7 @@ kernel contracts keys over channels and values over tokens, and reads codes alon
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from ..packing import load_tiled, store_tiled
@@ -85,7 +86,8 @@ def sinkhorn_log_scales(t: jnp.ndarray, iters: int, ar: Arith = JNP):
     # and its imbalance (they depend on a only): 2 weighted passes over the tile per iteration.
     col = _var(t, -2)
     best_lc, best_lr, best_imb = lc, lr, _imbalance(col, _var(t, -1), ar)
-    for _ in range(iters):
+    def step(_, carry):
+        lc, lr, col, best_lc, best_lr, best_imb = carry
         lc = jnp.clip(lc + _log2_std(col, ar.log2), LOG_LO, LOG_HI)
         a = jnp.exp2(-lc)
         lr = jnp.clip(lr + _log2_std(row_var(a, jnp.exp2(-2.0 * lr)), ar.log2), LOG_LO, LOG_HI)
@@ -99,6 +101,15 @@ def sinkhorn_log_scales(t: jnp.ndarray, iters: int, ar: Arith = JNP):
         best_lc = jnp.where(better[..., None], lc, best_lc)
         best_lr = jnp.where(better[..., None], lr, best_lr)
         best_imb = jnp.where(better, imb, best_imb)
+        return lc, lr, col, best_lc, best_lr, best_imb
+
+    carry = (lc, lr, col, best_lc, best_lr, best_imb)
+    if ar is JNP:
+        carry = jax.lax.fori_loop(0, iters, step, carry)
+    else:
+        for i in range(iters):
+            carry = step(i, carry)
+    best_lc, best_lr = carry[3], carry[4]
     return best_lc, best_lr
 
 
