@@ -45,6 +45,7 @@ import numpy as np
 
 import kvarn_jax as kj
 from flax import nnx
+from kvarn_jax.attention.paged_decode import decode_impl
 from kvarn_jax.cache.memory import decode_read_bytes
 from kvarn_jax.models import ARCHITECTURES
 from kvarn_jax.models.llama import Decoder
@@ -137,6 +138,10 @@ def run_one(model, scheme: str, prompts, args):
     max_len = len(prompts[0]) + new
     cfg = model.config
     row = {"scheme": kj.parse(scheme).name, "batch": b, "prompt_len": len(prompts[0]), "new_tokens": new}
+    # what impl="auto" runs for this cache (the engine makes the same choice), and why not the kernel
+    row["decode_attention"], _, why = decode_impl(kj.parse(scheme), args.block_size, cfg.head_dim, args.impl)
+    if why is not None and row["decode_attention"] == "reference":
+        row["kernel_refused"] = why
     try:
         engine = Engine(model, kv_cache_dtype=scheme, block_size=args.block_size, max_seqs=b,
                         max_model_len=max_len, num_blocks=b * -(-max_len // args.block_size),
@@ -238,7 +243,7 @@ def main(argv=None) -> int:
             if s == "fp16":
                 base = row
             row["decode_vs_fp16"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"] if base else None
-            print(f"  batch {b:>3} {s:<18} prefill {row['prefill_tokens_per_s']:>9.0f} tok/s  decode "
+            print(f"  batch {b:>3} {s:<18} [{row['decode_attention']}] prefill {row['prefill_tokens_per_s']:>9.0f} tok/s  decode "
                   f"{row['decode_tokens_per_s']:>9.1f} tok/s ({row['decode_ms_per_step']:.2f} ms/step, floor "
                   f"{row['floor_ms_per_step']:.2f} ms: {100 * row['floor_share']:.0f}%)"
                   + (f"  {row['decode_vs_fp16']:.2f}x fp16" if row["decode_vs_fp16"] else "")
@@ -252,14 +257,14 @@ def main(argv=None) -> int:
                       + "; ".join(f"{k['name'][:40]} {k['ms_per_step']:.3f} ms x{k['calls_per_step']:.0f}"
                                   for k in pr["top_kernels"][:6]), flush=True)
 
-    print("\n| batch | scheme | decode tok/s | ms/step | byte floor ms | % of floor | vs fp16 | prefill tok/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| batch | scheme | attention | decode tok/s | ms/step | byte floor ms | % of floor | vs fp16 | prefill tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "refused" in r:
-            print(f"| {r['batch']} | {r['scheme']} | refused at start | | | | | |")
+            print(f"| {r['batch']} | {r['scheme']} | {r['decode_attention']} | refused at start | | | | | |")
             continue
         vs = f"{r['decode_vs_fp16']:.2f}x" if r.get("decode_vs_fp16") else "-"
-        print(f"| {r['batch']} | {r['scheme']} | {r['decode_tokens_per_s']:.1f} | {r['decode_ms_per_step']:.2f} | "
+        print(f"| {r['batch']} | {r['scheme']} | {r['decode_attention']} | {r['decode_tokens_per_s']:.1f} | {r['decode_ms_per_step']:.2f} | "
               f"{r['floor_ms_per_step']:.2f} | {100 * r['floor_share']:.0f}% | {vs} | {r['prefill_tokens_per_s']:.0f} |")
     if args.json:
         try:

@@ -57,7 +57,7 @@ def _check_run(scheme, rc, text, js):
     hp_seqs = 0 if scheme == "fp16" else len(PROMPTS)  # passthrough caches have no high-precision storage
     assert (name, int(tokens), int(layers), int(seqs)) == (scheme, 128 * len(PROMPTS), LAYERS, hp_seqs)
     fp16_bytes = int(tokens) * HEADS * D * 2 * 2 * LAYERS
-    page_bytes = kj.bytes_per_token(scheme, D) * int(tokens) * HEADS * LAYERS
+    page_bytes = kj.bytes_per_token(scheme, D, "float32") * int(tokens) * HEADS * LAYERS  # scales in the model dtype
     # quantized schemes keep the sink and the tail block of each sequence in the model dtype (float32 on CPU)
     hp_bytes = 0 if scheme == "fp16" else len(PROMPTS) * 2 * 128 * HEADS * D * 2 * 4 * LAYERS
     assert float(fp16) == pytest.approx(fp16_bytes / MIB, abs=0.006)
@@ -104,7 +104,7 @@ def test_generate_prints_text_rates_and_memory(tmp_path):
     m = js["memory"]
     tokens = 128 * len(PROMPTS)
     assert m["layer_schemes"] == layers and m["scheme"] == "per-layer: 10 x fp16, 20 x kvarn_k4v2_g128"
-    assert m["page_bytes"] == sum(kj.bytes_per_token(s, D) for s in layers) * tokens * HEADS
+    assert m["page_bytes"] == sum(kj.bytes_per_token(s, D, "float32") for s in layers) * tokens * HEADS
     assert m["sink_bytes"] + m["tail_bytes"] == 20 * len(PROMPTS) * 2 * 128 * HEADS * D * 2 * 4
     assert f"): {m['scheme']}: " in text
 
