@@ -93,7 +93,7 @@ def _prefill_in_chunks(scheme, seqs, queries, chunks, rng, dtype=jnp.float32):
         for i, n in enumerate(take):
             outs[i].append(np.asarray(o[i, :n]))
             done[i] += n
-    pages = [tuple(np.asarray(x) for x in dequantize_blocks(cache, jnp.asarray(tables[i, :-(-n // BS)])))
+    pages = [tuple(np.asarray(x).transpose(1, 0, 2, 3) for x in dequantize_blocks(cache, jnp.asarray(tables[i, :-(-n // BS)])))
              for i, n in enumerate(lens)]
     return [np.concatenate(o) for o in outs], pages
 
@@ -145,7 +145,7 @@ def test_dequantize_blocks_reads_the_pages_gather_dense_serves(rng):
     kd, vd = kj.gather_dense(cache, jnp.asarray(tables), jnp.asarray([100], jnp.int32))
     kb, vb = dequantize_blocks(cache, jnp.asarray(tables[0, 1:3]))  # blocks 1 and 2 are full and quantized
     for dense, blocks in ((kd, kb), (vd, vb)):
-        want = np.asarray(dense[0, :, BS:3 * BS]).reshape(HK, 2, BS, D).transpose(1, 0, 2, 3)
+        want = np.asarray(dense[0, :, BS:3 * BS]).reshape(HK, 2, BS, D)
         np.testing.assert_array_equal(np.asarray(blocks), want)
 
 

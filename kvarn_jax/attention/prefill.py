@@ -37,17 +37,20 @@ from ..validation import check_array, check_finite, check_range, is_concrete
 
 
 def dequantize_blocks(cache: PagedKVCache, block_ids: jnp.ndarray):
-    """Pages of the physical blocks `block_ids` [N] as fp32 in the storage frame (rotated for KVarN):
-    ([N, Hk, block_size, D], [N, Hk, block_size, D]) for K and V. Ids are clamped into range (an
+    """Pages of the physical blocks `block_ids` [N] as fp32 in the storage frame (rotated for KVarN),
+    heads first: ([Hk, N, block_size, D], [Hk, N, block_size, D]) for K and V, so that consecutive
+    blocks of one head are one run of positions ([Hk, N * block_size, D] as a view). The heads move
+    in front on the gathered fields, before they are expanded. Ids are clamped into range (an
     unchecked bad id reads another page, never memory outside the cache). The sink and tail are not
     consulted: a block that is not full and quantized holds no meaningful page."""
     ids = jnp.clip(block_ids.astype(jnp.int32), 0, cache.num_blocks - 1)
     out = []
     for side in schemes.SIDES:
-        f = fields_from_pages(cache.cfg, side, {name: a[ids] for name, a in cache.pages[side].items()})
-        st = schemes.expand_static(cache.cfg, cache.static[side], 1) if cache.static else None
-        x = schemes.dequantize_side(f, cache.cfg, side, cache.head_dim, st)   # [N, Hk, tpb, (G,) D]
-        out.append(x.reshape(ids.shape[0], cache.num_kv_heads, cache.block_size, cache.head_dim))
+        f = fields_from_pages(cache.cfg, side, {name: jnp.swapaxes(a[ids], 0, 1)
+                                                for name, a in cache.pages[side].items()})
+        st = schemes.expand_static(cache.cfg, cache.static[side], 2) if cache.static else None
+        x = schemes.dequantize_side(f, cache.cfg, side, cache.head_dim, st)   # [Hk, N, tpb, (G,) D]
+        out.append(x.reshape(cache.num_kv_heads, ids.shape[0], cache.block_size, cache.head_dim))
     return tuple(out)
 
 
