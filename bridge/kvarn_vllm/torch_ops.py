@@ -613,6 +613,8 @@ def attend(bound: BoundCache, query: torch.Tensor, plan: StepPlan, *, written: W
     unless given) with every row's result. impl: what decode rows run, "auto" | "pallas" | "reference"
     (see `decode_impl`)."""
     t0 = time.perf_counter()
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
     _check_plan(bound, plan)
     n, nd = plan.num_tokens, plan.num_decodes
     _check_tokens(bound, query, "query", n, None)
