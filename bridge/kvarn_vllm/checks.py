@@ -15,11 +15,19 @@ from __future__ import annotations
 from . import runtime
 from .layout import PageLayout, shared_page_bytes_for_budget
 
+
+class UnsupportedConfig(RuntimeError):
+    """An engine configuration the kvarn bridge cannot serve (raised by the config hook).
+
+    Not a ValueError on purpose: vLLM builds its configuration in a pydantic dataclass, which turns
+    a ValueError raised there into a ValidationError whose message ends in pydantic boilerplate; this
+    one reaches the caller - and the server's last line - as the plugin wrote it."""
+
 MODEL_DTYPES = ("float16", "bfloat16", "float32")
 
 
 def refuse(what: str, hint: str = "") -> None:
-    raise ValueError(f"kvarn: {what} is not supported by the kvarn-jax vLLM bridge" + (f"; {hint}" if hint else ""))
+    raise ValueError(f"kvarn: the kvarn-jax vLLM bridge does not support {what}" + (f"; {hint}" if hint else ""))
 
 
 def _dtype_name(dtype) -> str:
@@ -112,8 +120,11 @@ def _check_compilation(vllm_config) -> None:
 def check_config(vllm_config) -> None:
     """Everything the configuration alone decides: raises ValueError("kvarn: ...") for an unsupported
     combination, a bad kvarn setting, a layer config or KV budget that does not fit; does nothing for
-    an engine that did not ask for kvarn."""
-    settings = runtime.settings_for(vllm_config)  # raises for bad kvarn settings
+    an engine that did not ask for kvarn. (The config hook re-raises it as `UnsupportedConfig`.)"""
+    try:
+        settings = runtime.settings_for(vllm_config)
+    except ValueError as e:  # a bad kvarn setting: said as the plugin says everything
+        raise ValueError(str(e) if str(e).startswith("kvarn:") else f"kvarn: {e}") from None
     if settings is None:
         return
     from .plugin import check_version, installed_version

@@ -129,9 +129,12 @@ def _install_config_hook() -> None:
 
     def check_and_update_config(klass, vllm_config) -> None:
         original(vllm_config)
-        from .checks import check_config
+        from .checks import UnsupportedConfig, check_config
 
-        check_config(vllm_config)
+        try:
+            check_config(vllm_config)
+        except ValueError as e:
+            raise UnsupportedConfig(str(e)) from None
 
     check_and_update_config.kvarn_hook = True
     cls.check_and_update_config = classmethod(check_and_update_config)
