@@ -9,6 +9,8 @@ with that scheme) the script starts
 
 with VLLM_CPU_KVCACHE_SPACE=--kv-gib, one server at a time (configurations alternate for --rounds
 rounds, so a change in the machine's load hits both), waits for /health, and sends:
+- --warmup batches first, not timed (both servers compile on first use: inductor for vLLM's model,
+  XLA for the plugin's shapes);
 - the batch: one concurrent /v1/completions request per --prompt-lens entry (prompts are token ids
   cut from the shipped text, kvarn_jax.data), greedy, --max-tokens new tokens each (ignore_eos, so
   every configuration generates the same number), streamed to time the first token; then the same
@@ -194,6 +196,7 @@ def main(argv=None):
     p.add_argument("--prompt-lens", default=",".join(map(str, PROMPT_LENS)))
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1, help="identical batches after the first (determinism)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed batches before the timed one")
     p.add_argument("--rounds", type=int, default=1, help="alternate the configurations this many times")
     p.add_argument("--long-prompt", type=int, default=None, help="also time one request of this many tokens")
     p.add_argument("--long-max-tokens", type=int, default=16)
@@ -228,11 +231,13 @@ def main(argv=None):
                     runs.append(row)
                     print(f"  {e}", flush=True)
                     continue
+                warm = [run_batch(srv.base, a.model, batch, a.max_tokens, a.request_timeout) for _ in range(a.warmup)]
+                row["warmup_walls_s"] = [b["wall_s"] for b in warm]
                 batches = [run_batch(srv.base, a.model, batch, a.max_tokens, a.request_timeout)
                            for _ in range(1 + a.repeats)]
                 row["batch"] = batches[0]
-                row["repeats"] = [_agreement(batches[0]["texts"], b["texts"]) for b in batches[1:]]
-                row["repeat_walls_s"] = [b["wall_s"] for b in batches[1:]]
+                row["repeats"] = [_agreement(batches[0]["texts"], b["texts"]) for b in warm + batches[1:]]
+                row["repeat_walls_s"] = [b["wall_s"] for b in batches[1:]]  # repeats: the warm-up batches too
                 b0 = batches[0]
                 print(f"  batch: {b0['wall_s']:.1f} s, {b0['requests_per_s']:.3f} req/s, "
                       f"{b0['generated_tokens_per_s']:.1f} tok/s, TTFT median {b0['ttft_median_s']}, "

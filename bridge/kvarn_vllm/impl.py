@@ -2,9 +2,9 @@
 
 Unsupported setups are refused before workers start (`checks.check_config`, from the plugin's
 config hook); what only a layer knows (ALiBi, learned sinks, ...) is refused when vLLM builds the
-layer, still at engine start, never mid-request. Each forward: `torch_ops.write` stores the step's
-K/V in place, then `torch_ops.attend` attends every row (decode and prefill), both reading the cache
-in place, with the step's `plan.StepPlan` that the metadata builder made once for all layers.
+layer, still at engine start, never mid-request. Each forward is `torch_ops.forward`: the step's K/V
+stored in place, then every row (decode and prefill) attended, both reading the cache in place, with
+the step's `plan.StepPlan` that the metadata builder made once for all layers.
 
 Per-layer schemes (`kvarn_layer_config`): vLLM does not tell an attention impl which layer it
 belongs to when it builds it, and the scheme must be known then (it sizes the sink/tail). vLLM
@@ -42,6 +42,8 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
             raise ValueError("kvarn: KvarnAttentionImpl was built for an engine that did not ask for kvarn")
         self.settings = settings
         check_engine(vllm_config)
+        if vllm_config.device_config.device_type == "cpu":  # a worker started without the config hook's env
+            runtime.run_xla_on_the_calling_thread()
         # the build order is the layer index (module docstring); counted before any refusal below,
         # which aborts the engine anyway
         self.kvarn_layer_index = runtime.add_layer(vllm_config) - 1
@@ -122,8 +124,7 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         plan = attn_metadata.plan
         n = plan.num_tokens
         bound = self._bind(layer, kv_cache)
-        written = torch_ops.write(bound, key[:n], value[:n], plan)
-        out = output[:n].view(n, self.num_heads, self.head_size)
-        torch_ops.attend(bound, query[:n].view(n, self.num_heads, self.head_size), plan, written=written,
-                         scale=self.scale, impl=self.settings.decode_impl, out=out)
+        torch_ops.forward(bound, query[:n].view(n, self.num_heads, self.head_size), key[:n], value[:n], plan,
+                          scale=self.scale, impl=self.settings.decode_impl,
+                          out=output[:n].view(n, self.num_heads, self.head_size))
         return output

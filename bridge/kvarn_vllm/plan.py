@@ -175,10 +175,12 @@ class StepPlan:
         """What the decode rows' fused attention (`torch_ops`) reads, padded to few shapes:
         (entries [3, N] int32: row, block-table column, valid positions - the pages each row reads in
         position order, blocks 1 .. last-1 for quantized caches (all full), 0 .. last for passthrough
-        ones (the last one partial); rows_info [4, B] int32 per row: seq id, sink positions, ring
+        ones (the last one partial); rows_info [7, B] int32 per row: seq id, sink positions, ring
         offset, ring positions - the high-precision part of quantized caches, the sink (block 0, all
-        of it once the row is past it) and the row's last block from the ring). Padding entries belong
-        to row B (dropped); padding rows have no positions."""
+        of it once the row is past it) and the row's last block from the ring - then where the row's
+        new token sits: its index in that part (-1 for padding rows), its entry and offset in the
+        pages (passthrough)). Padding entries belong to row B (dropped); padding rows have no
+        positions."""
         def make():
             bs, nd = self.block_size, self.num_decodes
             lens = self.seq_len[:nd]
@@ -193,7 +195,11 @@ class StepPlan:
             entries = np.zeros((3, nb), np.int32)
             entries[0] = bb
             entries[0, :col.shape[0]], entries[1, :col.shape[0]], entries[2, :col.shape[0]] = row, col, valid
-            info = np.zeros((4, bb), np.int32)
+            info = np.zeros((7, bb), np.int32)
+            info[4] = -1
+            info[4, :nd] = np.where(last == 0, lens - 1, lens - 1 - last * bs)
+            info[5, :nd] = np.cumsum(n) - 1
+            info[6, :nd] = (lens - 1) % bs
             if not passthrough:
                 info[0, :nd] = self.seq_id[:nd]
                 info[1, :nd] = np.where(last == 0, lens, bs)

@@ -135,6 +135,11 @@ def _install_config_hook() -> None:
             check_config(vllm_config)
         except ValueError as e:
             raise UnsupportedConfig(str(e)) from None
+        from . import runtime
+
+        if runtime.settings_for(vllm_config) is not None and getattr(vllm_config.device_config, "device_type",
+                                                                     None) == "cpu":
+            runtime.run_xla_on_the_calling_thread()  # before vLLM starts its workers
 
     check_and_update_config.kvarn_hook = True
     cls.check_and_update_config = classmethod(check_and_update_config)

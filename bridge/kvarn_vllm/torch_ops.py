@@ -338,8 +338,20 @@ def _completed_pages(cache, rows, ids, *, size: int, quantizer: str):
                  for s in schemes.SIDES for name, f in fields[s].items()}
 
 
+def _write_ids(plan: StepPlan, nb: int) -> torch.Tensor:
+    """The write's [3, nb] int32 slots (-1: padding), slots' sequence ids and positions, on the device."""
+    n = plan.num_tokens
+    ids = torch.zeros((3, nb), dtype=torch.int32, device=plan.device)
+    ids[0, n:] = -1
+    ids[0, :n] = plan.slot_mapping
+    ids[1, :n] = plan.to_device(plan.token_seq, torch.int32)
+    ids[2, :n] = plan.to_device(plan.positions, torch.int32)
+    return ids
+
+
 def _store_completed(bound: BoundCache, rows: torch.Tensor, plan: StepPlan) -> list:
-    """Quantize the blocks the step completes (JAX) and copy their fields into the pages (torch)."""
+    """Quantize the blocks the step completes (JAX) and copy their fields into the pages (torch, one
+    copy of whole blocks per field)."""
     n, c = plan.num_tokens, plan.completing
     nb = _bucket(n)
     sizes = completion_sizes(bound.cache, nb)
@@ -347,14 +359,7 @@ def _store_completed(bound: BoundCache, rows: torch.Tensor, plan: StepPlan) -> l
     if size is None:  # cannot happen: the bound counts every completion a write can make
         raise RuntimeError(f"kvarn: {c} blocks complete in one write of {n} tokens, above the bound {sizes[-1]}")
 
-    def make_ids():
-        ids = torch.zeros((3, nb), dtype=torch.int32, device=plan.device)
-        ids[0, n:] = -1
-        ids[0, :n] = plan.slot_mapping
-        ids[1, :n] = plan.to_device(plan.token_seq, torch.int32)
-        ids[2, :n] = plan.to_device(plan.positions, torch.int32)
-        return ids
-    ids = plan.cached(("write_ids", nb), make_ids)
+    ids = plan.cached(("write_ids", nb), lambda: _write_ids(plan, nb))
     padded = rows if nb == n else torch.cat((rows, rows.new_zeros((2, nb - n) + tuple(rows.shape[2:]))), 1)
     rows_j, ids_j = _to_jax(padded), _to_jax(ids)
     c_m, fields = _completed_pages(bound.cache, rows_j, ids_j, size=size, quantizer=auto_quantizer(bound.cache))
@@ -482,12 +487,19 @@ def _served_blocks(bound: BoundCache, plan: StepPlan):
     return k, v, offsets, (e_j, h_j, t_j, k_j, v_j)
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
-def _decode_served(q, cache, table, entries, info, *, scale):
+@functools.partial(jax.jit, static_argnames=("scale", "size", "quantizer"))
+def _decode_served(q, cache, table, entries, info, kv=None, ids=None, *, scale, size=0, quantizer="reference"):
     """Decode rows on the CPU in one XLA computation: dequantize the pages each row reads, attend
     with the sink and the ring's last block (quantized caches), softmax over all of a row's blocks.
     q [B, Hq, D]; entries / info: `StepPlan.decode_entries`. Each row's sums run over its own blocks
-    in position order, whatever else is in the batch. Returns [B, Hq, D] in q's dtype."""
+    in position order, whatever else is in the batch. Returns [B, Hq, D] in q's dtype.
+
+    With kv ([2, B, Hk, D]: the step's new keys and values, one per row, not yet written) the step's
+    write is done here too: it returns (rows, out, completed) - the rows as the cache stores them
+    ([2, B, Hk, D], `stored_rows`' math in XLA), the attention computed as if they were written
+    (each row's new token in its sink, ring or page), and with size > 0 the page fields of the
+    blocks the write completes (`_completed_pages`, ids: the write's [3, B] slots, slots' sequences,
+    positions). The caller stores rows and pages afterwards."""
     b, hq, d = q.shape
     hk, bs = cache.num_kv_heads, cache.block_size
     g = hq // hk
@@ -495,11 +507,20 @@ def _decode_served(q, cache, table, entries, info, *, scale):
     if cache.cfg.rotated:
         qf = rotate(qf)
     qg = qf.reshape(b, hk, g, d)
+    rows = completed = None
+    if kv is not None:
+        store = cache.cfg.dtype if cache.cfg.is_passthrough else cache.dtype
+        rows = rotate(kv, store) if cache.cfg.rotated else kv.astype(store)
+        live = info[4] >= 0                                                   # padding rows write nothing
     row = entries[0]
-    ids = table[jnp.clip(row, 0, table.shape[0] - 1), jnp.clip(entries[1], 0, table.shape[1] - 1)]
-    k, v = dequantize_blocks(cache, ids)                                  # [Hk, N, bs, D]
-    qn = jnp.concatenate([qg, jnp.zeros((1, hk, g, d))])[jnp.clip(row, 0, b)]   # [N, Hk, G, D]
+    ids_blk = table[jnp.clip(row, 0, table.shape[0] - 1), jnp.clip(entries[1], 0, table.shape[1] - 1)]
+    k, v = dequantize_blocks(cache, ids_blk)                              # [Hk, N, bs, D]
     pos = jnp.arange(bs)
+    if rows is not None and not cache.has_hp:  # passthrough: the new token sits in its row's last page
+        at = jnp.where(live, info[5], k.shape[1])
+        k = k.at[:, at, info[6]].set(rows[0].astype(jnp.float32).transpose(1, 0, 2), mode="drop")
+        v = v.at[:, at, info[6]].set(rows[1].astype(jnp.float32).transpose(1, 0, 2), mode="drop")
+    qn = jnp.concatenate([qg, jnp.zeros((1, hk, g, d))])[jnp.clip(row, 0, b)]   # [N, Hk, G, D]
     s = jnp.einsum("nhgd,hnbd->nhgb", qn, k, precision="highest") * scale
     s = jnp.where((pos[None, :] < entries[2][:, None])[:, None, None, :], s, -jnp.inf)
     mx = jax.ops.segment_max(s.max(-1), row, num_segments=b + 1, indices_are_sorted=True)[:b]   # [B, Hk, G]
@@ -507,13 +528,23 @@ def _decode_served(q, cache, table, entries, info, *, scale):
     if cache.has_hp:
         seq = jnp.clip(info[0], 0, cache.max_seqs - 1)
         ring_pos = (info[2][:, None] + pos[None, :]) % cache.tail_len
-        for src, lens in ((cache.sink, info[1]), (cache.tail, info[3])):
+        in_sink = info[3] == 0                                               # the new token's block is the sink
+        for src, lens, here in ((cache.sink, info[1], in_sink), (cache.tail, info[3], ~in_sink)):
             kk = (src["k"][seq] if src is cache.sink else src["k"][seq[:, None], :, ring_pos].transpose(0, 2, 1, 3))
             vv = (src["v"][seq] if src is cache.sink else src["v"][seq[:, None], :, ring_pos].transpose(0, 2, 1, 3))
+            if rows is not None:  # the new token at its position of this part (info[4])
+                new = (here & live)[:, None, None, None] & (pos[None, None, :, None] == info[4][:, None, None, None])
+                kk = jnp.where(new, rows[0][:, :, None, :], kk)
+                vv = jnp.where(new, rows[1][:, :, None, :], vv)
             sh = jnp.einsum("bhgd,bhtd->bhgt", qg, kk.astype(jnp.float32), precision="highest") * scale
             sh = jnp.where((pos[None, :] < lens[:, None])[:, None, None, :], sh, -jnp.inf)
             parts.append((sh, vv.astype(jnp.float32)))
             mx = jnp.maximum(mx, sh.max(-1))
+        if rows is not None and size:
+            p = write_plan(cache, rows[0], rows[1], ids[0], ids[1], ids[2])._replace(xs={"k": rows[0], "v": rows[1]})
+            c_m, fields = completed_blocks(cache, p, size, quantizer)
+            completed = (c_m, {f"pages.{s_}.{name}": f.astype(cache.pages[s_][name].dtype)
+                               for s_ in schemes.SIDES for name, f in fields[s_].items()})
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
     p = jnp.exp(s - jnp.concatenate([mx, jnp.zeros((1, hk, g))])[jnp.clip(row, 0, b)][..., None])
     den = jax.ops.segment_sum(p.sum(-1), row, num_segments=b + 1, indices_are_sorted=True)[:b]
@@ -526,24 +557,63 @@ def _decode_served(q, cache, table, entries, info, *, scale):
     o = (o / jnp.where(den > 0, den, 1.0)[..., None]).reshape(b, hq, d)
     if cache.cfg.rotated:
         o = unrotate(o)
-    return o.astype(q.dtype)
+    o = o.astype(q.dtype)
+    return o if kv is None else (rows, o, completed)
 
 
-def _decode_rows_served(bound, query, plan, scale, out):
-    nd = plan.num_decodes
+def _decode_inputs(bound, plan):
+    """The decode rows' per-step JAX inputs (entries, info, block table), made once per step."""
     passthrough = bound.cfg.is_passthrough
 
     def make():
         entries, info = plan.decode_entries(passthrough)
         table = plan.block_table if plan.block_table.dtype == torch.int32 else plan.block_table.to(torch.int32)
         return tuple(_to_jax(plan.to_device(x, torch.int32)) for x in (entries, info)) + (_to_jax(table),)
-    e_j, i_j, t_j = plan.cached(("decode_served", passthrough), make)
+    return plan.cached(("decode_served", passthrough), make)
+
+
+def _decode_rows_served(bound, query, plan, scale, out):
+    nd = plan.num_decodes
+    e_j, i_j, t_j = _decode_inputs(bound, plan)
     q = _pad_rows(query[:nd], i_j.shape[1])
     q_j = _to_jax(q)  # the fence (module docstring)
     res = _decode_served(q_j, bound.cache, t_j, e_j, i_j, scale=scale)
     o = _to_torch(res)
     out[:nd].copy_(o[:nd])
     return (q, q_j, res, o)
+
+
+def _decode_step_served(bound, query, key, value, plan, scale, out):
+    """A decode-only step on the CPU: the write and the attention in one XLA computation
+    (`_decode_served` with kv); torch then stores the rows (and completed pages) and the output."""
+    nd, c = plan.num_decodes, plan.completing
+    e_j, i_j, t_j = _decode_inputs(bound, plan)
+    bb = i_j.shape[1]
+    q = _pad_rows(query[:nd], bb)
+    kv = torch.stack((_pad_rows(key[:nd], bb), _pad_rows(value[:nd], bb)))
+    q_j, kv_j = _to_jax(q), _to_jax(kv)
+    size, ids_j, quantizer = 0, None, "reference"
+    if c and not bound.cfg.is_passthrough:
+        sizes = completion_sizes(bound.cache, bb)
+        size = next(m for m in sizes if m >= c)
+        ids_j = plan.cached(("decode_write_ids", bb), lambda: _to_jax(_write_ids(plan, bb)))
+        quantizer = auto_quantizer(bound.cache)
+    rows_j, res, completed = _decode_served(q_j, bound.cache, t_j, e_j, i_j, kv_j, ids_j, scale=scale, size=size,
+                                            quantizer=quantizer)
+    held = [q, kv, q_j, kv_j, rows_j, res, completed]
+    if completed is not None:  # before the rows: the pages came from the ring as it was
+        blocks = _to_torch(completed[0])[:c].to(torch.int64)
+        for key_, f in completed[1].items():
+            vals = _to_torch(f)
+            bound.views[key_].index_copy_(0, blocks, vals[:c])
+            held.append(vals)
+    rows = _to_torch(rows_j)[:, :nd]
+    dst, src = _row_destinations(plan, bound)
+    flat = rows.reshape(-1, bound.layout.head_dim)
+    bound.rows.index_copy_(0, dst, flat if src is None else flat.index_select(0, src))
+    o = _to_torch(res)
+    out[:nd].copy_(o[:nd])
+    return held + [rows, o]
 
 
 def _prefill_mask(plan: StepPlan, r: int, passthrough: bool, device, dtype) -> torch.Tensor:
@@ -642,5 +712,35 @@ def attend(bound: BoundCache, query: torch.Tensor, plan: StepPlan, *, written: W
     return out
 
 
-__all__ = ["BoundCache", "bind", "write", "attend", "Written", "stored_rows", "decode_impl", "counters", "count",
+def forward(bound: BoundCache, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: StepPlan, *,
+            scale: float | None = None, impl: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
+    """One attention layer of a step: `write` the step's key/value, then `attend` (what vLLM's impl
+    calls). On the CPU a decode-only step runs both in one XLA computation (`_decode_step_served`):
+    vLLM's CPU worker pins its threads to every core, and each torch op it then runs costs a wake-up
+    of all of them - one JAX call instead of a dozen small ops."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
+    n, nd = plan.num_tokens, plan.num_decodes
+    if not (nd == plan.num_rows and nd and decode_impl(impl) == "served"):
+        written = write(bound, key, value, plan)
+        return attend(bound, query, plan, written=written, scale=scale, impl=impl, out=out)
+    t0 = time.perf_counter()
+    _check_plan(bound, plan)
+    _check_tokens(bound, key, "key", n, bound.layout.num_kv_heads)
+    _check_tokens(bound, value, "value", n, bound.layout.num_kv_heads)
+    _check_tokens(bound, query, "query", n, None)
+    if out is None:
+        out = query.new_empty(query.shape)
+    elif tuple(out.shape) != tuple(query.shape):
+        raise ValueError(f"out must be {tuple(query.shape)} like query, got {tuple(out.shape)}")
+    sm = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    bound.held_write = ()
+    bound.held_attend = tuple(_decode_step_served(bound, query, key, value, plan, sm, out))
+    dt = time.perf_counter() - t0
+    count(write_calls=1, write_tokens=n, blocks_quantized=0 if bound.cfg.is_passthrough else plan.completing,
+          decode_calls=1, decode_rows=nd, attend_s=dt)
+    return out
+
+
+__all__ = ["BoundCache", "bind", "write", "attend", "forward", "Written", "stored_rows", "decode_impl", "counters", "count",
            "reset_counters", "PageLayout", "StepPlan", "allocate_hp", "IMPLS"]
