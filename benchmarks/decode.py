@@ -12,186 +12,41 @@ scales) and random block tables, then times:
   - fp16 SDPA: torch scaled_dot_product_attention on contiguous K/V (if torch with CUDA is present);
   - jax paged: JAX's own Pallas GPU paged attention on fp16 pages (if it runs);
   - roofline: bytes the kernel must read / measured copy bandwidth.
-`--check` also compares the kernel with the reference on the first shape (relative error).
-Prints a table and writes JSON.
+`--check` first compares each scheme's kernel (every variant) with the reference on a small random
+cache (4 sequences of different lengths, with and without a window) and skips timing a scheme that
+fails. Prints a line per shape and scheme, then a markdown table of ms per call and % of the byte
+roofline, and writes JSON. On CPU the kernel runs interpreted: use tiny shapes (a smoke run).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import re
-import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import kvarn_jax as kj  # noqa: E402
 from kvarn_jax.attention import paged_decode_pallas as pdp  # noqa: E402
+from kvarn_jax.attention.workload import decode_bytes, random_cache  # noqa: E402
+from timing import (add_model_args, copy_bandwidth, device_time, loop_time, markdown_table, ms,  # noqa: E402
+                    profile_span, run_info)
 
 DEFAULT_SHAPES = "32x32768,128x4096,256x8192,8x16384,1x131072"
 DEFAULT_SCHEMES = "kvarn_k4v2_g128,kvarn_k4v4_g128,int8,int4,fp8,fp16"
 
 
-def random_cache(cfg, batch, ctx, hk, d, bs, dtype, seed=0):
-    """A cache whose pages hold random codes and plausible scales, and random block tables."""
-    blocks_per_seq = -(-ctx // bs)
-    nb = batch * blocks_per_seq
-    cache = kj.PagedKVCache.create(cfg, num_blocks=nb, block_size=bs, num_kv_heads=hk, head_dim=d,
-                                   max_seqs=batch, dtype=dtype)
-    key = jax.random.PRNGKey(seed)
-
-    def fill(path, a):
-        nonlocal key
-        key, sub = jax.random.split(key)
-        name = str(path[-1])
-        if a.dtype == jnp.uint8:
-            r = jax.random.randint(sub, a.shape, 0, 256, jnp.int32).astype(jnp.uint8)
-            if kj.parse(cfg).method == "fp8":  # avoid e4m3 NaN patterns (x1111111)
-                r = jnp.where((r & 0x7F) == 0x7F, r & 0xFE, r)
-            return r
-        if a.dtype == jnp.int32:
-            return a
-        if "scale" in name:
-            return jax.random.uniform(sub, a.shape, jnp.float32, 0.02, 0.2).astype(a.dtype)
-        return (jax.random.normal(sub, a.shape, jnp.float32) * (0.1 if "zero" in name else 1.0)).astype(a.dtype)
-
-    cache = jax.tree_util.tree_map_with_path(fill, cache)
-    perm = np.random.default_rng(seed).permutation(nb).astype(np.int32)
-    tables = jnp.asarray(perm.reshape(batch, blocks_per_seq))
-    lens = jnp.full((batch,), ctx, jnp.int32)
-    return cache, tables, lens
 
 
-def kernel_bytes(cache, batch, ctx):
-    """Bytes one decode call must read for `batch` sequences of `ctx` tokens: the quantized pages of
-    the full blocks between the sink and the query's own block, and the high-precision sink and
-    query's block (`paged.gather_dense`: the block holding position ctx - 1 is read from the tail
-    ring even when it is full, so at ctx a multiple of the block size that is a whole block in
-    fp16, not none). q and the output are left out (16 KB a sequence at Hq=32, D=128: 0.4% of 4K tokens)."""
-    cfg, bs = cache.cfg, cache.block_size
-    per_token = kj.bytes_per_token(cfg, cache.head_dim) * cache.num_kv_heads
-    hp_tokens = 0 if cfg.is_passthrough else ctx if ctx <= bs else bs + (ctx - 1) % bs + 1
-    quant_tokens = ctx - hp_tokens
-    hp_bytes = hp_tokens * cache.num_kv_heads * cache.head_dim * 2 * jnp.dtype(cache.dtype).itemsize
-    return batch * (quant_tokens * per_token + hp_bytes)
 
 
-def device_time(fn, args, reps=20):
-    """Seconds per call on the device: `reps` dependent calls inside one jitted scan."""
-
-    @jax.jit
-    def many(q, *rest):
-        def body(c, _):
-            o = fn(q + c, *rest)
-            return c + (o[0, 0, 0] * 0).astype(c.dtype), None
-        c, _ = jax.lax.scan(body, jnp.zeros((), q.dtype), None, length=reps)
-        return c
-
-    many(*args).block_until_ready()
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        many(*args).block_until_ready()
-        times.append((time.perf_counter() - t) / reps)
-    return float(np.median(times))
 
 
-def loop_time(fn, args, reps=50):
-    f = jax.jit(fn)
-    jax.block_until_ready(f(*args))
-    t = time.perf_counter()
-    for _ in range(reps):
-        o = f(*args)
-    jax.block_until_ready(o)
-    return (time.perf_counter() - t) / reps
-
-
-def kernel_events(fn, args, calls):
-    """[(name, start_us, duration_us)] of every CUDA kernel run during `calls` calls of fn."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-    f = jax.jit(fn)
-    for _ in range(3):
-        jax.block_until_ready(f(*args))
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            jax.block_until_ready(f(*args))  # one call at a time: its kernels form one span
-        torch.cuda.synchronize()
-    out = []
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
-            out.append((e.name, e.time_range.start, e.device_time))
-    return sorted(out, key=lambda x: x[1])
-
-
-def spans(events, calls):
-    """Split the sorted events into `calls` groups at the largest gaps; (first start, last end) each."""
-    if not events:
-        return []
-    ends = [s + d for _, s, d in events]
-    gaps = sorted(range(1, len(events)), key=lambda i: events[i][1] - ends[i - 1], reverse=True)[:calls - 1]
-    cuts = [0] + sorted(gaps) + [len(events)]
-    return [(events[a][1], max(ends[a:b])) for a, b in zip(cuts[:-1], cuts[1:])]
-
-
-def profile_span(fn, args, calls=20):
-    """(median span of one call from its first kernel's start to its last kernel's end, the sum of
-    its kernels' durations), in seconds, from torch's profiler; None without torch and CUDA."""
-    try:
-        import torch
-        if not torch.cuda.is_available():
-            return None
-    except ImportError:
-        return None
-    ev = kernel_events(fn, args, calls)
-    sp = spans(ev, calls)
-    if not sp:
-        return None
-    return float(np.median([b - a for a, b in sp])) * 1e-6, sum(d for _, _, d in ev) / calls * 1e-6
-
-
-def copy_bandwidth():
-    """Device-to-device copy bandwidth (bytes read + written per second): torch's copy_ when available
-    (how DESIGN.md §3 measured 4.3 TB/s), else a jax elementwise pass."""
-    try:
-        import torch
-        if torch.cuda.is_available():
-            x = torch.empty(2 ** 32, dtype=torch.uint8, device="cuda").random_(0, 255)
-            y = torch.empty_like(x)
-            y.copy_(x)
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            ts = []
-            for _ in range(10):
-                start.record()
-                y.copy_(x)
-                end.record()
-                torch.cuda.synchronize()
-                ts.append(start.elapsed_time(end) / 1e3)
-            bw = 2 * x.numel() / float(np.median(ts))
-            del x, y
-            torch.cuda.empty_cache()
-            return bw
-    except ImportError:
-        pass
-    x = jax.random.normal(jax.random.PRNGKey(1), (512, 1024, 1024), jnp.float32)  # 2 GiB
-    f = jax.jit(lambda x: x * 1.0001)
-    f(x).block_until_ready()
-    ts = []
-    for _ in range(10):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        ts.append(time.perf_counter() - t)
-    return 2 * x.nbytes / float(np.median(ts))
 
 
 def torch_sdpa_time(batch, ctx, hq, hk, d):
@@ -246,14 +101,6 @@ def jax_paged_time(batch, ctx, hq, hk, d, bs):
         return None
 
 
-def add_model_args(p):
-    """The model-shape flags the decode benchmarks share (default: the issue's Hq=32, Hk=8, D=128,
-    block 128)."""
-    p.add_argument("--hq", type=int, default=32)
-    p.add_argument("--hk", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=128)
-
 
 def variant_kwargs(var: str, scheme: str) -> dict | None:
     """Kernel keyword arguments of a variant name wWsS[a][t][f][m][pP][iI][kK][rR] ("default": none; "rR"
@@ -297,40 +144,40 @@ def check(cfg, hq, hk, d, bs, kw=None, window=None):
         rot = kj.parse(cfg).rotated
         o = pdp.paged_decode_pallas(rotate(q) if rot else q, cache, tables, lens, jnp.arange(4, dtype=jnp.int32),
                                     scale=1.0 / np.sqrt(d), window=window,
-                                    interpret=jax.default_backend() == "cpu", **kw)
+                                    interpret=jax.default_backend() == "cpu", launch=pdp.Launch(**kw))
         out = unrotate(o) if rot else o
     return float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--shapes", default=DEFAULT_SHAPES)
-    p.add_argument("--schemes", default=DEFAULT_SCHEMES)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma list of BATCHxCONTEXT (default: %(default)s)")
+    p.add_argument("--schemes", default=DEFAULT_SCHEMES, help="comma list of scheme strings (default: %(default)s)")
     add_model_args(p)
-    p.add_argument("--splits", default="", help="comma list of num_splits to try (default: heuristic only)")
+    p.add_argument("--splits", default="", help="comma list of num_splits to try (default: the launch rule's only)")
     p.add_argument("--variants", default="", help="comma list of kernel variants wWsS[a][t][f][m][pP][iI][kK][rR] (num_warps W, num_stages S; "
-                   "flags: a the PTX unpack `_planes_asm`, t tokens-major products (orient='tokens'), f the "
+                   "flags: a the PTX unpack, t tokens-major products (orient='tokens'), f the "
                    "magic bias folded into the sums (fold=True), m those sums as products with a ones matrix (sums='mma'); pP: tokens-major tiles in P parts; "
                    "iI: I tile-loop iterations per tile (steps); kK: per-token schemes' tokens per step (chunk); rR: at most R registers per thread (maxnreg); rR alone: the defaults with that cap; "
                    "suffix -pm: splits merged by the Pallas kernel, e.g. default-pm); default: the kernel's own defaults")
-    p.add_argument("--no-baselines", action="store_true")
-    p.add_argument("--check", action="store_true")
-    p.add_argument("--json", default="")
+    p.add_argument("--no-baselines", action="store_true", help="skip torch SDPA and JAX's paged attention")
+    p.add_argument("--check", action="store_true",
+                   help="first compare every scheme and variant with the reference (with and without a window); "
+                        "a scheme that fails is not timed")
+    p.add_argument("--json", default="", help="write every measurement here (rewritten after each shape)")
     args = p.parse_args()
     hq, hk, d, bs = args.hq, args.hk, args.head_dim, args.block_size
     schemes = [s for s in args.schemes.split(",") if s]
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
-    dev = jax.devices()[0]
     bw = copy_bandwidth()
-    print(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}; copy bandwidth {bw / 1e12:.2f} TB/s")
-    results = {"device": dev.device_kind, "jax": jax.__version__, "copy_bandwidth_Bps": bw,
-               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "hq": hq, "hk": hk,
-               "head_dim": d, "block_size": bs, "python": platform.python_version(), "checks": {}, "rows": []}
-    try:
-        results["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                           cwd=os.path.dirname(__file__)).stdout.strip()
-    except OSError:
-        results["commit"] = ""
+    table = pdp.launch_table()
+    results = {**run_info(), "copy_bandwidth_Bps": bw, "hq": hq, "hk": hk, "head_dim": d, "block_size": bs,
+               "launch_table": {"measured_on": table.measured_on, "num_sms": table.num_sms,
+                                "this_family_measured": pdp.is_measured()},
+               "checks": {}, "rows": []}
+    print(f"device: {results['device']} ({results['backend']}), jax {results['jax']}; copy bandwidth {bw / 1e12:.2f} TB/s; "
+          f"launch table of the {table.measured_on} ({table.num_sms} SMs)"
+          + ("" if pdp.is_measured() else ", not measured on this GPU family"))
     variant_names = args.variants.split(",") if args.variants else ["default"]
     if args.check:  # every variant, without and with a sliding window
         for s in schemes:
@@ -359,7 +206,7 @@ def main():
                 continue  # the kernel failed its check: timing it would mean nothing
             cache, tables, lens = random_cache(s, batch, ctx, hk, d, bs, jnp.float16)
             q = jax.random.normal(jax.random.PRNGKey(9), (batch, hq, d), jnp.float16)
-            nbytes = kernel_bytes(cache, batch, ctx)
+            nbytes = decode_bytes(cache, batch, ctx)
             best = None
             variants = {}
             sid = None  # sequence b's sink and tail at row b, as paged_decode_attention passes them
@@ -370,8 +217,8 @@ def main():
                         continue
                     # the kernel itself (q in the stored frame), as paged_decode_attention calls it
                     fn = lambda q, c, t, l, ns=ns, kw=kw: pdp.paged_decode_pallas(
-                        q, c, t, l, sid, scale=1.0 / np.sqrt(d), window=None, num_splits=ns,
-                        interpret=jax.default_backend() == "cpu", **kw)
+                        q, c, t, l, sid, scale=1.0 / np.sqrt(d), window=None,
+                        interpret=jax.default_backend() == "cpu", launch=pdp.Launch(num_splits=ns, **kw))
                     t_dev = device_time(fn, (q, cache, tables, lens))
                     # the same call's kernels on the device, without the scan's per-iteration overhead
                     # (17-27 us on the H200, benchmarks/results/2026-12-01_decode_maxnreg_h200.md)
@@ -393,7 +240,6 @@ def main():
             row["schemes"][s] = best
             del cache
         results["rows"].append(row)
-        ms = lambda x: "   -   " if x is None else f"{x * 1e3:7.3f}"
         print(f"B={batch:<4d} L={ctx:<7d} fp16 SDPA {ms(row.get('fp16_sdpa_s'))} ms | jax paged fp16 {ms(row.get('jax_paged_fp16_s'))} ms")
         for s, r in row["schemes"].items():
             print(f"    {s:<18s} {ms(r['device_s'])} ms  (loop {ms(r['loop_s'])} ms, span {ms(r['span_s'])} ms)  roofline {ms(r['roofline_s'])} ms"
@@ -402,9 +248,22 @@ def main():
         if args.json:  # after every shape: a run cut off by a time limit keeps what it measured
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=2)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    print()
+    print(summary_table(results))
+
+
+def summary_table(results: dict) -> str:
+    """Scheme x shape: ms per call (span where the profiler ran, else the scan time) and, in brackets,
+    the share of the byte roofline; then the fp16 baselines."""
+    rows = results["rows"]
+    header = ["batch x context"] + [f"{r['batch']} x {r['ctx']}" for r in rows]
+    schemes = list(dict.fromkeys(s for r in rows for s in r["schemes"]))
+    body = [[s] + [f"{ms(r['schemes'][s]['rank_s'])} ({100 * r['schemes'][s]['roofline_frac']:.0f}%)"
+                   if s in r["schemes"] else "-" for r in rows] for s in schemes]
+    for key, name in (("fp16_sdpa_s", "torch SDPA, fp16, contiguous"), ("jax_paged_fp16_s", "JAX paged attention, fp16")):
+        if any(r.get(key) is not None for r in rows):
+            body.append([name] + [ms(r.get(key)) for r in rows])
+    return markdown_table(header, body)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,30 @@
-"""End-to-end generation throughput per KV-cache scheme: prefill and decode tokens/s of the serving engine.
+"""End-to-end generation through the serving engine, per KV-cache scheme, against the byte floor.
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/generate.py [--json out.json]
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/generate.py [--config llama3-8b]
         [--kv-cache-dtype fp16,kvarn_k4v2_g128,...] [--batch 1,32] [--prompt-len 2048] [--new-tokens 64]
-        [--model PATH | --random-weights] [--dtype auto] [--impl auto] [--layers-per-call 1]
+        [--model PATH | --random-weights] [--dtype auto] [--impl auto] [--json out.json]
 
-For each batch size one engine is built and every scheme runs on the same loaded weights (the
-engine's precision switch: one cache pool per scheme, released after use). Each (scheme, batch)
-first runs a short warm-up generation with the same shapes (compiles everything), then the timed
+For each batch size and scheme an engine is built on the same weights (fp16 first: every ratio is
+against fp16 measured in the same process). Each row first runs a warm-up generation with the same
+shapes (compiling what the timed run needs; a commit of completed blocks compiled later is
+counted apart, `compiles_during_timed_run`), then the timed
 generation: `batch` random prompts of `prompt-len` tokens, `new-tokens` tokens each (EOS ignored).
-Tokens/s exclude compilation; the engine syncs once per step (it needs the tokens to schedule).
 
-Weights: `--model PATH` (HF folder or GGUF), else the default SmolLM2-135M checkpoint if it can be
-found, else random weights of the SmolLM2-135M architecture from the embedded config (the GPU
-machine has no checkpoint and no transformers). Which one ran is printed and recorded. Random
-weights give the same tokens/s as real ones (no early stop: EOS is ignored).
-CPU smoke settings: `--prompt-len 64 --batch 1,2 --new-tokens 4`.
+Per row: prefill and decode tokens/s, decode ms per step, the step's byte floor - the weights read
+once plus the KV bytes one decode step must read (`kvarn_jax.cache.memory.decode_read_bytes`: quantized
+pages, high-precision sink and tail), averaged over the run's contexts, at --bandwidth (4.3 TB/s: a
+device-to-device copy on the H200) - and the share of it reached, and decode tokens/s against fp16's.
+`--tensor-parallel N` runs the engine over N devices (heads, KV-cache heads and MLP units split;
+the floor is then a device's share, replicated embeddings counted whole). A scheme whose cache does
+not fit on the device is refused by the engine at start; the row records
+the refusal (that is the point of a capacity run: e.g. --config llama3-8b --batch 128
+--prompt-len 16384, where fp16 would need ~275 GB).
+
+Weights: `--config NAME` builds random weights of a published architecture (smollm2-135m,
+llama3-8b, qwen2.5-7b: `kvarn_jax.models.ARCHITECTURES`); `--model PATH` loads a checkpoint;
+with neither, the default SmolLM2 checkpoint if installed, else random SmolLM2-135M weights. Random
+weights give the same speed as real ones (no early stop: EOS is ignored).
+CPU smoke settings: `--config smollm2-135m --num-layers 2 --prompt-len 64 --batch 1,2 --new-tokens 4`.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import os
 import platform
@@ -32,20 +43,20 @@ import time
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import kvarn_jax as kj  # noqa: E402
-from flax import nnx  # noqa: E402
-from kvarn_jax.attention import paged_decode_pallas  # noqa: E402
-from kvarn_jax.models.llama import SMOLLM2_135M, Decoder  # noqa: E402
-from kvarn_jax.serving import Engine, SamplingParams  # noqa: E402
+import kvarn_jax as kj
+from flax import nnx
+from kvarn_jax.cache.memory import decode_read_bytes
+from kvarn_jax.models import ARCHITECTURES
+from kvarn_jax.models.llama import Decoder
+from kvarn_jax.serving import Engine, SamplingParams
 
 DEFAULT_SCHEMES = "fp16,kvarn_k4v2_g128,kvarn_k4v4_g128,int8,int4,fp8"
 
 
 def build_model(args):
-    """(model, description). Real weights when asked for or found; otherwise random, said out loud."""
+    """(model, description, dtype). Real weights when asked for or found; otherwise random, said out loud."""
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if jax.default_backend() == "gpu" else "float32")
-    if not args.random_weights:
+    if args.config is None and not args.random_weights:
         try:
             from kvarn_jax.models import load_model
             model, folder = load_model(args.model, dtype=dtype, progress=False)
@@ -54,100 +65,206 @@ def build_model(args):
             if args.model:
                 raise
             print(f"no default checkpoint here ({type(e).__name__}: {e}); using random weights")
-    cfg = SMOLLM2_135M if args.num_layers is None else dataclasses.replace(SMOLLM2_135M, num_layers=args.num_layers)
+    name = args.config or "smollm2-135m"
+    cfg = ARCHITECTURES[name]
+    if args.num_layers is not None:
+        cfg = dataclasses.replace(cfg, num_layers=args.num_layers)
     model = Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(args.seed))
-    return model, f"random weights, SmolLM2-135M architecture ({cfg.num_layers} layers, embedded config)", dtype
+    return model, f"random weights, {name} architecture ({cfg.num_layers} layers)", dtype
 
 
-def run_one(engine: Engine, scheme: str, prompts, new_tokens: int):
-    """Warm up (compile) with the same shapes, then time one generation; returns a result row."""
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True), kv_cache_dtype=scheme)
+def weight_bytes_read(model) -> int:
+    """Bytes of weights a decode step reads: every parameter, less an untied input embedding table
+    (only the batch's rows of it are read)."""
+    total = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    if not model.config.tie_word_embeddings:
+        total -= int(np.prod(model.embed.embedding.shape)) * model.embed.embedding.dtype.itemsize
+    return total
+
+
+def profile_decode_steps(engine: Engine, prompts, steps: int) -> dict:
+    """Trace `steps` decode steps of `engine` (after the prompts' prefill) and summarize the device's
+    kernels: per step, wall time, time the device was busy (overlapping kernels merged) and the
+    kernels by total time."""
+    import glob
+    import tempfile
+
+    from jax.profiler import ProfileData
+
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=steps + 4, ignore_eos=True)) for p in prompts]
+    pool = engine.pool()
+    while not all(s.computed == len(s.prompt) and s.scheduled >= 1 for s in pool.running) or engine.waiting:
+        engine.step()
+    engine.step()
+    folder = tempfile.mkdtemp(prefix="kvarn_profile_")
+    t0 = time.perf_counter()
+    with jax.profiler.trace(folder):
+        for _ in range(steps):
+            engine.step()
+        engine._drain()
+    wall = time.perf_counter() - t0
+    engine.run()
+    for i in ids:
+        engine.pop_result(i)
+    data = ProfileData.from_file(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0])
+    spans, kernels = [], {}
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if "stream" not in line.name.lower():
+                continue
+            for e in line.events:
+                spans.append((e.start_ns, e.start_ns + e.duration_ns))
+                k = kernels.setdefault(e.name, [0, 0.0])
+                k[0] += 1
+                k[1] += e.duration_ns / 1e6
+    busy, end = 0.0, -1.0
+    for a, b in sorted(spans):  # union of kernel intervals
+        if b > end:
+            busy += (b - max(a, end)) / 1e6
+            end = b
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:15]
+    return {"steps": steps, "wall_ms_per_step": 1000 * wall / steps, "busy_ms_per_step": busy / steps,
+            "kernels_per_step": sum(k[0] for k in kernels.values()) / steps,
+            "top_kernels": [{"name": n[:120], "calls_per_step": c / steps, "ms_per_step": t / steps}
+                            for n, (c, t) in top]}
+
+
+def run_one(model, scheme: str, prompts, args):
+    """One engine for one (scheme, batch): warm up (compile), then time one generation; a result row."""
+    b, new = len(prompts), args.new_tokens
+    max_len = len(prompts[0]) + new
+    cfg = model.config
+    row = {"scheme": kj.parse(scheme).name, "batch": b, "prompt_len": len(prompts[0]), "new_tokens": new}
+    try:
+        engine = Engine(model, kv_cache_dtype=scheme, block_size=args.block_size, max_seqs=b,
+                        max_model_len=max_len, num_blocks=b * -(-max_len // args.block_size),
+                        prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch or b, impl=args.impl,
+                        decode_loop=args.decode_loop, tensor_parallel=args.tensor_parallel)
+    except ValueError as e:  # e.g. the pool does not fit on the device: refused at engine start
+        row["refused"] = str(e)
+        return row
+    # warm-up: one prefill chunk per prompt compiles the timed run's prefill and decode shapes
+    engine.generate([p[:args.prefill_chunk] for p in prompts], SamplingParams(max_new_tokens=2, ignore_eos=True))
     engine.stats = type(engine.stats)()
     c0 = engine.runner.stats.compiles
     t0 = time.perf_counter()
-    results = engine.generate(prompts, params, kv_cache_dtype=scheme)
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True))
     wall = time.perf_counter() - t0
     st = engine.stats
-    assert all(len(r.output_ids) == new_tokens for r in results)
-    mem = engine.memory_report(scheme)
-    return {
-        "scheme": kj.parse(scheme).name, "batch": len(prompts), "prompt_len": len(prompts[0]),
-        "new_tokens": new_tokens, "prefill_tokens_per_s": st.prefill_tokens / st.prefill_s,
-        "decode_tokens_per_s": st.decode_tokens / st.decode_s,
-        "decode_ms_per_step": 1000 * st.decode_s / st.decode_calls,
-        "prefill_s": st.prefill_s, "decode_s": st.decode_s, "wall_s": wall,
-        "compiles_during_timed_run": engine.runner.stats.compiles - c0,
+    assert all(len(r.output_ids) == new for r in results)
+    mem = engine.memory_report()
+    # the decode steps read contexts prompt+1 .. prompt+new-1 (the first token comes from prefill)
+    ctxs = range(len(prompts[0]) + 1, max_len)
+    kv = np.mean([decode_read_bytes(scheme, c, block_size=args.block_size, num_kv_heads=cfg.num_kv_heads,
+                                    head_dim=cfg.head_dim, dtype=model.dtype) for c in ctxs])
+    # per device under tensor parallelism: each reads its share of the split weights and of the cache
+    floor_bytes = (weight_bytes_read(model) + b * cfg.num_layers * kv) / args.tensor_parallel
+    ms = 1000 * st.decode_s / max(1, st.decode_calls)
+    floor_ms = 1000 * floor_bytes / args.bandwidth
+    row.update({
+        "prefill_tokens_per_s": st.prefill_tokens / st.prefill_s, "decode_tokens_per_s": st.decode_tokens / st.decode_s,
+        "decode_ms_per_step": ms, "floor_ms_per_step": floor_ms, "floor_share": floor_ms / ms,
+        "kv_bytes_per_step": b * cfg.num_layers * kv, "prefill_s": st.prefill_s, "decode_s": st.decode_s,
+        "wall_s": wall, "decode_steps": st.decode_calls, "commit_calls": st.commit_calls,
+        "compiles_during_timed_run": engine.runner.stats.compiles - c0, "compile_s": engine.runner.stats.compile_s,
         "kv_total_bytes": mem["total_bytes"], "kv_fp16_bytes": mem["fp16_bytes"],
-        "kv_capacity_vs_fp16": mem["capacity_vs_fp16"],
-    }
+        "kv_capacity_vs_fp16": mem["capacity_vs_fp16"], "decode_loop": engine.runner.decode_loop,
+        "devices": mem["devices"], "kv_bytes_per_device": mem["per_device_bytes"],
+        "dropped_tokens": int(engine.pool().caches.dropped_tokens),
+    })
+    if args.profile_steps and jax.default_backend() == "gpu":
+        row["profile"] = profile_decode_steps(engine, prompts, args.profile_steps)
+    del engine
+    gc.collect()
+    return row
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--kv-cache-dtype", default=DEFAULT_SCHEMES)
-    p.add_argument("--batch", default="1,32")
-    p.add_argument("--prompt-len", type=int, default=2048)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--prefill-chunk", type=int, default=512)
-    p.add_argument("--prefill-batch", type=int, help="sequences per prefill call (default: the whole batch, so that "
-                                                    "all sequences decode together)")
-    p.add_argument("--layers-per-call", type=int, default=1)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--impl", default="auto", choices=["auto", "pallas", "reference"])
-    p.add_argument("--model", help="HF folder or .gguf (default: SmolLM2 if found, else random weights)")
-    p.add_argument("--random-weights", action="store_true", help="random weights of the SmolLM2-135M architecture")
-    p.add_argument("--num-layers", type=int, help="override the embedded config's depth (random weights only)")
-    p.add_argument("--seed", type=int, default=0)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", choices=sorted(ARCHITECTURES),
+                   help="random weights of this published architecture (default: the SmolLM2 checkpoint if "
+                        "installed, else random smollm2-135m)")
+    p.add_argument("--kv-cache-dtype", default=DEFAULT_SCHEMES, help="comma-separated schemes (fp16 runs first)")
+    p.add_argument("--batch", default="1,32", help="comma-separated batch sizes")
+    p.add_argument("--prompt-len", type=int, default=2048, help="tokens per prompt")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--block-size", type=int, default=128, help="tokens per cache page")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per sequence per prefill call")
+    p.add_argument("--prefill-batch", type=int, help="sequences per prefill call (default: the whole batch)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations (auto: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--impl", default="auto", choices=["auto", "pallas", "reference"], help="decode attention")
+    p.add_argument("--decode-loop", default="auto", choices=["auto", "unroll", "scan"],
+                   help="how a decode step runs the layers (auto: unroll on GPU/TPU, scan on CPU)")
+    p.add_argument("--model", help="HF folder or .gguf")
+    p.add_argument("--random-weights", action="store_true", help="random smollm2-135m weights (same as --config "
+                                                                 "smollm2-135m)")
+    p.add_argument("--num-layers", type=int, help="override the architecture's depth (random weights only)")
+    p.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s of the byte floor")
+    p.add_argument("--seed", type=int, default=0, help="weights and prompts")
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="split heads, KV-cache heads and MLP units over this many devices (one compiled step "
+                        "over the mesh); the byte floor is then per device")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="on a GPU, also trace this many decode steps per row and list the device's kernels")
     p.add_argument("--json", help="write the rows and the environment to this file")
     args = p.parse_args(argv)
-    if args.num_layers is not None and not args.random_weights:
-        p.error("--num-layers applies to --random-weights only")
+    if args.num_layers is not None and args.config is None and not args.random_weights:
+        p.error("--num-layers applies to random weights only (--config or --random-weights)")
 
     schemes = [kj.parse(s).name for s in args.kv_cache_dtype.split(",") if s]
+    schemes = sorted(schemes, key=lambda s: s != "fp16")  # the baseline first
     batches = [int(b) for b in args.batch.split(",") if b]
     model, weights, dtype = build_model(args)
     cfg = model.config
     backend = jax.default_backend()
     device = str(jax.devices()[0].device_kind)
     print(f"device: {device} ({backend}), jax {jax.__version__}; model: {weights}; dtype {dtype}; "
-          f"prompt {args.prompt_len} + {args.new_tokens} new tokens; block size {args.block_size}; "
-          f"layers per call {args.layers_per_call}")
+          f"prompt {args.prompt_len} + {args.new_tokens} new tokens; block size {args.block_size}", flush=True)
     rng = np.random.default_rng(args.seed)
     rows = []
     for b in batches:
         prompts = [rng.integers(0, cfg.vocab_size, args.prompt_len).tolist() for _ in range(b)]
-        max_len = args.prompt_len + args.new_tokens
-        engine = Engine(model, kv_cache_dtype=schemes[0], block_size=args.block_size, max_seqs=b,
-                        max_model_len=max_len, num_blocks=b * -(-max_len // args.block_size),
-                        prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch or b,
-                        layers_per_call=args.layers_per_call, impl=args.impl)
+        base = None
         for s in schemes:
-            attn = args.impl
-            if attn == "auto":
-                ok = paged_decode_pallas.supports(kj.parse(s), args.block_size, cfg.head_dim) is None
-                attn = "pallas" if backend == "gpu" and ok else "reference"
-            row = run_one(engine, s, prompts, args.new_tokens)
-            row["attention"] = attn
+            row = run_one(model, s, prompts, args)
             rows.append(row)
-            engine.release_pool(s)
-            print(f"  batch {b:>3} {s:<18} prefill {row['prefill_tokens_per_s']:>10.1f} tok/s   decode "
-                  f"{row['decode_tokens_per_s']:>9.1f} tok/s ({row['decode_ms_per_step']:.2f} ms/step)   "
-                  f"KV {row['kv_capacity_vs_fp16']:.2f}x fp16   [{attn}]", flush=True)
-        compile_s = engine.runner.stats.compile_s
-        print(f"  (batch {b}: {engine.runner.stats.compiles} compiled functions, {compile_s:.1f} s compiling, "
-              "not counted)")
+            if "refused" in row:
+                print(f"  batch {b:>3} {s:<18} refused at engine start: {row['refused']}", flush=True)
+                continue
+            if s == "fp16":
+                base = row
+            row["decode_vs_fp16"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"] if base else None
+            print(f"  batch {b:>3} {s:<18} prefill {row['prefill_tokens_per_s']:>9.0f} tok/s  decode "
+                  f"{row['decode_tokens_per_s']:>9.1f} tok/s ({row['decode_ms_per_step']:.2f} ms/step, floor "
+                  f"{row['floor_ms_per_step']:.2f} ms: {100 * row['floor_share']:.0f}%)"
+                  + (f"  {row['decode_vs_fp16']:.2f}x fp16" if row["decode_vs_fp16"] else "")
+                  + f"  KV {row['kv_capacity_vs_fp16']:.2f}x fp16"
+                  + (f", {row['kv_bytes_per_device'] / 2 ** 30:.2f} GiB per device x {row['devices']}"
+                     if row["devices"] > 1 else ""), flush=True)
+            if "profile" in row:
+                pr = row["profile"]
+                print(f"      profile: {pr['wall_ms_per_step']:.2f} ms/step wall, device busy "
+                      f"{pr['busy_ms_per_step']:.2f} ms, {pr['kernels_per_step']:.0f} kernels/step; top: "
+                      + "; ".join(f"{k['name'][:40]} {k['ms_per_step']:.3f} ms x{k['calls_per_step']:.0f}"
+                                  for k in pr["top_kernels"][:6]), flush=True)
 
-    hdr = "| batch | scheme | prefill tok/s | decode tok/s | decode ms/step | KV capacity vs fp16 | attention |"
-    print("\n" + hdr + "\n|---|---|---|---|---|---|---|")
+    print("\n| batch | scheme | decode tok/s | ms/step | byte floor ms | % of floor | vs fp16 | prefill tok/s |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['scheme']} | {r['prefill_tokens_per_s']:.0f} | {r['decode_tokens_per_s']:.1f} | "
-              f"{r['decode_ms_per_step']:.2f} | {r['kv_capacity_vs_fp16']:.2f}x | {r['attention']} |")
+        if "refused" in r:
+            print(f"| {r['batch']} | {r['scheme']} | refused at start | | | | | |")
+            continue
+        vs = f"{r['decode_vs_fp16']:.2f}x" if r.get("decode_vs_fp16") else "-"
+        print(f"| {r['batch']} | {r['scheme']} | {r['decode_tokens_per_s']:.1f} | {r['decode_ms_per_step']:.2f} | "
+              f"{r['floor_ms_per_step']:.2f} | {100 * r['floor_share']:.0f}% | {vs} | {r['prefill_tokens_per_s']:.0f} |")
     if args.json:
         try:
             commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=os.path.dirname(__file__)).stdout.strip()
+                                    cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
         except OSError:
             commit = ""
         env = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": device, "backend": backend,

@@ -19,6 +19,7 @@ import numpy as np
 
 from .config import KVQuantConfig
 from .schemes import per_token
+from .schemes.arith import meta_dtype
 from .validation import check_array, check_finite
 
 _ARRAYS = ("k_min", "k_max", "v_min", "v_max")
@@ -52,10 +53,12 @@ class Calibration:
             raise ValueError(f"layer index {i} is out of range: this calibration has {self.k_min.shape[0]} layers")
         return Calibration(*(getattr(self, a)[i] for a in _ARRAYS), tokens=self.tokens)
 
-    def params(self, cfg: KVQuantConfig, num_kv_heads: int, head_dim: int) -> dict:
-        """Canonical static parameters of `cfg` ({"k": {...}, "v": {...}}, see schemes.static_param_shapes)."""
+    def params(self, cfg: KVQuantConfig, num_kv_heads: int, head_dim: int, dtype="float16") -> dict:
+        """Canonical static parameters of `cfg` ({"k": {...}, "v": {...}}, see schemes.static_param_shapes)
+        for a cache of model dtype `dtype`, in which they are stored (`schemes.arith.meta_dtype`)."""
         if self.k_min.ndim == 3 and self.k_min.shape[0] == 1:
-            return self.layer(0).params(cfg, num_kv_heads, head_dim)
+            return self.layer(0).params(cfg, num_kv_heads, head_dim, dtype)
+        meta = meta_dtype(dtype)
         if self.k_min.ndim != 2:
             raise ValueError(f"calibration has {self.k_min.shape[0]} layers; pass one layer's, e.g. "
                              "calibration.layer(i)")
@@ -66,11 +69,11 @@ class Calibration:
         for side in ("k", "v"):
             lo, hi = getattr(self, f"{side}_min"), getattr(self, f"{side}_max")
             if cfg.method == "int":
-                scale, zero = per_token.int_static_params(lo, hi, cfg.bits(side))
+                scale, zero = per_token.int_static_params(lo, hi, cfg.bits(side), meta)
                 out[side] = {"scale": scale, "zero": zero}
             elif cfg.method == "fp8":
                 amax = jnp.maximum(jnp.max(jnp.abs(lo), -1), jnp.max(jnp.abs(hi), -1))
-                out[side] = {"scale": per_token.fp8_scale_from_amax(amax)}
+                out[side] = {"scale": per_token.fp8_scale_from_amax(amax, meta=meta)}
             else:
                 raise ValueError(f"{cfg.name} does not use a calibration")
         return out
@@ -84,13 +87,29 @@ class Calibration:
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike]) -> "Calibration":
-        with np.load(path) as z:
-            if "meta" not in z.files:
-                raise ValueError(f"{path} is not a kvarn_jax calibration file (no metadata)")
-            meta = json.loads(bytes(z["meta"]).decode())
-            if meta.get("format") != "kvarn_jax.Calibration":
-                raise ValueError(f"{path} is not a kvarn_jax calibration file")
-            return cls(*(jnp.asarray(z[a]) for a in _ARRAYS), tokens=int(meta["tokens"]))
+        """Read a file written by `save`; ValueError naming the file if it is not one (or is damaged)."""
+        name = os.fspath(path)
+        try:
+            with np.load(path) as z:
+                if "meta" not in z.files:
+                    raise ValueError("it holds no calibration metadata")
+                meta = json.loads(bytes(z["meta"]).decode())
+                if not isinstance(meta, dict) or meta.get("format") != "kvarn_jax.Calibration":
+                    raise ValueError("its metadata does not name a kvarn_jax calibration")
+                missing = [a for a in _ARRAYS if a not in z.files]
+                if missing:
+                    raise ValueError(f"it lacks {missing}")
+                arrays = [np.asarray(z[a], np.float32) for a in _ARRAYS]
+                tokens = int(meta["tokens"])
+        except FileNotFoundError:
+            raise ValueError(f"calibration file {name!r} does not exist") from None
+        except (ValueError, KeyError, TypeError, OSError, EOFError, UnicodeDecodeError) as e:
+            raise ValueError(f"calibration file {name!r} is not a readable kvarn_jax calibration: {e}") from None
+        shapes = {a.shape for a in arrays}
+        if len(shapes) != 1 or arrays[0].ndim not in (2, 3) or not all(np.isfinite(a).all() for a in arrays):
+            raise ValueError(f"calibration file {name!r} is damaged: its four arrays must be finite and of one "
+                             f"shape [layers, kv_heads, head_dim], got {[a.shape for a in arrays]}")
+        return cls(*(jnp.asarray(a) for a in arrays), tokens=tokens)
 
     # ------------------------------------------------------------ report
     def compare(self, samples, cfg: Union[str, KVQuantConfig]) -> dict:

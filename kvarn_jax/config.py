@@ -46,6 +46,60 @@ def _check_choice(value: int, allowed: tuple[int, ...], what: str, text: str) ->
             f"{list(allowed)}. Accepted strings: {GRAMMAR}")
 
 
+_PASSTHROUGH_BITS = {"float16": 16, "bfloat16": 16, "float32": 32}
+# (key/value bits, groups, whether the group may be 0) per quantized method
+_CHOICES = {"kvarn": (KVARN_BITS, KVARN_GROUPS, False), "kivi": (KIVI_BITS, KIVI_GROUPS, False),
+            "int": (INT_BITS, INT_GROUPS, True)}
+MAX_SINKHORN_ITERS = 64
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_fields(cfg: "KVQuantConfig") -> None:
+    """The rules `parse` applies to a string, applied to the fields (ValueError naming the field)."""
+    name = f"KVQuantConfig(method={cfg.method!r}, k_bits={cfg.k_bits!r}, v_bits={cfg.v_bits!r}, group={cfg.group!r}, ...)"
+    if cfg.method not in _METHODS:
+        raise ValueError(f"method {cfg.method!r} is not one of {list(_METHODS)}")
+    for field in ("k_bits", "v_bits", "group", "sinkhorn_iters"):
+        if not _is_int(getattr(cfg, field)):
+            raise ValueError(f"{name}: {field} must be an int, got {getattr(cfg, field)!r}")
+    if not isinstance(cfg.static, bool):
+        raise ValueError(f"{name}: static must be a bool, got {cfg.static!r}")
+    if cfg.method == "kvarn":
+        if not 0 <= cfg.sinkhorn_iters <= MAX_SINKHORN_ITERS:
+            raise ValueError(f"{name}: sinkhorn_iters must be in [0, {MAX_SINKHORN_ITERS}], got {cfg.sinkhorn_iters}")
+    elif cfg.sinkhorn_iters != 8:
+        raise ValueError(f"{name}: sinkhorn_iters applies to kvarn only (leave it at 8), got {cfg.sinkhorn_iters}")
+    if cfg.method == "passthrough":
+        if cfg.dtype not in _PASSTHROUGH_BITS:
+            raise ValueError(f"{name}: a passthrough dtype must be one of {list(_PASSTHROUGH_BITS)}, got {cfg.dtype!r}")
+        bits = _PASSTHROUGH_BITS[cfg.dtype]
+        if (cfg.k_bits, cfg.v_bits, cfg.group, cfg.static) != (bits, bits, 0, False):
+            raise ValueError(f"{name}: passthrough {cfg.dtype} stores {bits}-bit values: k_bits = v_bits = {bits}, "
+                             "group 0, static False")
+        return
+    if cfg.dtype:
+        raise ValueError(f"{name}: dtype names a passthrough storage dtype; {cfg.method} takes none, got {cfg.dtype!r}")
+    if cfg.method == "fp8":
+        if (cfg.k_bits, cfg.v_bits, cfg.group) != (8, 8, 0):
+            raise ValueError(f"{name}: fp8 (e4m3) has k_bits = v_bits = 8 and group 0")
+        return
+    bits, groups, group_optional = _CHOICES[cfg.method]
+    for what, b in (("key bits", cfg.k_bits), ("value bits", cfg.v_bits)):
+        if b not in bits:
+            raise ValueError(f"{name}: {what} {b} is not accepted; {what} must be one of {list(bits)}")
+    what = "group (channels per scale)" if cfg.method == "int" else "group (tile tokens)"
+    if not (cfg.group in groups or (group_optional and cfg.group == 0)):
+        raise ValueError(f"{name}: {what} {cfg.group} is not accepted; {what} must be one of "
+                         f"{([0] if group_optional else []) + list(groups)}")
+    if cfg.static and cfg.method != "int":
+        raise ValueError(f"{name}: static scales exist for int and fp8 only")
+    if cfg.static and cfg.group:
+        raise ValueError(f"{name}: static int scales are per channel, so a group does not apply (group must be 0)")
+
+
 @dataclasses.dataclass(frozen=True)
 class KVQuantConfig:
     """How K and V are stored in the cache.
@@ -57,7 +111,7 @@ class KVQuantConfig:
       per scale along head_dim (0 = the whole head_dim).
     static: scales come from a `Calibration` instead of being computed at write time (int, fp8).
     dtype: storage dtype name of passthrough configs.
-    sinkhorn_iters: KVarN variance-normalization iterations (DESIGN.md §1.2).
+    sinkhorn_iters: KVarN variance-normalization iterations (docs/design.md §1.2).
     """
 
     method: str
@@ -69,8 +123,7 @@ class KVQuantConfig:
     sinkhorn_iters: int = 8
 
     def __post_init__(self):
-        if self.method not in _METHODS:
-            raise ValueError(f"method {self.method!r} is not one of {list(_METHODS)}")
+        _check_fields(self)  # hand-built configs obey the grammar's rules too
 
     # ---------------------------------------------------------------- grammar
     @classmethod
@@ -184,7 +237,8 @@ class KVQuantConfig:
         if not isinstance(block_size, int) or block_size <= 0 or block_size > 1024 or block_size % t:
             raise ValueError(
                 f"{arg}={block_size!r} cannot be used with {self.name}: it must be a multiple of the "
-                f"scheme's tile of {t} token(s) and at most 1024 (e.g. {max(t, 16)}, {max(t, 128)}, 256)")
+                f"scheme's tile of {t} token(s) and at most 1024 (e.g. "
+                f"{', '.join([str(m) for m in (16, 64, 128, 256, 512, 1024) if m % t == 0 and m >= t][:3])})")
 
 
 def parse(spec: Union[str, KVQuantConfig]) -> KVQuantConfig:

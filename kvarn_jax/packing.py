@@ -1,4 +1,4 @@
-"""Bit packing of integer codes into bytes (DESIGN.md §1.5).
+"""Bit packing of integer codes into bytes (docs/design.md §1.5).
 
 `8 // bits` codes share a byte; element j of each group sits at bit shift `j * bits` (element 0 in
 the low bits). Packing is along the last axis, whose length must be a multiple of `8 // bits`.

@@ -15,8 +15,10 @@ import jax.numpy as jnp
 
 from . import schemes
 from .config import KVQuantConfig
-from .hadamard import rotate, unrotate
-from .validation import check_array, check_finite
+from .hadamard import unrotate
+from .schemes.arith import saturate
+from .storage import QUANT_MAX, storage_values
+from .validation import check_array, check_finite, is_concrete
 
 
 @jax.tree_util.register_dataclass
@@ -36,7 +38,7 @@ class QuantizedKV:
     dtype: str = dataclasses.field(metadata=dict(static=True))
 
 
-def _static_params(cfg: KVQuantConfig, calibration, num_kv_heads: int, head_dim: int):
+def _static_params(cfg: KVQuantConfig, calibration, num_kv_heads: int, head_dim: int, dtype="float16"):
     if not cfg.static:
         if calibration is not None:
             raise ValueError(f"calibration was given but {cfg.name} computes its scales dynamically; "
@@ -45,7 +47,7 @@ def _static_params(cfg: KVQuantConfig, calibration, num_kv_heads: int, head_dim:
     if calibration is None:
         raise ValueError(f"calibration is required by {cfg.name} (its scales are fixed): "
                          "pass calibration=kvarn_jax.calibrate(samples, cfg) (one layer's)")
-    return calibration.params(cfg, num_kv_heads, head_dim)
+    return calibration.params(cfg, num_kv_heads, head_dim, dtype)
 
 
 def _tiles(x: jnp.ndarray, g: int) -> jnp.ndarray:
@@ -64,11 +66,16 @@ def _untiles(x: jnp.ndarray, g: int) -> jnp.ndarray:
 
 
 def quantize(kv, cfg: Union[str, KVQuantConfig], *, calibration=None, rotated: bool = False) -> QuantizedKV:
-    """Quantize `kv = (k, v)`, each [tokens, num_kv_heads, head_dim] float16/bfloat16/float32.
+    """Quantize `kv = (k, v)`, each [tokens, num_kv_heads, head_dim] float16/bfloat16/float32 (one dtype).
 
     Tiled schemes need `tokens` to be a multiple of the tile (`cfg.tile_tokens`). Static schemes need
     `calibration` (a one-layer `Calibration`). `rotated=True`: k and v are already in the Hadamard
-    frame (KVarN only; e.g. values read back from a cache). Jit-able; `cfg` is static.
+    frame (KVarN only; e.g. values read back from a cache). Scales and zero points are stored in the
+    input's dtype. Jit-able; `cfg` is static. Called eagerly, values that cannot be stored as given
+    raise ValueError: NaN/Inf, and values beyond the storage range (`kvarn_jax.storage`). Traced,
+    such a token is stored altered instead (a NaN/Inf token as zeros, out-of-range values
+    saturated), so that it never changes the other tokens of its tile; the paged cache's `write`
+    counts these, this function cannot report them.
     """
     cfg = KVQuantConfig.parse(cfg)
     if not isinstance(kv, (tuple, list)) or len(kv) != 2:
@@ -87,20 +94,25 @@ def quantize(kv, cfg: Union[str, KVQuantConfig], *, calibration=None, rotated: b
                          f"multiple of {g} (use the paged cache for streams that end mid-tile)")
     check_finite(k, "k")
     check_finite(v, "v")
-    static = _static_params(cfg, calibration, h, d)
-    return _quantize(k, v, static, cfg=cfg, rotated=rotated)
+    static = _static_params(cfg, calibration, h, d, k.dtype)
+    q, saturated = _quantize(k, v, static, cfg=cfg, rotated=rotated)
+    if is_concrete(k, v) and int(saturated):
+        raise ValueError(f"{int(saturated)} token(s) of k/v hold values {cfg.name} cannot store in {k.dtype}: "
+                         f"beyond ±{QUANT_MAX:.3g} or, after the Hadamard rotation, beyond the dtype's range "
+                         "(a KVarN token whose L2 norm exceeds it); a wider dtype (bfloat16, float32) holds them")
+    return q
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "rotated"))
 def _quantize(k, v, static, *, cfg, rotated):
     # Jitted once per (cfg, shape): eager callers get one fused computation, not op-by-op dispatch.
+    k_s, v_s, _, saturated = storage_values(cfg, k, v, k.dtype, rotated=rotated)
     fields = {}
-    for side, x in (("k", k), ("v", v)):
-        if cfg.rotated and not rotated:
-            x = rotate(x)
+    for side, x in (("k", k_s), ("v", v_s)):
         st = schemes.expand_static(cfg, static[side], 0) if static else None
-        fields[side] = schemes.quantize_side(_tiles(x, cfg.tile_tokens), cfg, side, st)
-    return QuantizedKV(fields=fields, static=static, cfg=cfg, dtype=jnp.dtype(k.dtype).name)
+        fields[side] = schemes.quantize_side(_tiles(x, cfg.tile_tokens), cfg, side, st, dtype=k.dtype)
+    q = QuantizedKV(fields=fields, static=static, cfg=cfg, dtype=jnp.dtype(k.dtype).name)
+    return q, jnp.sum(saturated, dtype=jnp.int32)
 
 
 def dequantize(q: QuantizedKV, *, rotated: bool = False):
@@ -124,7 +136,7 @@ def _dequantize(q: QuantizedKV, *, rotated: bool):
         x = _untiles(schemes.dequantize_side(f, cfg, side, head_dim, st), cfg.tile_tokens)
         if cfg.rotated and not rotated:
             x = unrotate(x)
-        out.append(x.astype(q.dtype))
+        out.append(saturate(x, q.dtype))  # a value rounded past the dtype's largest stays finite
     return tuple(out)
 
 

@@ -7,14 +7,10 @@ attribute `ttg.maxnreg`, which the conversion to LLVM turns into the kernel's re
 kernel to a Triton module sets the attribute on modules so named. Nothing else is changed, and only
 modules whose name ends that way are touched.
 
-Why: the decode kernel is latency-bound at one warp per program with ~255 registers per thread,
-which leaves 8 warps per SM; a cap can let more programs share an SM. Measured on the H200: every
-cap from 216 down to 168 on one-warp programs was slower (spills; only <= 168 adds a warp per
-scheduler; benchmarks/results/2026-12-01_decode_maxnreg_h200.md), but two-warp programs capped at
-128 registers are faster for small batches and 4-bit values, so the decode kernel's default launch
-uses them there (`paged_decode_pallas.default_launch`;
-benchmarks/results/2026-12-01_decode_zero_term_h200.md). Without this hook that launch falls back to
-one uncapped warp; an explicit `maxnreg=N` raises instead.
+Why: at ~255 registers per thread the decode kernel fits few warps per SM; a cap lets more programs
+share one. The decode kernel's launch rules use a cap where it measured faster
+(`paged_decode_pallas.launch`, docs/kernels.md "Launch rules"). Without this hook that launch runs
+one uncapped warp instead; an explicit `maxnreg=N` raises.
 """
 
 from __future__ import annotations

@@ -28,6 +28,13 @@ def require_compiled_backend(interpret: bool, what: str, platform: str = "gpu") 
                          f"here: {jax.default_backend()}); pass interpret=True or use impl='reference'")
 
 
+def check_count(x, name: str, what: str = "") -> int:
+    """A positive integer argument (Python or NumPy int; not a bool) as an int, else ValueError."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x <= 0:
+        raise ValueError(f"{name} must be a positive int{what}, got {x!r}")
+    return int(x)
+
+
 def is_concrete(*xs) -> bool:
     return not any(isinstance(x, jax.core.Tracer) for x in xs)
 

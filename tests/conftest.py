@@ -10,6 +10,10 @@ import zlib
 if os.environ.get("KVARN_TEST_PLATFORM", "cpu") == "cpu" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
+# Four CPU devices (the default device is the first): the tensor-parallel tests shard over 2 and 4.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+
 import jax  # noqa: E402
 import numpy as np
 import pytest

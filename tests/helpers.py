@@ -3,6 +3,7 @@ numpy (float64) oracle of what decode attention must return."""
 
 from __future__ import annotations
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,10 +88,11 @@ def expected_kv(cfg, seq_k, seq_v, block_size, dtype):
         return out
     full = ((L - 1) // block_size) * block_size  # blocks before the one holding position L - 1
     if full > block_size:
-        # the stored values in fp32 (exact), so the dequantized result is not rounded back to `dtype`
-        kq, vq = kj.dequantize(kj.quantize((jnp.asarray(out[0][block_size:full], jnp.float32),
-                                            jnp.asarray(out[1][block_size:full], jnp.float32)),
-                                           cfg, rotated=True), rotated=True)
+        # the stored values in `dtype` (exact), so that scales are stored in it as the cache stores
+        # them; dequantized to fp32, not rounded back to `dtype`
+        q = kj.quantize((jnp.asarray(out[0][block_size:full], dtype), jnp.asarray(out[1][block_size:full], dtype)),
+                        cfg, rotated=True)
+        kq, vq = kj.dequantize(dataclasses.replace(q, dtype="float32"), rotated=True)
         out[0][block_size:full] = np.asarray(kq.astype(jnp.float32))
         out[1][block_size:full] = np.asarray(vq.astype(jnp.float32))
     return out

@@ -1,6 +1,6 @@
 """kvarn_ascend's paged cache: write path and decode against kvarn_jax's cache and reference decode,
-the NPU call path end to end through the recording fake of torch_npu, the vllm-ascend API, and the
-errors of the public functions.
+the NPU call path end to end through the recording fake of torch_npu, and the errors of the public
+functions (the vllm-ascend route: test_ascend_vllm.py).
 
 Tolerances: a decode on the NPU path rounds to the model dtype twice (the fused op's output, then the
 merge of the quantized and high-precision parts, or the un-rotation for KVarN), so it is compared
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import kvarn_jax as kj
-from kvarn_ascend import AscendPagedKVCache, KVarNAscendAttention, ops, scheme_kind, token_positions
+from kvarn_ascend import AscendPagedKVCache, ops, scheme_kind
 from kvarn_ascend.cpu_semantics import unpack_int4
-from kvarn_ascend.kvarn_torch import hadamard, load_tiled, unpack
+from kvarn_ascend.kvarn_torch import hadamard, load_tiled
 
 import ascend_fake_npu
 from helpers import allocate_tables, random_kv
@@ -323,6 +323,12 @@ def test_npu_path_runs_through_torch_npu_with_documented_arguments(fake_torch_np
     for c in fake_torch_npu.calls:
         if c.name == "npu_scatter_pa_kv_cache":
             assert c.args["cache_mode"] == "Norm" and c.tensor("slot_mapping")[0] == torch.int32
+            kdt, kshape = c.tensor("key")
+            assert kdt in (torch.float16, torch.int8)  # int4 codes as their bytes: int8 [..., D/2]
+            if kdt == torch.int8 and kj.parse(scheme).k_bits == 4:
+                assert kshape[-1] == D // 2 and c.tensor("key_cache")[1][-1] == D // 2
+        if c.name == "npu_quantize":  # float32 input with its float32 scales and zero points
+            assert c.tensor("input")[0] == c.tensor("scales")[0] == c.tensor("zero_points")[0] == torch.float32
     fake_torch_npu.calls.clear()
     q = torch.from_numpy(rng.standard_normal((len(LENS), HQ, D)).astype(np.float16))
     bt, sl = torch.from_numpy(tables), torch.tensor(LENS)
@@ -352,48 +358,27 @@ def test_npu_path_runs_through_torch_npu_with_documented_arguments(fake_torch_np
         assert "npu_anti_quant" in fake_torch_npu.names()
 
 
-# ------------------------------------------------------------------------------------------ vllm-ascend API
-def test_token_positions_follow_vllm_seq_lens():
-    qsl = torch.tensor([0, 1, 4, 4, 6])
-    lens = torch.tensor([7, 3, 9, 2])
-    assert token_positions(qsl, lens).tolist() == [6, 0, 1, 2, 0, 1]
-    with pytest.raises(ValueError, match="query_start_loc"):
-        token_positions(torch.tensor([0, 1]), lens)
-    with pytest.raises(ValueError, match="at most seq_lens"):
-        token_positions(torch.tensor([0, 1, 5, 6, 7]), lens)
-
-
-def test_vllm_attention_forward_decode_step(rng):
-    seqs, _, tables = setup(rng, "int8", torch.bfloat16)
-    attn = KVarNAscendAttention("int8", num_heads=HQ, num_kv_heads=HK, head_size=D, num_blocks=NB, block_size=BS,
-                                max_seqs=MAX_SEQS, dtype=torch.bfloat16, backend="cpu", device="cpu")
-    prefix = [n - 1 for n in LENS]  # everything but each sequence's last token
-    write_both(None, attn.cache, [(s[0][:n], s[1][:n]) for s, n in zip(seqs, prefix)], tables, np.random.default_rng(2))
-    ref = dataclasses.replace(attn.cache,
-                              pages={s: {k: x.clone() for k, x in p.items()} for s, p in attn.cache.pages.items()},
-                              hp={s: x.clone() for s, x in attn.cache.hp.items()})
-    b = len(LENS)
-    key = torch.from_numpy(np.stack([s[0][-1] for s in seqs]))
-    val = torch.from_numpy(np.stack([s[1][-1] for s in seqs]))
-    pad = 3  # padding rows after the scheduled tokens
-    key, val = torch.cat([key, key[:pad]]), torch.cat([val, val[:pad]])
-    query = torch.from_numpy(rng.standard_normal((b + pad, HQ, D)).astype(np.float32)).bfloat16()
-    slots = torch.tensor([int(tables[i, (n - 1) // BS]) * BS + (n - 1) % BS for i, n in enumerate(LENS)] + [5] * pad,
-                         dtype=torch.int32)
-    out = torch.full((b + pad, HQ, D), 7.0, dtype=torch.bfloat16)  # poisoned
-    seq_ids = torch.arange(b)
-    attn.forward(query, key, val, slot_mapping=slots, query_start_loc=torch.arange(b + 1), seq_lens=torch.tensor(LENS),
-                 block_tables=torch.from_numpy(tables), seq_ids=seq_ids, output=out)
-    ref.write(key[:b], val[:b], slots[:b], seq_ids=seq_ids, positions=torch.tensor(LENS) - 1)
-    want = ref.decode(query[:b], torch.from_numpy(tables), torch.tensor(LENS))
-    assert torch.equal(out[:b], want)
-    assert bool((out[b:] == 7.0).all())  # padding rows untouched
-    before = attn.cache.pages["k"]["codes"].clone()
-    with pytest.raises(ValueError, match="decode steps"):
-        attn.forward(query[:2], key[:2], val[:2], slot_mapping=slots[:2], query_start_loc=torch.tensor([0, 2]),
-                     seq_lens=torch.tensor([LENS[0] + 1]), block_tables=torch.from_numpy(tables[:1]),
-                     seq_ids=torch.tensor([0]))
-    assert torch.equal(attn.cache.pages["k"]["codes"], before)  # nothing written on the error
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_constant_tokens_are_stored_exactly(fake_torch_npu, rng, scheme):
+    """A token-head whose values are all equal (a zero row, a constant row) has no range: the cache stores
+    it as code 0, scale 1, offset = the value, so every antiquant gives it back exactly, whatever the op's
+    undocumented scale floor does with it."""
+    n = 70
+    k, v = random_kv(rng, n, HK, D, dtype=np.float32)
+    k[5, 0], k[40, 1], v[41, 0], v[33] = 0.0, 2.75, -0.0078125, 1.5
+    tables = allocate_tables(rng, [n], BS, NB)
+    for backend in ("cpu", "npu"):
+        _, tc = make(scheme, torch.bfloat16, backend=backend)
+        pos = np.arange(n)
+        tc.write(torch.from_numpy(k), torch.from_numpy(v),
+                 torch.from_numpy((tables[0, pos // BS] * BS + pos % BS).astype(np.int32)),
+                 seq_ids=torch.zeros(n, dtype=torch.int32), positions=torch.from_numpy(pos))
+        kd, vd = tc.dense_kv(torch.from_numpy(tables), torch.tensor([n]))
+        for got, want, (p, h) in ((kd, k, (5, 0)), (kd, k, (40, 1)), (vd, v, (41, 0)), (vd, v, (33, 0)),
+                                  (vd, v, (33, 1))):
+            assert torch.equal(got[0, h, p], torch.from_numpy(want[p, h]).bfloat16().float()), (backend, p, h)
+        q = torch.from_numpy(rng.standard_normal((1, HQ, D)).astype(np.float32)).bfloat16()
+        assert bool(torch.isfinite(tc.decode(q, torch.from_numpy(tables), torch.tensor([n]))).all())
 
 
 # ------------------------------------------------------------------------------------------ errors

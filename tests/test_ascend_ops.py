@@ -27,7 +27,7 @@ from kvarn_ascend.cache import _merge
 from kvarn_ascend.kvarn_torch import hadamard
 
 import ascend_fake_npu
-from ascend_fake_npu import DOCUMENTED_PARAMS, FakeTorchNpu
+from ascend_fake_npu import REAL_SCHEMAS, FakeTorchNpu, real_signature
 
 
 @pytest.fixture
@@ -215,6 +215,63 @@ def test_quantize_div_mode_matches_torch_quantize_per_channel(rng):
         assert torch.equal(got, ref)
 
 
+# ------------------------------------------------------------------------------------------ undocumented cases
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dst", [torch.int8, torch.quint4x2])
+def test_constant_rows_dequantize_to_their_value(rng, dtype, dst):
+    """Not in the docs: a constant row. Asymmetric: the kernel's 1e-12 scale floor, so (y - offset) * scale
+    gives the value back; symmetric: an all-zero row gives scale 0 (dequantized 0, whatever the codes)."""
+    int4 = dst is torch.quint4x2
+    x = tt(kv_like(rng, (6, 32)), dtype)
+    x[1] = 0.0
+    x[2] = 3.5
+    x[3] = -0.01171875
+    y, scale, offset = cs.npu_dynamic_quant_asymmetric(x, dst_type=dst)
+    codes = (cs.unpack_int4(y) if int4 else y).float()
+    assert bool(torch.isfinite(scale).all() & torch.isfinite(offset).all())
+    assert float(scale[1:4].max()) == pytest.approx(cs.ASYMMETRIC_MIN_SCALE, rel=1e-6)
+    back = (codes - offset[:, None]) * scale[:, None]
+    span = (15 if int4 else 255) * cs.ASYMMETRIC_MIN_SCALE  # codes anywhere in the range
+    assert float((back[1:4] - x[1:4].float()).abs().max()) <= span + x[1:4].float().abs().max() * 2 ** -22
+    ys, ss = cs.npu_dynamic_quant(x, dst_type=dst)
+    assert float(ss[1]) == 0.0 and float(((cs.unpack_int4(ys) if int4 else ys)[1].float() * ss[1]).abs().max()) == 0
+
+
+@pytest.mark.parametrize("dst,lo,hi", [(torch.qint8, -128, 127), (torch.quint4x2, -8, 7)])
+def test_quantize_saturates_to_the_output_range(dst, lo, hi):
+    """npu_quantize (div_mode=False) saturates: aclnnAscendQuantV3's golden clips after rounding (np.clip);
+    the torch_npu doc does not say."""
+    x = torch.tensor([[-1e6, -300.0, -8.6, -8.4, -0.5, 0.5, 1.5, 7.4, 7.6, 300.0, 1e6, 2.5, 3.5, 0.0, -2.5, 126.5]])
+    y = cs.npu_quantize(x, torch.ones(16), None, dst, axis=-1, div_mode=False)
+    got = (cs.unpack_int4(y) if dst is torch.quint4x2 else y).flatten().tolist()
+    want = np.clip(np.round(x.numpy().astype(np.float32)), lo, hi).astype(int).flatten().tolist()  # np.round: half even
+    assert got == want and min(got) == lo and max(got) == hi
+
+
+def test_asymmetric_codes_use_the_whole_range_and_never_wrap(rng):
+    x = tt(kv_like(rng, (64, 128)) * 1e3, torch.bfloat16)
+    for dst, lo, hi in ((torch.int8, -128, 127), (torch.quint4x2, -8, 7)):
+        y, _, _ = cs.npu_dynamic_quant_asymmetric(x, dst_type=dst)
+        c = cs.unpack_int4(y) if dst is torch.quint4x2 else y
+        assert int(c.min(1).values.max()) == lo and int(c.max(1).values.min()) == hi
+
+
+def test_fia_lse_shapes_and_empty_rows():
+    """softmax_lse is (0,) when not asked for (op-plugin allocates {0}; the doc says (1,)); a row with
+    actual length 0 gives output 0 and lse -3.40e38 (the decode kernel's InitAllZeroOutput)."""
+    q = torch.randn(3, 4, 1, 64).half()
+    k = torch.randn(3, 2, 40, 64).half()
+    common = dict(actual_seq_lengths_kv=[0, 40, 7], num_heads=4, num_key_value_heads=2, input_layout="BNSD",
+                  scale=0.125, backend="cpu")
+    out, lse = ops.call("npu_fused_infer_attention_score", q, k, k.clone(), **common)
+    assert lse.dtype == torch.float32 and tuple(lse.shape) == (0,)
+    out, lse = ops.call("npu_fused_infer_attention_score", q, k, k.clone(), softmax_lse_flag=True, **common)
+    assert tuple(lse.shape) == (3, 4, 1, 1)
+    assert float(out[0].abs().max()) == 0.0
+    assert lse[0].flatten().tolist() == [np.float32(-3.40e38)] * 4
+    assert bool(torch.isfinite(lse).all()) and bool((lse[1:] > -1e30).all())
+
+
 # ------------------------------------------------------------------------------------------ scatter
 @pytest.mark.parametrize("cache_mode", ["Norm", "PA_NZ"])
 @given(tokens=st.integers(1, 12), heads=st.integers(1, 3), d16=st.integers(1, 3), seed=st.integers(0, 2 ** 31))
@@ -246,7 +303,7 @@ def _oracle(q, k, v, lens, scale):
     b, hq, d = q.shape
     hk = k.shape[1]
     out = np.zeros((b, hq, d))
-    lse = np.full((b, hq), -np.inf)
+    lse = np.full((b, hq), cs.EMPTY_ROW_LSE)  # the decode kernel's lse of a row with no keys
     for i in range(b):
         for h in range(hq):
             kh = h // (hq // hk)
@@ -451,9 +508,10 @@ def _fia_base():
 
 
 BASE = {
-    "npu_dynamic_quant": lambda: dict(x=_f16(4, 16)),
-    "npu_dynamic_quant_asymmetric": lambda: dict(x=_f16(4, 16), dst_type=torch.quint4x2),
-    "npu_quantize": lambda: dict(input=_f16(4, 16), scales=torch.rand(16), zero_points=torch.rand(16),
+    "npu_dynamic_quant": lambda: dict(input=_f16(4, 16)),
+    "npu_dynamic_quant_asymmetric": lambda: dict(input=_f16(4, 16), dst_type=torch.quint4x2),
+    # the cache's form: float32 input with float32 scales and zero points
+    "npu_quantize": lambda: dict(input=torch.randn(4, 16), scales=torch.rand(16), zero_points=torch.rand(16),
                                  dtype=torch.qint8, axis=-1, div_mode=False),
     "npu_anti_quant": lambda: dict(x=_i8(4, 16), scale=torch.rand(16), offset=torch.rand(16),
                                    dst_dtype=torch.bfloat16),
@@ -464,48 +522,81 @@ BASE = {
     "npu_fused_infer_attention_score": _fia_base,
     "npu_rotate_quant": lambda: dict(x=_f16(4, 256), rotation=_f16(128, 128)),
 }
+VALID_VARIANTS = [  # further calls the contracts accept
+    ("npu_quantize", dict(input=_f16(4, 16), scales=_f16(16), zero_points=_f16(16))),
+    ("npu_quantize", dict(input=_f16(2, 4, 16).bfloat16(), scales=torch.rand(1, 4, 1).bfloat16(),
+                          zero_points=torch.rand(1, 4, 1).bfloat16(), axis=-2)),
+    ("npu_quantize", dict(dtype=torch.quint4x2, zero_points=None)),
+    ("npu_scatter_pa_kv_cache", dict(key=_i8(3, 2, 16), value=_i8(3, 2, 16), key_cache=_i8(4, 8, 2, 16),
+                                     value_cache=_i8(4, 8, 2, 16))),
+    ("npu_scatter_pa_kv_cache", dict(cache_mode="PA_NZ", key_cache=_f16(4, 2, 8, 16), value_cache=_f16(4, 2, 8, 16))),
+    ("npu_anti_quant", dict(x=torch.zeros(4, 2, dtype=torch.int32))),  # int32 x with src_dtype None: no check
+    ("npu_fused_infer_attention_score", dict(actual_seq_lengths_kv=[64])),  # one length for every row
+    ("npu_fused_infer_attention_score", dict(key=_i8(6, 2, 32, 64), value=_i8(6, 2, 32, 64))),  # BnNBsD
+]
 
 BAD = [  # (op, mutation of the valid base arguments, message fragment)
-    ("npu_dynamic_quant", dict(x=_i8(4, 16)), "x must have dtype"),
-    ("npu_dynamic_quant", dict(x=_f16(16)), "more than 1 dimension"),
-    ("npu_dynamic_quant", dict(x=_f16(4, 12), dst_type=torch.quint4x2), "multiple of 8"),
+    ("npu_dynamic_quant", dict(input=_i8(4, 16)), "input must have dtype"),
+    ("npu_dynamic_quant", dict(input=_f16(16)), "more than 1 dimension"),
+    ("npu_dynamic_quant", dict(input=_f16(4, 12), dst_type=torch.quint4x2), "multiple of 8"),
     ("npu_dynamic_quant", dict(dst_type=torch.float16), "dst_type"),
     ("npu_dynamic_quant", dict(smooth_scales=_f16(12)), "smooth_scales must be 1-D"),
-    ("npu_dynamic_quant", dict(smooth_scales=torch.rand(16).bfloat16()), "must equal x's"),
+    ("npu_dynamic_quant", dict(smooth_scales=torch.rand(16).bfloat16()), "must equal input's"),
     ("npu_dynamic_quant", dict(group_index=torch.tensor([4], dtype=torch.int32)), "needs smooth_scales"),
     ("npu_dynamic_quant", dict(smooth_scales=_f16(2, 16), group_index=torch.tensor([1, 3], dtype=torch.int32)),
-     "end at x's row count"),
-    ("npu_dynamic_quant_asymmetric", dict(x=_f16(4, 20)), "multiple of 8"),
+     "end at input's row count"),
+    ("npu_dynamic_quant", dict(quant_mode="pertensor"), "quant_mode"),
+    ("npu_dynamic_quant_asymmetric", dict(input=_f16(4, 20)), "multiple of 8"),
     ("npu_dynamic_quant_asymmetric", dict(smooth_scales=_f16(1025, 16),
                                           group_index=torch.arange(1025, dtype=torch.int32)), "E must be in"),
+    ("npu_dynamic_quant_asymmetric", dict(dst_type_max=448.0), "dst_type_max"),
+    # the call the cache used to make: bfloat16/float16 input with float32 scales (aclnn error 161002)
+    ("npu_quantize", dict(input=_f16(4, 16).bfloat16()), "scales dtype torch.float32 must equal input's"),
+    ("npu_quantize", dict(input=_f16(4, 16)), "scales dtype torch.float32 must equal input's"),
     ("npu_quantize", dict(dtype=torch.quint8), "qint8 or torch.quint4x2"),
-    ("npu_quantize", dict(input=_f16(4, 12), dtype=torch.quint4x2, scales=torch.rand(12), zero_points=torch.rand(12)),
-     "multiple of 8"),
+    ("npu_quantize", dict(input=torch.randn(4, 12), dtype=torch.quint4x2, scales=torch.rand(12),
+                          zero_points=torch.rand(12)), "multiple of 8"),
     ("npu_quantize", dict(scales=torch.rand(8), zero_points=torch.rand(8)), "must have 1 or input.shape"),
+    ("npu_quantize", dict(scales=torch.rand(1, 16, 1), zero_points=torch.rand(1, 16, 1)), "must be 1-D"),
     ("npu_quantize", dict(zero_points=torch.rand(16).half()), "scales' shape and"),
     ("npu_quantize", dict(axis=-3), "axis must be in"),
+    ("npu_quantize", dict(input=torch.randn(*[1] * 9 + [16])), "1 to 8 dimensions"),
+    ("npu_quantize", dict(scales=torch.tensor(0.5), zero_points=None), "scalars are not supported"),
     ("npu_quantize", dict(div_mode=True, dtype=torch.quint4x2), "div_mode=True dtype"),
     ("npu_quantize", dict(input=_i8(4, 16)), "input must have dtype"),
+    ("npu_quantize", dict(axis=1.0), "axis must be an int"),
     ("npu_anti_quant", dict(x=_f16(4, 16)), "x must have dtype"),
     ("npu_anti_quant", dict(scale=torch.rand(1, 16), offset=None), "scale must have 1 dimensions"),
     ("npu_anti_quant", dict(scale=torch.rand(8), offset=torch.rand(8)), "must have 1 or 16"),
-    ("npu_anti_quant", dict(x=torch.zeros(4, 2, dtype=torch.int32)), "does not match"),
+    ("npu_anti_quant", dict(x=torch.zeros(4, 2, dtype=torch.int32), src_dtype=torch.int8), "does not match"),
+    ("npu_anti_quant", dict(x=torch.zeros(2, 4, dtype=torch.int32).t()), "must be contiguous"),
     ("npu_anti_quant", dict(dst_dtype=torch.float32), "dst_dtype"),
     ("npu_anti_quant", dict(offset=torch.rand(16).bfloat16()), "offset must have scale's"),
+    # the call the cache used to make: int4 codes as int32 (A2/A3 scatter: float16, bfloat16, int8 only)
+    ("npu_scatter_pa_kv_cache", dict(key=torch.zeros(3, 2, 2, dtype=torch.int32),
+                                     value=torch.zeros(3, 2, 2, dtype=torch.int32),
+                                     key_cache=torch.zeros(4, 8, 2, 2, dtype=torch.int32),
+                                     value_cache=torch.zeros(4, 8, 2, 2, dtype=torch.int32)), "key must have dtype"),
+    ("npu_scatter_pa_kv_cache", dict(key=torch.randn(3, 2, 16), value=torch.randn(3, 2, 16),
+                                     key_cache=torch.randn(4, 8, 2, 16), value_cache=torch.randn(4, 8, 2, 16)),
+     "key must have dtype"),
     ("npu_scatter_pa_kv_cache", dict(slot_mapping=torch.tensor([0, 9, 32], dtype=torch.int32)), "is outside"),
     ("npu_scatter_pa_kv_cache", dict(slot_mapping=torch.tensor([0, -1, 3], dtype=torch.int32)), "padding slots"),
     ("npu_scatter_pa_kv_cache", dict(slot_mapping=torch.tensor([0, 9, 9], dtype=torch.int32)), "repeated slots"),
     ("npu_scatter_pa_kv_cache", dict(slot_mapping=torch.tensor([0, 9, 9], dtype=torch.float32)),
      "slot_mapping must have dtype"),
-    ("npu_scatter_pa_kv_cache", dict(key_cache=torch.zeros(4, 8, 2, 16)), "share one dtype"),
+    ("npu_scatter_pa_kv_cache", dict(key_cache=_i8(4, 8, 2, 16)), "share one dtype"),
     ("npu_scatter_pa_kv_cache", dict(key_cache=_f16(4, 8, 4, 8)), "must be [num_blocks, block_size, 2, 16]"),
     ("npu_scatter_pa_kv_cache", dict(cache_mode="PA_NZ"), "PA_NZ"),
     ("npu_scatter_pa_kv_cache", dict(seq_lens=torch.tensor([3], dtype=torch.int32)), "compression"),
     ("npu_scatter_pa_kv_cache", dict(key=_f16(3, 16, 2).transpose(1, 2)), "contiguous"),
+    ("npu_scatter_pa_kv_cache", dict(key=_f16(0, 2, 16), value=_f16(0, 2, 16),
+                                     slot_mapping=torch.zeros(0, dtype=torch.int32)), "empty"),
     ("npu_scatter_pa_kv_cache", dict(key=_f16(1, 3, 2, 16)), "key must have 3 dimensions"),
     ("npu_scatter_pa_kv_cache", dict(cache_mode="NZ"), "cache_mode must be"),
     ("npu_fused_infer_attention_score", dict(query=torch.randn(2, 4, 1, 64)), "query must have dtype"),
     ("npu_fused_infer_attention_score", dict(query=_f16(2, 4, 2, 64)), "decode branch"),
+    ("npu_fused_infer_attention_score", dict(query=_f16(2, 4, 1, 128)[..., ::2]), "must be contiguous"),
     ("npu_fused_infer_attention_score", dict(num_key_value_heads=3), "multiple of it"),
     ("npu_fused_infer_attention_score", dict(query=_f16(2, 130, 1, 64), num_heads=130, num_key_value_heads=2,
                                              key_antiquant_scale=_f16(1, 2, 1, 64)), "ratio"),
@@ -518,6 +609,7 @@ BAD = [  # (op, mutation of the valid base arguments, message fragment)
     ("npu_fused_infer_attention_score", dict(block_size=1024, key=_i8(6, 1024, 128), value=_i8(6, 1024, 128)),
      "[1, 512]"),
     ("npu_fused_infer_attention_score", dict(actual_seq_lengths_kv=None), "required with page attention"),
+    ("npu_fused_infer_attention_score", dict(actual_seq_lengths_kv=torch.tensor([40, 64])), "list of ints"),
     ("npu_fused_infer_attention_score", dict(actual_seq_lengths_kv=[40, 65]), "exceeds block_table"),
     ("npu_fused_infer_attention_score", dict(key=_i8(3, 32, 128), value=_i8(3, 32, 128)), "fewer than"),
     ("npu_fused_infer_attention_score", dict(block_table=torch.tensor([[0, 1], [2, 9]], dtype=torch.int32)),
@@ -528,6 +620,7 @@ BAD = [  # (op, mutation of the valid base arguments, message fragment)
     ("npu_fused_infer_attention_score", dict(key_antiquant_scale=None, value_antiquant_scale=None),
      "need key_antiquant"),
     ("npu_fused_infer_attention_score", dict(value_antiquant_scale=None), "both be given"),
+    ("npu_fused_infer_attention_score", dict(value_antiquant_scale=_f16(1, 2, 64)), "must have the same shape"),
     ("npu_fused_infer_attention_score", dict(key_antiquant_mode=1), "must be equal"),
     ("npu_fused_infer_attention_score", dict(key_antiquant_mode=5, value_antiquant_mode=5, block_table=None,
                                              key=_i8(2, 64, 128), value=_i8(2, 64, 128), input_layout="BSH",
@@ -548,6 +641,7 @@ BAD = [  # (op, mutation of the valid base arguments, message fragment)
     ("npu_fused_infer_attention_score", dict(query=_f16(2, 300, 1, 64), num_heads=300), "num_heads must be in"),
     ("npu_fused_infer_attention_score", dict(key=_f16(6, 32, 128), value=_f16(6, 32, 128)), "need int8 or int4"),
     ("npu_fused_infer_attention_score", dict(scale=float("nan")), "finite"),
+    ("npu_fused_infer_attention_score", dict(inner_precise=2), "inner_precise must be 0 or 1"),
     ("npu_rotate_quant", dict(rotation=_f16(8, 8)), "K in [16, 1024]"),
     ("npu_rotate_quant", dict(x=_f16(4, 100), rotation=_f16(20, 20)), "multiple of 8"),
     ("npu_rotate_quant", dict(dst_dtype=torch.float8_e4m3fn), "dst_dtype"),
@@ -560,17 +654,25 @@ BAD = [  # (op, mutation of the valid base arguments, message fragment)
 @pytest.mark.parametrize("op", sorted(BASE))
 def test_validators_accept_the_valid_base(op):
     getattr(validators, op)(**BASE[op]())
-    if op == "npu_fused_infer_attention_score":  # one length is shared by every row
-        validators.npu_fused_infer_attention_score(**{**BASE[op](), "actual_seq_lengths_kv": [64]})
+    for variant_op, change in VALID_VARIANTS:
+        if variant_op == op:
+            getattr(validators, op)(**{**BASE[op](), **change})
 
 
-@pytest.mark.parametrize("op,mutation,fragment", BAD, ids=[f"{i}-{b[0][4:]}" for i, b in enumerate(BAD)])
+def _source_tag(message: str) -> str:
+    tag = message.rsplit("[", 1)[-1].rstrip("]")
+    assert tag in validators.SOURCES, f"no source cited: {message}"
+    return tag
+
+
+@pytest.mark.parametrize("op,mutation,fragment", BAD, ids=[f"{b[0][4:]}: {b[2]}" for b in BAD])
 def test_validators_reject_each_documented_bad_case(op, mutation, fragment):
     args = {**BASE[op](), **mutation}
     sentinel = []
     with pytest.raises((ValueError, TypeError)) as e:
         getattr(validators, op)(**args)
     assert fragment in str(e.value) and op in str(e.value), str(e.value)
+    _source_tag(str(e.value))  # every rule names the document or file it comes from
     # ops.call validates before running anything: the CPU function never sees the bad input
     orig = ops.OPS[op]
     ops.OPS[op] = dataclasses.replace(orig, cpu=lambda *a, **k: sentinel.append(1))
@@ -580,18 +682,29 @@ def test_validators_reject_each_documented_bad_case(op, mutation, fragment):
     finally:
         ops.OPS[op] = orig
     assert not sentinel
+    # and the fake torch_npu rejects it when it is called directly (it runs the validators on every call)
+    with pytest.raises((ValueError, TypeError, AssertionError)):
+        getattr(FakeTorchNpu(), op)(**args)
+
+
+def test_every_source_is_cited_by_a_rule_and_every_op_names_its_sources():
+    rules = inspect.getsource(validators).split("\n}\n", 1)[1]  # the code after the SOURCES table
+    semantics = inspect.getsource(cs)
+    for tag in validators.SOURCES:
+        cited = f'"{tag}"' in rules or f"[{tag}]" in rules or tag in semantics or tag.startswith("torch_npu-")
+        assert cited, f"{tag} is cited by no rule and no CPU semantics"
+    for spec in ops.OPS.values():
+        assert all(t in validators.SOURCES for t in spec.sources), spec.name
 
 
 # ------------------------------------------------------------------------------------------ signatures, backends
-@pytest.mark.parametrize("op", sorted(DOCUMENTED_PARAMS))
-def test_signatures_match_the_documentation(op):
-    fake = FakeTorchNpu()
-    sigs = [inspect.signature(f) for f in (getattr(cs, op), getattr(validators, op), getattr(fake, op))]
-    for sig in sigs:
-        assert list(sig.parameters) == DOCUMENTED_PARAMS[op]
-        assert [p.kind for p in sig.parameters.values()] == [p.kind for p in sigs[0].parameters.values()]
-        assert [p.default for p in sig.parameters.values()] == [p.default for p in sigs[0].parameters.values()]
-    assert set(ops.OPS) == set(DOCUMENTED_PARAMS)
+@pytest.mark.parametrize("op", sorted(REAL_SCHEMAS))
+def test_signatures_match_op_plugin_functions_yaml(op):
+    """Names (`Tensor self` binds as `input`), positional/keyword split and defaults of the real binding."""
+    want = real_signature(op)
+    for f in (getattr(cs, op), getattr(validators, op), getattr(FakeTorchNpu(), op)):
+        assert inspect.signature(f) == want, (f.__module__, inspect.signature(f), want)
+    assert set(ops.OPS) == set(REAL_SCHEMAS)
 
 
 def test_backend_npu_without_npu_raises_with_reason():
@@ -608,15 +721,19 @@ def test_npu_path_calls_torch_npu_with_the_documented_arguments(fake_torch_npu, 
     y, s, o = ops.call("npu_dynamic_quant_asymmetric", x, dst_type=torch.quint4x2, backend="npu")
     (call,) = fake_torch_npu.calls
     assert call.name == "npu_dynamic_quant_asymmetric"
-    assert call.tensor("x") == (torch.bfloat16, (6, 32)) and call.args["dst_type"] is torch.quint4x2
+    assert call.tensor("input") == (torch.bfloat16, (6, 32)) and call.args["dst_type"] is torch.quint4x2
     yc, sc, oc = cs.npu_dynamic_quant_asymmetric(x, dst_type=torch.quint4x2)
     assert torch.equal(y, yc) and torch.equal(s, sc) and torch.equal(o, oc)
     # auto picks the NPU when torch_npu is importable and reports a device
     ops.call("npu_dynamic_quant", x, backend="auto")
     assert fake_torch_npu.names()[-1] == "npu_dynamic_quant"
-    # a wrong keyword is rejected by the documented signature itself
+    # a wrong keyword is rejected by the signature itself: the binding's first argument is `input`
+    # (the torch_npu doc calls it x)
+    with pytest.raises(TypeError):
+        fake_torch_npu.npu_dynamic_quant(x=x)
     with pytest.raises(TypeError):
         fake_torch_npu.npu_dynamic_quant(x, smooth=None)
+    fake_torch_npu.npu_dynamic_quant(input=x)
 
 
 def test_package_imports_without_torch_npu():

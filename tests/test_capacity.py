@@ -55,7 +55,35 @@ def test_hand_computed_utilization_reserve_tail_and_dtypes():
 
 def test_weights_that_do_not_fit():
     p = plan_capacity(MODEL_PRESETS["llama3-70b"], "kvarn_k4v2_g128", gpu_mem="24GiB", context=4096)
-    assert p.kv_budget_bytes < 0 and p.max_batch == 0 and p.tokens_that_fit == 0
+    assert p.kv_budget_bytes < 0 and p.max_batch == 0 and p.tokens_that_fit == 0 and not p.weights_fit
+    # nothing fits fp16 either: the ratios are undefined, not NaN
+    assert p.batch_vs_fp16 is None and p.tokens_vs_fp16 is None
+
+
+def test_cli_says_plainly_when_the_weights_do_not_fit(tmp_path, capsys):
+    out = tmp_path / "cap.json"
+    # Llama-3-70B in bf16 is 131.4 GiB; 141 GiB x 0.9 leaves 126.9 GiB
+    assert main(["capacity", "--preset", "llama3-70b", "--gpu-mem", "141GiB", "--json", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert "llama3-70b: the weights alone (70.55 B params x bf16 = 131.42 GiB) exceed the 126.90 GiB usable" in text
+    assert "no KV cache fits" in text and "int4 32.9 GiB" in text
+    assert "nan" not in text and "-4.52" not in text and "┃ model" not in text   # no table of zeros
+    assert json.loads(out.read_text())["weights_do_not_fit"] == ["llama3-70b"]
+    # with a model that fits, its rows are printed and the one that does not is named
+    assert main(["capacity", "--preset", "llama3-70b,llama3-8b", "--gpu-mem", "141GiB",
+                 "--kv-cache-dtype", "fp16,kvarn_k4v2_g128"]) == 0
+    text = capsys.readouterr().out
+    assert "llama3-8b" in text and "exceed" in text and "nan" not in text
+    assert text.count("│ llama3-70b") == 0 and text.count("│ llama3-8b") == 2
+    # fp8 weights fit: the same model now gets its table
+    assert main(["capacity", "--preset", "llama3-70b", "--gpu-mem", "141GiB", "--weight-dtype", "fp8",
+                 "--kv-cache-dtype", "fp16,kvarn_k4v2_g128"]) == 0
+    assert "│ llama3-70b" in capsys.readouterr().out
+    # weights fit but no sequence of --context tokens does
+    assert main(["capacity", "--preset", "llama3-8b", "--gpu-mem", "16GiB", "--utilization", "1",
+                 "--kv-cache-dtype", "fp16", "--context", "1000000"]) == 0
+    text = capsys.readouterr().out
+    assert "not one sequence of 1,000,000 tokens fits with: fp16" in text and "n/a" in text
 
 
 @pytest.mark.parametrize("scheme", ["kvarn_k4v2_g64", "int4_g32", "int8_static", "fp16"])
@@ -115,8 +143,10 @@ def test_model_spec_from_folder_and_gguf(tmp_path):
     w.close()
     g = model_spec(path)
     assert (g.num_layers, g.num_kv_heads, g.head_dim, g.params) == (5, 2, 64, 100 * 512 + 128 * 512)
-    with pytest.raises(ValueError, match="not a preset"):
+    with pytest.raises(ValueError, match="not a preset .* does not exist"):
         model_spec(tmp_path / "missing")
+    with pytest.raises(ValueError, match="a folder without config.json"):
+        model_spec(tmp_path)
 
 
 def test_plan_rejects_bad_arguments():
@@ -144,4 +174,12 @@ def test_cli(tmp_path, capsys):
     assert rows[3]["max_batch"] == want.max_batch and rows[3]["tokens_that_fit"] == want.tokens_that_fit
     assert main(["capacity", "--preset", "llama3-8b", "--model", "x", "--gpu-mem", "1GiB"]) == 2
     assert main(["capacity", "--preset", "llama3-8b", "--gpu-mem", "lots"]) == 2
-    assert "gpu-mem" in capsys.readouterr().err
+    assert "--gpu-mem 'lots' is not a size" in capsys.readouterr().err
+    assert main(["capacity", "--preset", "llama3-7b", "--gpu-mem", "1GiB"]) == 2
+    assert "--preset: model 'llama3-7b' is not a preset" in capsys.readouterr().err
+    assert main(["capacity", "--model", "/none/x.gguf", "--gpu-mem", "1GiB"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["capacity", "--preset", "llama3-8b", "--gpu-mem", "1GiB", "--utilization", "1.5"]) == 2
+    assert "argument --utilization: must be a number in (0, 1]" in capsys.readouterr().err
+    assert main(["capacity", "--preset", "llama3-8b", "--gpu-mem", "1GiB", "--kv-cache-dtype", "int3"]) == 2
+    assert "--kv-cache-dtype 'int3': key bits 3 is not accepted" in capsys.readouterr().err

@@ -96,3 +96,39 @@ def test_block_size_rules():
         kj.parse("kvarn_k4v2_g64").check_block_size(96)
     with pytest.raises(ValueError, match="block_size=2048"):
         kj.parse("int8").check_block_size(2048)
+
+
+@pytest.mark.parametrize("args, kw, needle", [
+    (("int", 3, 3), {}, "key bits 3"),
+    (("int", 16, 16), {}, "key bits 16"),
+    (("kvarn", 3, 2), dict(group=32), "key bits 3"),
+    (("kvarn", 4, 2), dict(group=100), "group (tile tokens) 100"),
+    (("kivi", 4, 8), dict(group=32), "value bits 8"),
+    (("int", 8, 8), dict(group=48), "group (channels per scale) 48"),
+    (("int", 8, 8), dict(group=32, static=True), "a group does not apply"),
+    (("kivi", 2, 2), dict(group=32, static=True), "static scales exist for int and fp8 only"),
+    (("fp8", 4, 8), {}, "k_bits = v_bits = 8"),
+    (("passthrough", 16, 16), dict(dtype="float64"), "passthrough dtype"),
+    (("passthrough", 32, 32), dict(dtype="float16"), "16-bit"),
+    (("int", 8, 8), dict(dtype="float16"), "takes none"),
+    (("int", True, 8), {}, "k_bits must be an int"),
+    (("int", 8, 8), dict(static=1), "static must be a bool"),
+    (("kvarn", 4, 2), dict(group=32, sinkhorn_iters=-1), "sinkhorn_iters"),
+    (("int", 8, 8), dict(sinkhorn_iters=3), "applies to kvarn only"),
+    (("nf", 4, 4), {}, "method 'nf'"),
+])
+def test_hand_built_configs_obey_the_grammar(args, kw, needle):
+    """A config built field by field is checked as its string would be: no reshape or division
+    error later, no silently accepted 3-bit KVarN."""
+    with pytest.raises(ValueError) as e:
+        KVQuantConfig(*args, **kw)
+    assert needle in str(e.value)
+
+
+def test_every_parsed_config_rebuilds_from_its_fields():
+    import dataclasses
+    for text in ["kvarn_k2v8_g32", "kivi_k4v2_g128", "int2_g8", "int_k8v4_g256", "int4_static", "fp8", "fp8_static",
+                 "fp16", "bf16", "fp32", "kvarn"]:
+        cfg = KVQuantConfig.parse(text)
+        assert KVQuantConfig(**dataclasses.asdict(cfg)) == cfg
+    assert KVQuantConfig("kvarn", 4, 4, group=128, sinkhorn_iters=0).sinkhorn_iters == 0

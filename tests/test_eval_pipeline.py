@@ -18,7 +18,7 @@ from kvarn_jax.data import load_text
 from kvarn_jax.evaluation.agreement import compare_continuations
 from kvarn_jax.evaluation.cli import main
 from kvarn_jax.evaluation.errors import LayerActivations, error_report, layer_errors
-from kvarn_jax.evaluation.layer_config import load_layer_config, write_layer_config
+from kvarn_jax.layer_config import load_layer_config, write_layer_config
 from kvarn_jax.evaluation.perplexity import _Accumulator, text_token_ids, token_windows
 from kvarn_jax.evaluation.tune import bits_per_element, choose_schemes, parse_fraction
 from test_eval_support import one_torch_thread, tiny_model_folder
@@ -56,7 +56,8 @@ def test_eval_end_to_end(folder, tmp_path, capsys):
                "--kv-cache-dtype", f"int8,int2_g32,fp16,{layers}", "--greedy-prompts", "2", "--prompt-tokens", "40",
                "--new-tokens", "24", "--json", str(out), "--plot", str(png), "--no-progress"])
     assert rc == 0
-    assert "int2_g32" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "int2_g32" in text and "KL (nats)" in text and "front" in text and "Expect about" in text
     doc = json.loads(out.read_text())
     ref = doc["reference"]
     assert ref["tokens"] == 2 * 191
@@ -78,6 +79,11 @@ def test_eval_end_to_end(folder, tmp_path, capsys):
     assert rows["fp16"]["first_divergence"] == [24, 24] and rows["fp16"]["identical_fraction"] == 1.0
     assert 0 <= rows["int2_g32"]["identical_fraction"] <= 1
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    for name, r in rows.items():   # the Pareto front of bits vs KL, computed independently
+        assert r["kl_mean"] >= 0
+        dominated = any(o["bits_per_element"] <= r["bits_per_element"] and o["kl_mean"] < r["kl_mean"]
+                        for o in rows.values() if o is not r)
+        assert r["pareto_front"] == (not dominated), name
 
 
 def test_eval_rejects_bad_arguments(folder, capsys):
@@ -87,6 +93,16 @@ def test_eval_rejects_bad_arguments(folder, capsys):
     assert main(["eval", "--model", str(folder), "--kv-cache-dtype", "int8,kvarn_k4v2_g128", "--block-size", "64"]) == 2
     assert "kvarn_k4v2_g128: --block-size=64" in capsys.readouterr().err
     assert main(["eval", "--model", str(folder / "nope")]) == 2
+    assert f"--model '{folder / 'nope'}' does not exist" in capsys.readouterr().err
+    assert main(["eval", "--model", str(folder), "--kv-cache-dtype", "int8_static"]) == 2
+    assert "int8_static needs a calibration" in capsys.readouterr().err
+    assert main(["eval", "--model", str(folder), "--text", str(folder / "none.txt")]) == 2
+    assert "--text" in capsys.readouterr().err
+    three = folder.parent / "three.json"
+    write_layer_config(three, ["int8"] * 3, block_size=32)
+    assert main(["eval", "--model", str(folder), "--kv-cache-dtype", str(three), "--block-size", "32", "--tokens",
+                 "192", "--window", "192"]) == 2
+    assert "three: the layer-scheme file has 3 layers but the model has 2" in capsys.readouterr().err
     assert main(["eval", "--model", str(folder), "--tokens", "99999744", "--window", "192"]) == 2
     assert "tokens" in capsys.readouterr().err
 
@@ -244,6 +260,20 @@ def test_layer_config_round_trip_and_validation(tmp_path):
     bad({**base, "model": {"num_layers": 4}}, "num_layers is 4")
 
 
+def _fake_check(ppl_of):
+    """A stand-in for evaluate_perplexity whose perplexities are fixed per config name (on a random
+    model quantization noise moves perplexity either way, so the outcomes are set here)."""
+    from kvarn_jax.evaluation import perplexity
+
+    def check(model, windows, schemes, **kw):
+        res = {perplexity.REFERENCE: perplexity.PerplexityResult(perplexity.REFERENCE, 10, 2.0, math.exp(2.0), 0, 1)}
+        for name in schemes:
+            ppl = ppl_of(name) * math.exp(2.0)
+            res[name] = perplexity.PerplexityResult(name, 10, math.log(ppl), ppl, 0.1, 0.9)
+        return res
+    return check
+
+
 def test_tune_cli(folder, tmp_path, capsys):
     out = tmp_path / "tuned.json"
     common = ["tune", "--model", str(folder), "--candidates", ",".join(COSTLY), "--window", "128", "--block-size", "32",
@@ -253,23 +283,60 @@ def test_tune_cli(folder, tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert np.mean([bits_per_element(s, 32) for s in layers]) <= 7.0
     assert doc["mean_bits_per_element"] <= 7.0 and np.array(doc["layer_costs"]).shape == (2, 3)
-    assert "tuned" in doc["check"] and doc["check"]["reference"]["ppl_increase"] == 0
-    # The limit: a check that exceeds it fails and writes nothing (the check's result is fixed here, since
-    # on a random model quantization noise can move perplexity either way).
+    # every uniform candidate within the budget was checked on the same tokens, and the best was written
+    check = doc["check"]
+    assert check["reference"]["ppl_increase"] == 0
+    assert {"uniform int2_g32", "uniform int4"} <= set(check) and "uniform int8" not in check
+    assert doc["chosen"] == min((n for n in check if n != "reference"), key=lambda n: check[n]["ppl"])
+    text = capsys.readouterr().out
+    assert "wins" in text and "<- written" in text
+
     from kvarn_jax.evaluation import perplexity
-
-    def fake_check(model, windows, schemes, **kw):
-        res = {perplexity.REFERENCE: perplexity.PerplexityResult(perplexity.REFERENCE, 10, 2.0, math.exp(2.0), 0, 1)}
-        for name in schemes:
-            res[name] = perplexity.PerplexityResult(name, 10, 2.0 + math.log(1.05), 1.05 * math.exp(2.0), 0.1, 0.9)
-        return res
-
     strict = tmp_path / "strict.json"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(perplexity, "evaluate_perplexity", fake_check)
+        mp.setattr(perplexity, "evaluate_perplexity", _fake_check(lambda name: 1.05))
         assert main(common + ["--budget-bits", "3.0", "--max-ppl-increase", "4%", "--out", str(strict)]) == 1
         assert "FAILED" in capsys.readouterr().err and not strict.exists()
         assert main(common + ["--budget-bits", "3.0", "--max-ppl-increase", "6%", "--out", str(strict)]) == 0
     assert load_layer_config(strict) == ["int2_g32", "int2_g32"]
     assert json.loads(strict.read_text())["max_ppl_increase"] == pytest.approx(0.06)
     assert main(common + ["--budget-bits", "2.0", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--budget-bits 2.0 is below the cheapest candidate" in capsys.readouterr().err
+
+
+def test_tune_never_writes_a_config_worse_than_a_uniform_one(folder, tmp_path, capsys):
+    """The per-layer choice loses to uniform int4 on the check: the file holds uniform int4 and the
+    output says by how much; when the per-layer choice wins, it is written and the margin is given."""
+    from kvarn_jax.evaluation import perplexity
+
+    common = ["tune", "--model", str(folder), "--candidates", ",".join(COSTLY), "--window", "128", "--block-size", "32",
+              "--calib-tokens", "128", "--tokens", "256", "--no-progress", "--budget-bits", "7.0"]
+    lost, won = tmp_path / "lost.json", tmp_path / "won.json"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(perplexity, "evaluate_perplexity",
+                   _fake_check(lambda n: {"per-layer": 1.02, "uniform int4": 1.01}.get(n, 1.5)))
+        assert main(common + ["--out", str(lost)]) == 0
+        text = capsys.readouterr().out
+        mp.setattr(perplexity, "evaluate_perplexity",
+                   _fake_check(lambda n: {"per-layer": 1.01, "uniform int4": 1.02}.get(n, 1.5)))
+        assert main(common + ["--out", str(won)]) == 0
+        text_won = capsys.readouterr().out
+    doc = json.loads(lost.read_text())
+    assert doc["layers"] == ["int4", "int4"] and doc["chosen"] == "uniform int4"
+    assert doc["per_layer_choice"] != ["int4", "int4"]   # what the knapsack picked, kept for the record
+    assert doc["mean_bits_per_element"] == pytest.approx(bits_per_element("int4", 32))
+    assert "uniform int4 wins" in text and "(0.99% higher): writing uniform int4 for every layer" in text
+    doc = json.loads(won.read_text())
+    assert doc["chosen"] == "per-layer" and doc["layers"] == doc["per_layer_choice"]
+    assert "the per-layer choice wins" in text_won and "int4 (0.99% higher)" in text_won
+
+
+def test_tune_no_verify_says_what_was_not_checked(folder, tmp_path, capsys):
+    out = tmp_path / "nv.json"
+    assert main(["tune", "--model", str(folder), "--candidates", ",".join(COSTLY), "--window", "128", "--block-size",
+                 "32", "--calib-tokens", "128", "--tokens", "256", "--no-progress", "--budget-bits", "7.0",
+                 "--no-verify", "--out", str(out)]) == 0
+    assert "not checked (--no-verify)" in capsys.readouterr().out
+    assert json.loads(out.read_text())["chosen"] == "per-layer (not checked)"
+    assert main(["tune", "--model", str(folder), "--budget-bits", "4", "--no-verify", "--max-ppl-increase", "1%"]) == 2
+    assert "drop --no-verify" in capsys.readouterr().err

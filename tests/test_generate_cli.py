@@ -14,12 +14,16 @@ from kvarn_jax.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Once upon a time", "The capital of France is"]
+LONG_PROMPT = ("The history of the Roman Empire spans more than a thousand years, from the founding of the city to the "
+               "fall of Constantinople. Historians divide it into the Republic, the Principate and the Dominate, and "
+               "each period had its own institutions, wars and culture. Write a summary of the main events.")
 MIB = 2 ** 20
 # SmolLM2-135M: 30 layers x 3 KV heads x head_dim 64
 LAYERS, HEADS, D = 30, 3, 64
-MEMORY_RE = re.compile(r"^memory: (\S+): ([\d.]+) MiB for (\d+) tokens x (\d+) layer\(s\) \(pages ([\d.]+) MiB, "
-                       r"high-precision sink\+tail ([\d.]+) MiB for (\d+) seqs\); fp16 would need ([\d.]+) MiB "
-                       r"-> ([\d.]+)x", re.M)
+MEMORY_RE = re.compile(r"^memory \(pool sized to these requests, (\d+) pages?\): (\S+): ([\d.]+) MiB for (\d+) tokens x "
+                       r"(\d+) layer\(s\) \(pages ([\d.]+) MiB, high-precision sink\+tail ([\d.]+) MiB for (\d+) seqs?\); "
+                       r"fp16 would need ([\d.]+) MiB: (?:the same|this cache takes ([\d.]+)x fp16's memory \(it holds "
+                       r"([\d.]+)x the tokens fp16 would in the same bytes\))", re.M)
 RATE_RE = re.compile(r"^prefill: (\d+) tokens in [\d.]+ s \(([\d.]+) tokens/s\); decode: (\d+) tokens in [\d.]+ s "
                      r"\(([\d.]+) tokens/s\)", re.M)
 
@@ -48,7 +52,8 @@ def _check_run(scheme, rc, text, js):
     # the memory line, checked against bytes computed here: one 128-token page per prompt
     m = MEMORY_RE.search(text)
     assert m, text
-    name, total, tokens, layers, pages, hp, seqs, fp16, ratio = m.groups()
+    pool_pages, name, total, tokens, layers, pages, hp, seqs, fp16, inverse, ratio = m.groups()
+    assert int(pool_pages) == len(PROMPTS)
     hp_seqs = 0 if scheme == "fp16" else len(PROMPTS)  # passthrough caches have no high-precision storage
     assert (name, int(tokens), int(layers), int(seqs)) == (scheme, 128 * len(PROMPTS), LAYERS, hp_seqs)
     fp16_bytes = int(tokens) * HEADS * D * 2 * 2 * LAYERS
@@ -59,7 +64,11 @@ def _check_run(scheme, rc, text, js):
     assert float(pages) == pytest.approx(page_bytes / MIB, abs=0.006)
     assert float(hp) == pytest.approx(hp_bytes / MIB, abs=0.006)
     assert float(total) == pytest.approx((page_bytes + hp_bytes) / MIB, abs=0.006)
-    assert float(ratio) == pytest.approx(fp16_bytes / (page_bytes + hp_bytes), abs=0.006)
+    if scheme == "fp16":
+        assert ratio is None and ": the same" in m.group(0)
+    else:   # the ratio says which way it runs: memory relative to fp16's, and its inverse
+        assert float(ratio) == pytest.approx(fp16_bytes / (page_bytes + hp_bytes), abs=0.006)
+        assert float(inverse) == pytest.approx((page_bytes + hp_bytes) / fp16_bytes, abs=0.006)
     assert js["memory"]["total_bytes"] == page_bytes + hp_bytes
 
 
@@ -75,7 +84,7 @@ def test_generate_prints_text_rates_and_memory(tmp_path):
     assert outputs["kvarn_k4v2_g128"] == outputs["fp16"]
 
     # --layer-config (a `kvarn-jax tune` file), in this test to share its compiled functions
-    from kvarn_jax.evaluation.layer_config import write_layer_config
+    from kvarn_jax.layer_config import write_layer_config
     uniform = tmp_path / "uniform.json"
     write_layer_config(uniform, ["kvarn_k4v2_g128"] * LAYERS, model={"num_layers": LAYERS})
     rc, text, js = _run_cli(None, tmp_path / "uniform_run.json", ["--layer-config", str(uniform)])
@@ -97,11 +106,28 @@ def test_generate_prints_text_rates_and_memory(tmp_path):
     assert m["layer_schemes"] == layers and m["scheme"] == "per-layer: 10 x fp16, 20 x kvarn_k4v2_g128"
     assert m["page_bytes"] == sum(kj.bytes_per_token(s, D) for s in layers) * tokens * HEADS
     assert m["sink_bytes"] + m["tail_bytes"] == 20 * len(PROMPTS) * 2 * 128 * HEADS * D * 2 * 4
-    assert f"memory: {m['scheme']}: " in text
+    assert f"): {m['scheme']}: " in text
+
+    # one new token is the prefill's: no decode step ran, and the rate line says so instead of "nan tokens/s"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["generate", PROMPTS[0], "--max-new-tokens", "1", "--quiet"]) == 0
+    text = buf.getvalue()
+    assert "nan" not in text and "decode: none (every sequence ended with the token prefill produced)" in text
+    assert "(1 token, finish: length)" in text and "stopped at the model's end-of-sequence" not in text
+
+    # a bare instruction without --chat: SmolLM2-Instruct answers with its end-of-text token at once;
+    # the output says so and what to do instead of reporting a rate of nothing
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["generate", LONG_PROMPT, "--max-new-tokens", "8", "--quiet"]) == 0
+    text = buf.getvalue()
+    assert "(1 token, finish: stop)" in text and "nan" not in text
+    assert "decode: none" in text and "[0] stopped at the model's end-of-sequence token right away; try --chat" in text
 
 
 def test_layer_config_and_kv_cache_dtype_together_are_refused(tmp_path, capsys):
-    from kvarn_jax.evaluation.layer_config import write_layer_config
+    from kvarn_jax.layer_config import write_layer_config
     path = tmp_path / "layers.json"
     write_layer_config(path, ["int8"] * 2, model={"num_layers": 2})
     assert main(["generate", "hi", "--layer-config", str(path), "--kv-cache-dtype", "int8"]) == 2
@@ -117,15 +143,46 @@ def test_layer_config_and_kv_cache_dtype_together_are_refused(tmp_path, capsys):
     assert "none.json" in capsys.readouterr().err
 
 
-def test_bad_arguments_fail_before_loading(capsys):
-    assert main(["generate", "hi", "--kv-cache-dtype", "nf4"]) == 2
-    assert "not a known scheme" in capsys.readouterr().err
-    assert main(["generate", "hi", "--model", "/nonexistent"]) == 2
-    assert "neither" in capsys.readouterr().err
-    assert main(["generate", "hi", "--kv-cache-dtype", "kvarn_k4v2_g128", "--block-size", "64"]) == 2
-    assert "block_size=64" in capsys.readouterr().err
-    assert main(["generate", "hi", "--top-p", "0"]) == 2
-    assert "top_p" in capsys.readouterr().err
+def _no_model_load(monkeypatch):
+    """Make any model load fail loudly: the checks under test must come first."""
+    import kvarn_jax.models as models
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+    monkeypatch.setattr(models, "load_model", refuse)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["", "--quiet"], "PROMPT '' is empty"),
+    (["hi", "   "], "PROMPT 1 ('   ') is empty"),
+    (["hi", "--kv-cache-dtype", "nf4"], "--kv-cache-dtype 'nf4' is not a known scheme"),
+    (["hi", "--model", "/nonexistent.gguf"], "--model '/nonexistent.gguf' does not exist"),
+    (["hi", "--model", str(ROOT / "README.md")], "is a file but not a .gguf"),
+    (["hi", "--model", str(ROOT / "docs")], "a folder without config.json"),
+    (["hi", "--kv-cache-dtype", "kvarn_k4v2_g128", "--block-size", "64"], "--block-size=64 cannot be used with "
+                                                                          "kvarn_k4v2_g128"),
+    (["hi", "--layer-config", "/none/layers.json"], "--layer-config '/none/layers.json' does not exist"),
+    (["hi", "--json", "/none/out.json"], "--json '/none/out.json': the folder '/none' does not exist"),
+    (["hi", "there", "--seed", str(2 ** 32 - 1)], "--seed"),
+    # argparse-level: the flag, not the Python argument, is named
+    (["hi", "--top-p", "0"], "argument --top-p: must be a number in (0, 1]"),
+    (["hi", "--max-new-tokens", "0"], "argument --max-new-tokens: must be an integer >= 1, got '0'"),
+    (["hi", "--temperature", "-1"], "argument --temperature"),
+    (["hi", "--block-size", "x"], "argument --block-size: must be an integer from 1 to 1024"),
+])
+def test_bad_arguments_fail_before_loading(argv, message, capsys, monkeypatch):
+    _no_model_load(monkeypatch)
+    assert main(["generate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "max_new_tokens" not in err and "top_p" not in err   # never a Python argument name
+
+
+def test_block_size_examples_are_distinct():
+    with pytest.raises(ValueError, match=r"e\.g\. 128, 256, 512\)"):
+        kj.parse("kvarn_k4v2_g128").check_block_size(64)
+    with pytest.raises(ValueError, match=r"e\.g\. 64, 128, 256\)"):
+        kj.parse("kivi_k2v2_g32").check_block_size(48)
 
 
 def test_generation_benchmark_cpu_smoke(tmp_path, capsys):
@@ -133,17 +190,23 @@ def test_generation_benchmark_cpu_smoke(tmp_path, capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "gen.json"
-    rc = bench.main(["--random-weights", "--num-layers", "2", "--prompt-len", "64", "--batch", "1,2",
-                     "--new-tokens", "4", "--kv-cache-dtype", "fp16,int8", "--json", str(out)])
+    rc = bench.main(["--config", "smollm2-135m", "--num-layers", "2", "--prompt-len", "64", "--batch", "1,2",
+                     "--new-tokens", "4", "--kv-cache-dtype", "int8,fp16", "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
     res = json.loads(out.read_text())
     assert "random weights" in res["env"]["weights"] and "random weights" in text
     rows = {(r["batch"], r["scheme"]): r for r in res["rows"]}
     assert set(rows) == {(1, "fp16"), (1, "int8"), (2, "fp16"), (2, "int8")}
-    for (b, _), r in rows.items():
+    assert [r["scheme"] for r in res["rows"]][:2] == ["fp16", "int8"]  # the baseline runs first
+    for (b, s), r in rows.items():
         assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
         assert r["compiles_during_timed_run"] == 0  # the warm-up compiled every shape
+        assert r["decode_steps"] == 3 and r["dropped_tokens"] == 0
+        assert 0 < r["floor_ms_per_step"] and r["floor_share"] == pytest.approx(r["floor_ms_per_step"]
+                                                                                / r["decode_ms_per_step"])
+        base = rows[(b, "fp16")]["decode_tokens_per_s"]
+        assert r["decode_vs_fp16"] == pytest.approx(r["decode_tokens_per_s"] / base)
         # 2 layers x b sequences x 68 tokens -> one 128-token page each
         assert r["kv_fp16_bytes"] == 2 * b * 128 * HEADS * D * 2 * 2
     assert rows[(2, "int8")]["kv_total_bytes"] != rows[(2, "fp16")]["kv_total_bytes"]

@@ -1,4 +1,4 @@
-"""KVarN parity with the reference implementation's own tiles (DESIGN.md §1, golden npz).
+"""KVarN parity with the reference implementation's own tiles (docs/design.md §1, golden npz).
 
 Tolerances (the reference's own cross-device tolerances): <= 16 differing codes per 128-token tile,
 fp16 scales within 1%, dequantized tiles close accordingly. One nuance is checked explicitly: when

@@ -38,12 +38,12 @@ def test_gpu_kernels_lower_for_cuda(scheme):
         assert f"kvarn_paged_decode_{cfg.name}" in text
         if d == 128:  # the default above is one split, finished in the kernel; two leave partials
             fn = lambda q, c, t, l, s: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1, window=None,  # noqa: E731
-                                                               num_splits=2)
+                                                               launch=pdp.Launch(num_splits=2))
             assert f"kvarn_paged_decode_{cfg.name}" in lower_for_cuda(fn, *args)
         if cfg.method in ("int", "fp8") and not pdp.tokens_major_unsupported(cfg, d):
             # the per-token schemes' optional tokens-major products
             fn = lambda q, c, t, l, s, w=window: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1,  # noqa: E731
-                                                                         window=w, orient="tokens")
+                                                                         window=w, launch=pdp.Launch(orient="tokens"))
             assert f"kvarn_paged_decode_{cfg.name}" in lower_for_cuda(fn, *args)
         for side in ("k", "v"):
             static = cache.static[side] if cfg.static else None

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 import kvarn_jax as kj
 from kvarn_jax.evaluation.agreement import greedy_continuation
-from kvarn_jax.evaluation.layer_config import write_layer_config
+from kvarn_jax.layer_config import write_layer_config
 from kvarn_jax.evaluation.serving_attention import serving_semantics
 from kvarn_jax.integrations.dlpack import dequantize_bhtd, quantize_bhtd, to_jax
 from kvarn_jax.integrations.transformers import KVarNCache, KVarNLayer, cache_kwargs

@@ -41,7 +41,7 @@ def prompt_logits(model, prompts, kv_cache_dtype, chunk, block_size=128):
     n = max(map(len, prompts))
     nb = -(-n // block_size)
     p = len(prompts)
-    model.attach_caches(model.create_caches(kv_cache_dtype, num_blocks=p * nb, block_size=block_size, max_seqs=p))
+    caches = model.new_caches(kv_cache_dtype, num_blocks=p * nb, block_size=block_size, max_seqs=p)
     table = np.arange(p * nb, dtype=np.int32).reshape(p, nb)
     out = [[] for _ in prompts]
     for s0 in range(0, n, chunk):
@@ -54,10 +54,10 @@ def prompt_logits(model, prompts, kv_cache_dtype, chunk, block_size=128):
             slot[i, :len(t)] = table[i, pos[i, :len(t)] // block_size] * block_size + pos[i, :len(t)] % block_size
         batch = PrefillBatch(jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(slot), jnp.arange(p, dtype=jnp.int32),
                              jnp.asarray(table), jnp.full(p, s0, jnp.int32), jnp.zeros(p, jnp.int32))
-        logits = np.asarray(model.prefill(batch, all_logits=True))
+        logits, caches = model.prefill(caches, batch, all_logits=True)
+        logits = np.asarray(logits)
         for i, ids in enumerate(prompts):
             out[i].append(logits[i, :max(0, min(chunk, len(ids) - s0))])
-    model.attach_caches(None)
     return [np.concatenate(o) for o in out]
 
 
@@ -178,7 +178,7 @@ def test_config_rejects_what_the_model_does_not_implement():
                        ({"num_key_value_heads": 3, "num_attention_heads": 4, "hidden_size": 8}, "multiple")):
         with pytest.raises(ValueError, match=match):
             LlamaConfig.from_hf({**base, **bad})
-    with pytest.raises(ValueError, match="neither"):
+    with pytest.raises(ValueError, match="does not exist"):
         load_model("/nonexistent/path")
     with pytest.raises(ValueError, match="dtype"):
         load_model(None, dtype="int8")

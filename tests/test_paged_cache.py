@@ -53,8 +53,8 @@ def check_against_oracle(cfg, cache, tables, seqs, rng, hq, window=None, calibra
 def _static_expected(c, k, v, cache, calibration):
     full = ((k.shape[0] - 1) // cache.block_size) * cache.block_size  # the last token's block stays exact
     out = []
-    k32, v32 = (jnp.asarray(x, cache.dtype).astype(jnp.float32) for x in (k, v))
-    kq, vq = kj.dequantize(kj.quantize((k32, v32), c, calibration=calibration))
+    kc, vc = (jnp.asarray(x, cache.dtype) for x in (k, v))  # static parameters in the cache's dtype, as it has them
+    kq, vq = kj.dequantize(dataclasses.replace(kj.quantize((kc, vc), c, calibration=calibration), dtype="float32"))
     for x, xq in ((k, kq), (v, vq)):
         e = np.asarray(jnp.asarray(x, cache.dtype).astype(jnp.float32)).astype(np.float64)
         e[cache.block_size:full] = np.asarray(xq.astype(jnp.float32))[cache.block_size:full]
@@ -300,7 +300,7 @@ def test_stack_layers_and_vmap(rng):
 
 # ------------------------------------------------------------------ memory
 @pytest.mark.parametrize("cfg, dim, expected", [
-    ("kvarn_k4v2_g128", 128, 108.0),   # 13,824 B per 128-token tile (DESIGN.md §1.5)
+    ("kvarn_k4v2_g128", 128, 108.0),   # 13,824 B per 128-token tile (docs/design.md §1.5)
     ("kvarn_k4v4_g128", 128, 140.0),   # (8192 + 768) + (8192 + 768) over 128 tokens
     ("int8", 128, 264.0),              # 128 codes + fp16 scale + zero, for K and V
     ("int4_g32", 128, 160.0),          # 64 codes + 4 groups x 4 B, x2

@@ -19,8 +19,7 @@ import kvarn_jax as kj
 from kvarn_jax.models import Decoder, LlamaConfig, load_model
 from kvarn_jax.models import weights as weights_mod
 from kvarn_jax.models.llama import DecodeBatch, PrefillBatch
-from kvarn_jax.serving import BlockAllocator, Engine, ModelRunner, OutOfBlocksError, SamplingParams, sample
-from kvarn_jax.serving.runner import SamplingArrays
+from kvarn_jax.serving import BlockAllocator, Engine, OutOfBlocksError, SamplingParams, sample
 
 TINY = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=32, max_position_embeddings=512, eos_token_ids=(3,))
@@ -38,6 +37,26 @@ def tiny_model():
 
 def _prompts(rng, lengths):
     return [rng.integers(4, TINY.vocab_size, n).tolist() for n in lengths]
+
+
+def greedy_direct(model, scheme, prompt, n, *, block_size=32, impl="reference", decode_loop="unroll"):
+    """Greedy tokens from the model's own prefill/decode (one sequence, whole prompt in one chunk,
+    blocks committed in the call): a reference path with no engine, scheduler or compiled steps."""
+    nb = -(-(len(prompt) + n) // block_size)
+    caches = model.new_caches(scheme, num_blocks=nb, block_size=block_size, max_seqs=1)
+    table = jnp.arange(nb, dtype=jnp.int32)[None]
+    pos = jnp.arange(len(prompt), dtype=jnp.int32)[None]
+    logits, caches = model.prefill(caches, PrefillBatch(jnp.asarray([prompt], jnp.int32), pos, pos,
+                                                        jnp.zeros(1, jnp.int32), table, jnp.zeros(1, jnp.int32),
+                                                        jnp.array([len(prompt) - 1], jnp.int32)))
+    out = [int(jnp.argmax(logits[0]))]
+    for t in range(len(prompt), len(prompt) + n - 1):
+        p = jnp.array([t], jnp.int32)
+        logits, caches = model.decode(caches, DecodeBatch(jnp.array(out[-1:], jnp.int32), p, p, jnp.zeros(1, jnp.int32),
+                                                          table), impl=impl, layer_loop=decode_loop)
+        out.append(int(jnp.argmax(logits[0])))
+    assert int(caches.dropped_tokens) == 0
+    return tuple(out)
 
 
 def _poison(engine, scheme, seed=0):
@@ -76,7 +95,9 @@ def test_mixed_length_batch_equals_one_by_one(tiny_model, rng, scheme):
     # every page and slot is back; no write was dropped
     pool = batch_engine.pool(scheme)
     assert pool.blocks.num_free == batch_engine.num_blocks and pool.slots.num_free == 4
-    assert all(int(c.dropped_tokens) == 0 for c in pool.layer_caches())
+    assert int(pool.caches.dropped_tokens) == 0
+    # the engine (chunked prefill, asynchronous steps, blocks committed apart) equals the model run directly
+    assert batched[1].output_ids == greedy_direct(tiny_model, scheme, prompts[1], 10)
     # the quantized run differs from fp16 only through quantization: most tokens agree
     if scheme != "fp16":
         fp16 = Engine(tiny_model, **{**kw, "kv_cache_dtype": "fp16"}).generate(prompts, params)
@@ -91,12 +112,11 @@ def test_engine_matches_plain_model(tiny_model, rng):
         [prompt], SamplingParams(max_new_tokens=4, ignore_eos=True))[0]
     seq = prompt + list(out.output_ids[:-1])
     n = len(seq)
-    tiny_model.attach_caches(tiny_model.create_caches("fp32", num_blocks=2, block_size=32, max_seqs=1))
+    caches = tiny_model.new_caches("fp32", num_blocks=2, block_size=32, max_seqs=1)
     pos = jnp.arange(n, dtype=jnp.int32)[None]
     batch = PrefillBatch(jnp.asarray([seq], jnp.int32), pos, pos, jnp.zeros(1, jnp.int32),
                          jnp.arange(2, dtype=jnp.int32)[None], jnp.zeros(1, jnp.int32), jnp.array([n - 1], jnp.int32))
-    logits = np.asarray(tiny_model.prefill(batch, all_logits=True))[0]
-    tiny_model.attach_caches(None)
+    logits = np.asarray(tiny_model.prefill(caches, batch, all_logits=True)[0])[0]
     assert list(logits[len(prompt) - 1:].argmax(-1)) == list(out.output_ids)
 
 
@@ -256,24 +276,26 @@ def test_bad_arguments_are_clear_errors(tiny_model):
         eng.add_request([TINY.vocab_size])
     with pytest.raises(ValueError, match="empty"):
         eng.add_request([])
-    with pytest.raises(ValueError, match="layers_per_call"):
-        Engine(tiny_model, layers_per_call=3)
+    with pytest.raises(ValueError, match="decode_loop"):
+        Engine(tiny_model, decode_loop="while")
+    with pytest.raises(ValueError, match="integer token ids"):
+        eng.add_request([5.7, 9.2])
     with pytest.raises(ValueError, match="impl"):
         Engine(tiny_model, impl="cuda")
 
 
-def test_layers_per_call_does_not_change_results(tiny_model, rng):
+def test_decode_loop_does_not_change_results(tiny_model, rng):
     prompts = _prompts(rng, [20, 35])
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    kw = dict(kv_cache_dtype="fp16", **KW)
-    one = Engine(tiny_model, layers_per_call=1, **kw)
-    both = Engine(tiny_model, layers_per_call=None, **kw)
-    outputs = [[r.output_ids for r in e.generate(prompts, params)] for e in (one, both)]
+    kw = dict(kv_cache_dtype="kvarn_k4v2_g32", **KW)
+    scan = Engine(tiny_model, decode_loop="scan", **kw)
+    unroll = Engine(tiny_model, decode_loop="unroll", **kw)
+    outputs = [[r.output_ids for r in e.generate(prompts, params)] for e in (scan, unroll)]
     assert outputs[0] == outputs[1]
     # compiled once per shape: repeating the same batch compiles nothing new
-    n = one.runner.stats.compiles
-    one.generate(prompts, params)
-    assert one.runner.stats.compiles == n
+    n = scan.runner.stats.compiles
+    scan.generate(prompts, params)
+    assert scan.runner.stats.compiles == n
 
 
 def test_pallas_decode_matches_reference_in_the_model(rng):
@@ -285,21 +307,56 @@ def test_pallas_decode_matches_reference_in_the_model(rng):
     model = Decoder(TINY, dtype="bfloat16", rngs=nnx.Rngs(3), init_std=0.2)
     seq = np.asarray(_prompts(rng, [70])[0], np.int32)
     n = len(seq)
-    samp = SamplingArrays(np.zeros(1, np.float32), np.ones(1, np.float32), np.zeros(1, np.uint32),
-                          np.zeros(1, np.int32))
-    table, slot = np.arange(3, dtype=np.int32)[None], np.ones(1, np.int32)
-    logits = {}
-    for impl in ("reference", "pallas"):
-        runner = ModelRunner(model, impl=impl)
-        caches = runner.new_caches("int8", num_blocks=3, block_size=32, max_seqs=2)
-        pos = np.arange(n - 1, dtype=np.int32)[None]
-        _, _, caches = runner.prefill(caches, PrefillBatch(seq[None, :-1], pos, pos, slot, table,
-                                                           np.zeros(1, np.int32), np.array([n - 2], np.int32)), samp)
-        last = np.array([n - 1], np.int32)
-        _, logits[impl], _ = runner.decode(caches, DecodeBatch(seq[-1:], last, last, slot, table), samp)
-    ref, ker = np.asarray(logits["reference"]), np.asarray(logits["pallas"])
+    table, slot = jnp.arange(3, dtype=jnp.int32)[None], jnp.ones(1, jnp.int32)
+    pos = jnp.arange(n - 1, dtype=jnp.int32)[None]
+    caches = model.new_caches("int8", num_blocks=3, block_size=32, max_seqs=2)
+    _, caches = model.prefill(caches, PrefillBatch(jnp.asarray(seq[None, :-1]), pos, pos, slot, table,
+                                                   jnp.zeros(1, jnp.int32), jnp.array([n - 2], jnp.int32)))
+    last = jnp.array([n - 1], jnp.int32)
+    batch = DecodeBatch(jnp.asarray(seq[-1:]), last, last, slot, table)
+    logits = {impl: np.asarray(model.decode(caches, batch, impl=impl)[0]) for impl in ("reference", "pallas")}
+    ref, ker = logits["reference"], logits["pallas"]
     assert np.abs(ker - ref).max() <= 2e-2 * np.abs(ref).max()
     assert ker.argmax() == ref.argmax()
+
+
+# --------------------------------------------------------------------------------------- asynchronous steps
+def test_a_late_found_stop_never_leaks_into_the_next_request(tiny_model, rng):
+    """A sequence that stops on a stop token is found one step late (its extra step is discarded);
+    the next request takes its freed slot and pages while that step is still queued on the device."""
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    kw = dict(kv_cache_dtype="kvarn_k4v2_g32", **{**KW, "max_seqs": 1, "num_blocks": 3})
+    first, second = _prompts(rng, [40, 50])
+    free = Engine(tiny_model, **kw).generate([first], params)[0].output_ids
+    stop = free[3]
+    eng = Engine(tiny_model, **kw)
+    _poison(eng, "kvarn_k4v2_g32")
+    a = eng.add_request(first, SamplingParams(max_new_tokens=12, stop_token_ids=(stop,)))
+    b = eng.add_request(second, params)   # waits for the only slot
+    done = eng.run()
+    assert done[a].output_ids == free[:free.index(stop) + 1] and done[a].finish_reason == "stop"
+    assert done[b].output_ids == greedy_direct(tiny_model, "kvarn_k4v2_g32", second, 12)
+    assert int(eng.pool().caches.dropped_tokens) == 0
+
+
+def test_generate_is_all_or_nothing(tiny_model, rng):
+    eng = Engine(tiny_model, kv_cache_dtype="fp16", **KW)
+    ok = _prompts(rng, [10, 12])
+    with pytest.raises(ValueError, match="prompt 1: .*max_model_len"):
+        eng.generate([ok[0], list(range(4, 200)), ok[1]], SamplingParams(max_new_tokens=4))
+    assert not eng.waiting and not eng.has_unfinished()
+    # the engine still works, and returns only this call's results
+    assert len(eng.generate(ok, SamplingParams(max_new_tokens=3))) == 2
+
+
+def test_a_pool_larger_than_the_device_is_refused_at_start(tiny_model, monkeypatch):
+    class Device:
+        def memory_stats(self):
+            return {"bytes_limit": 2 ** 20, "bytes_in_use": 0}
+    monkeypatch.setattr(jax, "devices", lambda *a: [Device()])
+    with pytest.raises(ValueError, match=r"fp16 KV cache pool needs .* GiB .* the device has 0\.00 GiB free"):
+        Engine(tiny_model, kv_cache_dtype="fp16", **{**KW, "num_blocks": 4096})
+    Engine(tiny_model, kv_cache_dtype="fp16", **{**KW, "num_blocks": 4})  # a small one starts
 
 
 # --------------------------------------------------------------------------------------- precision switch
@@ -341,13 +398,13 @@ def test_precision_switch_reloads_nothing_and_equals_a_fresh_run(tmp_path, monke
     before = weights_mod.stats()
     model, _ = load_model(folder, progress=False)
     assert weights_mod.stats()["conversions"] == before["conversions"] + 1
-    np.testing.assert_array_equal(np.asarray(model.layers[1].attn.q_proj.kernel[...]),
+    np.testing.assert_array_equal(np.asarray(model.layer(1).attn.q_proj.kernel[...]),
                                   tensors["model.layers.1.self_attn.q_proj.weight"].T)
     prompts = _prompts(rng, [30, 60, 20])
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     kw = KW
     eng = Engine(model, kv_cache_dtype="fp16", **kw)
-    weights_before = [jax.tree.leaves(p) for p in eng.runner.params]
+    weights_before = jax.tree.leaves(eng.runner.weights)
     stats = weights_mod.stats()
 
     r_fp16 = eng.add_request(prompts[0], params)           # starts under fp16
@@ -359,8 +416,7 @@ def test_precision_switch_reloads_nothing_and_equals_a_fresh_run(tmp_path, monke
     results = eng.run()
 
     assert weights_mod.stats() == stats                     # no conversion, no load
-    after = [jax.tree.leaves(p) for p in eng.runner.params]
-    assert all(a is b for x, y in zip(weights_before, after) for a, b in zip(x, y))  # the same weight buffers
+    assert all(a is b for a, b in zip(weights_before, jax.tree.leaves(eng.runner.weights)))  # the same buffers
     assert set(eng.pools) == {kj.parse(s) for s in ("fp16", "int8", "int4")}
     assert results[r_fp16].kv_cache_dtype == "fp16"         # kept the scheme it started with
     assert results[r_int8].kv_cache_dtype == "int8" and results[r_int4].kv_cache_dtype == "int4"
@@ -377,7 +433,7 @@ def test_precision_switch_reloads_nothing_and_equals_a_fresh_run(tmp_path, monke
 
 # --------------------------------------------------------------------------------------- per-layer schemes
 def _layer_file(path, layers):
-    from kvarn_jax.evaluation.layer_config import write_layer_config
+    from kvarn_jax.layer_config import write_layer_config
     write_layer_config(path, layers, block_size=32, model={"num_layers": len(layers)})
     return path
 
@@ -395,21 +451,19 @@ def test_layer_config_gives_each_layer_its_scheme(tiny_model, rng, tmp_path):
     key = (kj.parse(a), kj.parse(b))
     assert set(eng.pools) == {key} and all(r.kv_cache_dtype == (a, b) for r in mixed)
     pool = eng.pool()
-    assert [c.cfg for c in pool.layer_caches()] == list(key)
-    assert pool.blocks.num_free == eng.num_blocks and all(int(c.dropped_tokens) == 0 for c in pool.layer_caches())
-
-    # the reference, built the per-layer way by hand: an engine of scheme a whose layer 1 holds an fp16 cache
-    manual = Engine(tiny_model, kv_cache_dtype=a, **KW)
-    manual.pool(a).caches[1] = manual.pool(b).caches[1]
-    assert [r.output_ids for r in mixed] == [r.output_ids for r in manual.generate(prompts, params)]
-    # ...and it is neither uniform scheme (the file is not ignored)
+    layers = [pool.caches.layer(i) for i in range(2)]
+    assert [c.cfg for c in layers] == list(key)
+    assert pool.blocks.num_free == eng.num_blocks and int(pool.caches.dropped_tokens) == 0
+    # the same tokens as the model run directly with those per-layer caches
+    assert mixed[0].output_ids == greedy_direct(tiny_model, [a, b], prompts[0], 10)
+    # ...and neither uniform scheme (the file is not ignored)
     for s in (a, b):
         assert [r.output_ids for r in mixed] != [r.output_ids for r in Engine(
             tiny_model, kv_cache_dtype=s, **KW).generate(prompts, params)], s
 
     # memory: every layer's own bytes, summed (page bytes differ per layer, the page count does not)
     report = eng.memory_report()
-    own = [kj.memory_report(c) for c in pool.layer_caches()]
+    own = [kj.memory_report(c) for c in layers]
     assert own[0]["page_bytes"] != own[1]["page_bytes"] and own[0]["tokens"] == own[1]["tokens"]
     for k in ("page_bytes", "sink_bytes", "tail_bytes", "total_bytes", "fp16_bytes"):
         assert report[k] == own[0][k] + own[1][k], k
@@ -427,13 +481,9 @@ def test_layer_config_gives_each_layer_its_scheme(tiny_model, rng, tmp_path):
     eng.release_pool(path)
     assert set(eng.pools) == {kj.parse(b)}
 
-    # all layers in one compiled call (one mixed group) gives the same tokens
-    both = Engine(tiny_model, kv_cache_dtype=str(path), layers_per_call=None, **KW)
-    assert [r.output_ids for r in both.generate(prompts, params)] == [r.output_ids for r in mixed]
-
     # a file whose layers all have one scheme is exactly that scheme: same pool key, same tokens
     same = Engine(tiny_model, kv_cache_dtype=_layer_file(tmp_path / "same.json", ["int8", "int8"]), **KW)
-    assert same.default_kv_cache_dtype == "int8" and set(same.pools) == set()
+    assert same.default_kv_cache_dtype == "int8" and set(same.pools) == {kj.parse("int8")}
     assert [r.output_ids for r in same.generate(prompts, params)] == [
         r.output_ids for r in Engine(tiny_model, kv_cache_dtype="int8", **KW).generate(prompts, params)]
 
@@ -455,3 +505,28 @@ def test_layer_config_errors_name_the_file_and_counts(tiny_model, tmp_path):
         eng.add_request([5, 6, 7], kv_cache_dtype=three)
     with pytest.raises(TypeError, match="kv_cache_dtype"):
         eng.add_request([5, 6, 7], kv_cache_dtype=3)
+
+
+def test_caches_split_into_groups_under_the_kernels_offset_limit(rng, monkeypatch):
+    """A scheme's layers are split into groups whose buffers stay under 2^31 elements (the kernels
+    address a buffer with 32-bit offsets); the split changes no token, in scans and unrolled loops."""
+    from kvarn_jax.cache import layers as layers_mod
+    model = Decoder(dataclasses.replace(TINY, num_layers=4), rngs=nnx.Rngs(5), init_std=0.2)
+    prompts = _prompts(rng, [40, 70])
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    kw = dict(kv_cache_dtype="kvarn_k4v2_g32", **KW)
+    whole = Engine(model, **kw)
+    assert len(whole.pool().caches.groups) == 1
+    expected = [r.output_ids for r in whole.generate(prompts, params)]
+    one = whole.pool().caches.groups[0]
+    per_layer = max(a.size for a in jax.tree.leaves(one) if a.ndim) // 4
+    monkeypatch.setattr(layers_mod, "MAX_BUFFER_ELEMENTS", 2 * per_layer)  # two layers a group
+    for loop in ("scan", "unroll"):
+        split = Engine(model, decode_loop=loop, **kw)
+        caches = split.pool().caches
+        assert len(caches.groups) == 2 and caches.runs() == [(0, 0, 2), (1, 2, 2)]
+        assert all(a.size <= 2 * per_layer for c in caches.groups for a in jax.tree.leaves(c) if a.ndim)
+        assert [r.output_ids for r in split.generate(prompts, params)] == expected, loop
+    monkeypatch.setattr(layers_mod, "MAX_BUFFER_ELEMENTS", per_layer // 2)
+    with pytest.raises(ValueError, match="at most"):
+        Engine(model, **kw)

@@ -1,4 +1,4 @@
-"""The decode kernel's split merge: the Pallas kernel against the jnp reference (`split_merge.py`),
+"""The decode kernel's split merge: the Pallas kernel against the jnp reference (`paged_decode_pallas/merge.py`),
 and the whole decode kernel with each merge against the attention reference.
 
 The Pallas merge reads a split axis padded to a power of two whose padding the decode kernel never
@@ -12,7 +12,8 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 import kvarn_jax as kj
-from kvarn_jax.attention import paged_decode_pallas as pdp, split_merge as sm
+from kvarn_jax.attention import paged_decode_pallas as pdp
+from kvarn_jax.attention.paged_decode_pallas import merge as sm
 from kvarn_jax.hadamard import rotate, unrotate
 from test_paged_decode_kernel import INTERPRET, build
 
@@ -111,17 +112,19 @@ def test_decode_with_the_pallas_merge(cfg, orient, rng):
         outs = {}
         for merge in ("xla", "pallas") if splits == 5 else ("pallas",):
             o = pdp.paged_decode_pallas(rotate(q) if rot else q, cache, bt, sl, sid, scale=0.125, window=window,
-                                        interpret=INTERPRET, num_splits=splits, orient=orient, merge=merge)
+                                        interpret=INTERPRET,
+                                        launch=pdp.Launch(num_splits=splits, orient=orient, merge=merge))
             outs[merge] = np.asarray(unrotate(o) if rot else o)
         np.testing.assert_allclose(outs["pallas"], ref, rtol=0, atol=4e-3 * np.abs(ref).max())
         if "xla" in outs:
             np.testing.assert_allclose(outs["pallas"], outs["xla"], rtol=0, atol=1e-5 * np.abs(ref).max())
         assert (outs["pallas"][3] == 0).all()
     with pytest.raises(ValueError, match="merge must be 'xla', 'pallas' or 'kernel'"):
-        pdp.paged_decode_pallas(q, cache, bt, sl, sid, scale=0.125, window=None, interpret=True, merge="host")
+        pdp.paged_decode_pallas(q, cache, bt, sl, sid, scale=0.125, window=None, interpret=True,
+                                launch=pdp.Launch(merge="host"))
     with pytest.raises(ValueError, match="merge='kernel' needs one split"):
-        pdp.paged_decode_pallas(q, cache, bt, sl, sid, scale=0.125, window=None, interpret=True, merge="kernel",
-                                num_splits=2)
+        pdp.paged_decode_pallas(q, cache, bt, sl, sid, scale=0.125, window=None, interpret=True,
+                                launch=pdp.Launch(merge="kernel", num_splits=2))
 
 
 def pallas_call_outputs(fn, *args):
@@ -164,16 +167,16 @@ def test_one_split_is_finished_in_the_kernel(cfg, orient, q_heads, rng):
         outs = {}
         for merge in ("xla", "kernel", None):
             o = pdp.paged_decode_pallas(qr, cache, bt, sl, None, scale=0.125, window=window, interpret=INTERPRET,
-                                        num_splits=1, orient=orient, merge=merge)
+                                        launch=pdp.Launch(num_splits=1, orient=orient, merge=merge))
             outs[merge] = np.asarray(unrotate(o) if rot else o)
         np.testing.assert_allclose(outs["kernel"], ref, rtol=0, atol=4e-3 * np.abs(ref).max())
         np.testing.assert_allclose(outs["kernel"], outs["xla"], rtol=0, atol=1e-6 * np.abs(ref).max())
         np.testing.assert_array_equal(outs[None], outs["kernel"])
         assert (outs["kernel"][4] == 0).all()
-    vp = pdp._Plan(kj.parse(cfg), 64, max(kj.parse(cfg).tile_tokens, 32)).vp   # value planes (4 for 2-bit values)
+    vp = pdp.LayoutPlan(kj.parse(cfg), 64, max(kj.parse(cfg).tile_tokens, 32)).vp   # value planes (4 for 2-bit values)
     for window in (None, 50):
         shapes = pallas_call_outputs(lambda q: pdp.paged_decode_pallas(q, cache, bt, sl, None, scale=0.125, window=window,
-                                                                       interpret=True, num_splits=1, orient=orient), qr)
+                                                                       interpret=True, launch=pdp.Launch(num_splits=1, orient=orient)), qr)
         assert shapes == [[(5, 2, q_heads // 2, 64 // vp, vp)]]
 
 
@@ -185,11 +188,11 @@ def test_one_split_merges_outside_for_other_groups(rng):
         q = rotate(jnp.asarray(rng.standard_normal((2, q_heads, 64)), jnp.float32))
         ref = np.asarray(kj.paged_decode_attention(unrotate(q), cache, bt, sl, impl="reference"))
         o = np.asarray(unrotate(pdp.paged_decode_pallas(q, cache, bt, sl, None, scale=0.125, window=None,
-                                                        interpret=INTERPRET, num_splits=1)))
+                                                        interpret=INTERPRET, launch=pdp.Launch(num_splits=1))))
         np.testing.assert_allclose(o, ref, rtol=0, atol=4e-3 * np.abs(ref).max())
         with pytest.raises(ValueError, match="a GQA group that is a power of two"):
             pdp.paged_decode_pallas(q, cache, bt, sl, None, scale=0.125, window=None, interpret=True,
-                                    num_splits=1, merge="kernel")
+                                    launch=pdp.Launch(num_splits=1, merge="kernel"))
 
 
 def test_group_rows_and_value_planes():

@@ -318,7 +318,7 @@ def test_mixed_layer_schemes_and_preemption_in_one_small_engine(model, tmp_path)
     mixed cache generates. With 12 blocks (num_gpu_blocks_override) three requests run one at a
     time, then together: vLLM preempts one, recomputes it from position 0 in its high-precision slot,
     and it generates what it generated alone."""
-    from kvarn_jax.evaluation.layer_config import write_layer_config
+    from kvarn_jax.layer_config import write_layer_config
     from kvarn_vllm.layout import shared_page_bytes
 
     layers = [MIXED[i % len(MIXED)] for i in range(30)]
@@ -422,7 +422,7 @@ MLA_CONFIG = dict(llama=False, architectures=["DeepseekV2ForCausalLM"], model_ty
 
 def test_unsupported_setups_are_refused_before_any_engine_starts(model, tmp_path):
     """The plugin's config hook refuses while vLLM builds the configuration: no worker, no model."""
-    from kvarn_jax.evaluation.layer_config import write_layer_config
+    from kvarn_jax.layer_config import write_layer_config
 
     path = str(tmp_path / "layers.json")
     write_layer_config(path, ["int8", "int4"], model={"num_layers": 2})
@@ -467,7 +467,7 @@ def test_the_server_exits_with_the_plugins_message(model):
 
 def test_layers_built_out_of_order_are_refused(tmp_path):
     """The i-th impl built takes layer i's scheme; the builder refuses an engine whose names disagree."""
-    from kvarn_jax.evaluation.layer_config import write_layer_config
+    from kvarn_jax.layer_config import write_layer_config
     from kvarn_vllm import checks
 
     path = str(tmp_path / "layers.json")

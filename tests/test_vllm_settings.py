@@ -98,7 +98,7 @@ def test_version_range(monkeypatch):
 
 # ------------------------------------------------------------------------------ per-layer schemes
 def _layer_file(path, layers):
-    from kvarn_jax.evaluation.layer_config import write_layer_config
+    from kvarn_jax.layer_config import write_layer_config
     write_layer_config(path, layers, model={"num_layers": len(layers)})
     return str(path)
 

@@ -7,10 +7,12 @@ Public surface:
     npu_available, unavailable_reason, resolve_backend
                                 lazy torch_npu: importing this package never imports it
     KVarNAscendAttention, token_positions
-                                the torch-level API a vllm-ascend attention impl calls (vllm_ascend.py)
+                                one attention layer's store + attend per serving step (decodes and prefills)
+    vllm_ascend                 the vllm-ascend route: KVarNAttentionScheme for its scheme registry,
+                                register(), quant_description() (vLLM is imported only when used)
 """
 
-from . import cpu_semantics, ops, validators
+from . import cpu_semantics, ops, validators, vllm_ascend
 from .cache import AscendPagedKVCache, scheme_kind
 from .npu import npu_available, resolve_backend, unavailable_reason
 from .vllm_ascend import KVarNAscendAttention, token_positions
@@ -18,5 +20,5 @@ from .vllm_ascend import KVarNAscendAttention, token_positions
 __all__ = [
     "AscendPagedKVCache", "scheme_kind", "ops", "cpu_semantics", "validators",
     "npu_available", "unavailable_reason", "resolve_backend",
-    "KVarNAscendAttention", "token_positions",
+    "KVarNAscendAttention", "token_positions", "vllm_ascend",
 ]

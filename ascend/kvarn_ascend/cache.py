@@ -10,8 +10,12 @@ it is full, not the sink and not the block of the query (position seq_len - 1). 
 - int8, int4 (per token and head, asymmetric): store npu_dynamic_quant_asymmetric +
   npu_scatter_pa_kv_cache; decode by the fused attention with per-token antiquant (int8 paged,
   mode 5; int4 cannot be paged by the op, so its blocks are gathered first, mode 3).
-- int8_static, int4_static (per channel, calibrated): store npu_quantize + npu_scatter_pa_kv_cache;
-  decode by the fused attention with per-channel antiquant (mode 0; int4 gathered).
+- int8_static, int4_static (per channel, calibrated): store npu_quantize (float32 input, float32
+  scales: exact) + npu_scatter_pa_kv_cache; decode by the fused attention with per-channel antiquant
+  (mode 0; int4 gathered).
+- int4 codes (8 per int32, as the quantize ops return them and the fused attention reads them) are
+  written by npu_scatter_pa_kv_cache as their bytes, an int8 view [..., D/2]: the scatter takes
+  float16, bfloat16 and int8 only on Atlas A2/A3.
 - fp16, bf16: npu_scatter_pa_kv_cache; fused paged attention.
 - kvarn_*, kivi_*: no CANN op does 2-bit codes or Sinkhorn: store in torch ops (Hadamard matmul,
   Sinkhorn, RTN, pack); decode dequantizes the needed blocks in torch, then fused attention.
@@ -63,6 +67,38 @@ def scheme_kind(cfg: KVQuantConfig, head_dim: int | None = None) -> str:
                      f"{', '.join(SUPPORTED)}")
 
 
+_ALIGN = 64  # bytes: the start of each field carved from a caller's buffer (over_buffers)
+
+
+def page_fields(scheme: Union[str, KVQuantConfig], block_size: int, num_kv_heads: int, head_dim: int,
+                dtype=torch.bfloat16) -> dict:
+    """{side: {field: (shape of one block, torch dtype)}} of the quantized pages (see AscendPagedKVCache)."""
+    cfg = KVQuantConfig.parse(scheme)
+    kind = scheme_kind(cfg, head_dim)
+    bs, hk, d = block_size, num_kv_heads, head_dim
+    out = {}
+    for s in SIDES:
+        if kind == "passthrough":
+            out[s] = {"values": ((bs, hk, d), dtype)}
+        elif kind == "tiled":
+            tpb = bs // cfg.tile_tokens
+            out[s] = {name: ((hk, tpb) + shape, torch.uint8 if np.dtype(dt) == np.uint8 else torch.float16)
+                      for name, (shape, dt) in schemes.side_fields(cfg, s, d).items()}
+        else:
+            out[s] = {"codes": ((bs, hk, d), torch.int8) if cfg.k_bits == 8 else ((bs, hk, d // 8), torch.int32)}
+            if kind == "int_dynamic":
+                out[s]["scale"] = ((hk, bs), torch.float32)
+                out[s]["offset"] = ((hk, bs), torch.float32)
+    return out
+
+
+def page_bytes(scheme: Union[str, KVQuantConfig], block_size: int, num_kv_heads: int, head_dim: int,
+               dtype=torch.bfloat16) -> dict:
+    """{side: bytes of one block's page} (without the high-precision sink/tail)."""
+    return {s: sum(math.prod(shape) * dt.itemsize for shape, dt in f.values())
+            for s, f in page_fields(scheme, block_size, num_kv_heads, head_dim, dtype).items()}
+
+
 def _int_dtype(bits: int):
     return torch.int8 if bits == 8 else torch.quint4x2
 
@@ -100,6 +136,54 @@ class AscendPagedKVCache:
         """An empty cache. dtype: the model dtype (float16 or bfloat16; the fused attention's query
         dtype); backend: "npu", "cpu" (the CPU semantics) or "auto"; device: default "npu" when the
         backend is the NPU, else "cpu". calibration: one layer's kvarn_jax.Calibration (static schemes)."""
+        backend = npu.resolve_backend(backend)
+        device = torch.device(device if device is not None else ("npu" if backend == "npu" else "cpu"))
+
+        def zeros(side, shape, dt):
+            return torch.zeros(shape, dtype=dt, device=device)
+
+        return cls._build(scheme, num_blocks, block_size, num_kv_heads, head_dim, max_seqs, dtype, tail_blocks,
+                          calibration, backend, device, zeros, None)
+
+    @classmethod
+    def over_buffers(cls, scheme: Union[str, KVQuantConfig], buffers: dict, *, hp: Union[dict, None],
+                     block_size: int, num_kv_heads: int, head_dim: int, max_seqs: int | None = None,
+                     dtype=torch.bfloat16, tail_blocks: int = 1, calibration=None,
+                     backend: str = "auto") -> "AscendPagedKVCache":
+        """The cache with its pages in memory the caller owns: buffers {"k", "v"} are contiguous tensors of
+        any dtype whose first axis is the block (vLLM's per-layer KV cache, [num_blocks, block_size, Hk, D]),
+        each holding one side's fields field after field (64-byte aligned); hp {"k", "v"}: the sink/tail
+        blocks [max_seqs * (1 + tail_blocks), block_size, Hk, D] in `dtype` (None for fp16/bf16).
+        ValueError when a side's fields do not fit its buffer (`page_bytes` per block)."""
+        backend = npu.resolve_backend(backend)
+        if not isinstance(buffers, dict) or set(buffers) != set(SIDES) or not isinstance(buffers["k"], torch.Tensor):
+            raise ValueError("buffers must be {'k': tensor, 'v': tensor}")
+        nb = buffers["k"].shape[0]
+        device = buffers["k"].device
+        flat, used = {}, {}
+        for s in SIDES:
+            b = buffers[s]
+            if not isinstance(b, torch.Tensor) or not b.is_contiguous() or b.shape[0] != nb or b.device != device:
+                raise ValueError(f"buffers[{s!r}] must be a contiguous tensor on {device} with {nb} blocks "
+                                 "(its first axis), as buffers['k']")
+            flat[s], used[s] = b.view(torch.uint8).reshape(-1), 0
+
+        def take(side, shape, dt):
+            n = math.prod(shape) * dt.itemsize
+            start = -(-used[side] // _ALIGN) * _ALIGN
+            if start + n > flat[side].numel():
+                need = page_bytes(scheme, block_size, num_kv_heads, head_dim, dtype)[side]
+                raise ValueError(f"the {side} buffer has {flat[side].numel() // nb} bytes per block, fewer than "
+                                 f"{scheme} needs ({need})")
+            used[side] = start + n
+            return flat[side][start:start + n].view(dt).view(shape)
+
+        return cls._build(scheme, nb, block_size, num_kv_heads, head_dim, max_seqs, dtype, tail_blocks, calibration,
+                          backend, device, take, hp)
+
+    @classmethod
+    def _build(cls, scheme, num_blocks, block_size, num_kv_heads, head_dim, max_seqs, dtype, tail_blocks,
+               calibration, backend, device, alloc, hp):
         cfg = KVQuantConfig.parse(scheme)
         for name, val in (("num_blocks", num_blocks), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                           ("block_size", block_size)):
@@ -116,9 +200,6 @@ class AscendPagedKVCache:
         _check_alignment(cfg, kind, block_size, head_dim)
         if num_kv_heads > 256:
             raise ValueError(f"num_kv_heads={num_kv_heads} exceeds the fused attention's 256")
-        backend = npu.resolve_backend(backend)
-        device = torch.device(device if device is not None else ("npu" if backend == "npu" else "cpu"))
-        bits = cfg.k_bits
         nb, bs, hk, d = num_blocks, block_size, num_kv_heads, head_dim
         if kind == "passthrough":
             max_seqs, tail_blocks = 0, 0
@@ -136,27 +217,20 @@ class AscendPagedKVCache:
                       for s, p in calibration.params(cfg, hk, d).items()}
         elif calibration is not None:
             raise ValueError(f"calibration was given but {cfg.name} computes its scales dynamically")
-
-        def zeros(shape, dt):
-            return torch.zeros(shape, dtype=dt, device=device)
-
-        pages = {}
-        for s in SIDES:
-            if kind == "passthrough":
-                pages[s] = {"values": zeros((nb, bs, hk, d), dtype)}
-            elif kind == "tiled":
-                tpb = bs // cfg.tile_tokens
-                pages[s] = {name: zeros((nb, hk, tpb) + shape,
-                                        torch.uint8 if np.dtype(dt) == np.uint8 else torch.float16)
-                            for name, (shape, dt) in schemes.side_fields(cfg, s, d).items()}
-            else:
-                pages[s] = {"codes": zeros((nb, bs, hk, d), torch.int8) if bits == 8 else
-                            zeros((nb, bs, hk, d // 8), torch.int32)}
-                if kind == "int_dynamic":
-                    pages[s]["scale"] = zeros((nb, hk, bs), torch.float32)
-                    pages[s]["offset"] = zeros((nb, hk, bs), torch.float32)
-        hp = None if kind == "passthrough" else {
-            s: zeros((max_seqs * (1 + tail_blocks), bs, hk, d), dtype) for s in SIDES}
+        pages = {s: {name: alloc(s, (nb,) + shape, dt) for name, (shape, dt) in fields.items()}
+                 for s, fields in page_fields(cfg, bs, hk, d, dtype).items()}
+        hp_shape = (max_seqs * (1 + tail_blocks), bs, hk, d)
+        if kind == "passthrough":
+            if hp is not None:
+                raise ValueError(f"{cfg.name} keeps no high-precision blocks: pass hp=None")
+        elif hp is None:
+            hp = {s: torch.zeros(hp_shape, dtype=dtype, device=device) for s in SIDES}
+        else:
+            for s in SIDES:
+                t = hp.get(s) if isinstance(hp, dict) else None
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != hp_shape or t.dtype != dtype \
+                        or t.device != device or not t.is_contiguous():
+                    raise ValueError(f"hp[{s!r}] must be a contiguous {dtype} tensor {hp_shape} on {device}")
         return cls(cfg=cfg, kind=kind, num_blocks=nb, block_size=bs, num_kv_heads=hk, head_dim=d,
                    max_seqs=max_seqs, tail_blocks=tail_blocks, dtype=dtype, backend=backend, pages=pages, hp=hp,
                    static=static)
@@ -304,23 +378,34 @@ class AscendPagedKVCache:
         bits = self.cfg.k_bits
         codes = {}
         for s in SIDES:
+            x = bufs[s].reshape(m * bs * hk, d)
             if self.kind == "int_dynamic":
-                y, sc, off = self._call("npu_dynamic_quant_asymmetric", bufs[s].reshape(m * bs * hk, d),
-                                        dst_type=_int_dtype(bits))
-                self.pages[s]["scale"][blocks] = sc.reshape(m, bs, hk).transpose(1, 2)
+                y, sc, off = self._call("npu_dynamic_quant_asymmetric", x, dst_type=_int_dtype(bits))
                 # the op dequantizes as (y - offset) * scale; the fused attention as (y + offset) * scale
-                self.pages[s]["offset"][blocks] = (-off).reshape(m, bs, hk).transpose(1, 2)
+                off = -off
+                # A constant row gets the kernel's scale floor (1e-12) and an offset near -value / 1e-12,
+                # which the fused attention's antiquant need not hold exactly: store it as code 0, scale 1
+                # and offset = its value, so that every antiquant reproduces it exactly.
+                flat = x.amax(-1) == x.amin(-1)
+                y = torch.where(flat[:, None], torch.zeros_like(y), y)
+                sc = torch.where(flat, torch.ones_like(sc), sc)
+                off = torch.where(flat, x[:, 0].float(), off)
+                self.pages[s]["scale"][blocks] = sc.reshape(m, bs, hk).transpose(1, 2)
+                self.pages[s]["offset"][blocks] = off.reshape(m, bs, hk).transpose(1, 2)
             else:
                 st = self.static[s]
                 inv = (1.0 / st["scale"].float()).reshape(-1)
                 zp = (-st["zero"].float() / st["scale"].float() - 2 ** (bits - 1)).reshape(-1)
-                y = self._call("npu_quantize", bufs[s].reshape(m * bs, hk * d), inv, zp,
-                               torch.qint8 if bits == 8 else torch.quint4x2,
-                               axis=-1, div_mode=False)
+                # aclnnAscendQuantV3 takes scales of the input's dtype only: the input goes in as float32
+                # (exact), so that the float32 scales and zero points are used as they are
+                y = self._call("npu_quantize", x.reshape(m * bs, hk * d).float(), inv, zp,
+                               torch.qint8 if bits == 8 else torch.quint4x2, axis=-1, div_mode=False)
             codes[s] = y.reshape(m * bs, hk, -1)
         slots = (blocks[:, None] * bs + torch.arange(bs, device=blocks.device)).reshape(-1).to(torch.int32)
-        self._call(SCATTER, codes["k"], codes["v"], self.pages["k"]["codes"], self.pages["v"]["codes"], slots,
-                   cache_mode="Norm")
+        # int4 codes (8 per int32) go through the scatter as their bytes: int8 [..., D/2]
+        k_c, v_c, k_p, v_p = (_as_bytes(t) for t in (codes["k"], codes["v"], self.pages["k"]["codes"],
+                                                    self.pages["v"]["codes"]))
+        self._call(SCATTER, k_c, v_c, k_p, v_p, slots, cache_mode="Norm")
 
     # ------------------------------------------------------------------------------------ read
     def dense_kv(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_ids: torch.Tensor | None = None):
@@ -395,6 +480,36 @@ class AscendPagedKVCache:
             o = o.reshape(b, hq, d)
             return kvarn_torch.unrotate(o.float(), q.dtype) if self.cfg.rotated else o
         return self._decode_native(q4, block_tables, lens, seq_ids, common)
+
+    def prefill(self, q: torch.Tensor, block_table: torch.Tensor, seq_len: int, *, seq_id: int | None = None,
+                scale: float | None = None) -> torch.Tensor:
+        """Causal attention of one sequence's last n = q.shape[0] positions over its tokens, which `write`
+        has stored already: q [n, Hq, D] (the cache's dtype), block_table [max_blocks] (the sequence's row),
+        seq_len its length including the n tokens, seq_id its high-precision slot (default 0). Every query
+        sees the values a decode at position seq_len - 1 sees (`dense_kv`), up to its own position: the
+        semantics of kvarn_jax's serving prefill. Torch ops in float32 (no fused op covers a quantized
+        prefill). Returns [n, Hq, D] in q's dtype."""
+        self._check_q(q)
+        if not isinstance(block_table, torch.Tensor) or block_table.ndim != 1:
+            raise ValueError("block_table must be a 1-D integer tensor (one sequence's row)")
+        n, hq, d = q.shape
+        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or not 1 <= n <= seq_len:
+            raise ValueError(f"seq_len must be an int >= the {n} query tokens, got {seq_len!r}")
+        sid = None if seq_id is None else torch.tensor([int(seq_id)])
+        lens = self._check_read(block_table[None], torch.tensor([seq_len]), sid, None)
+        used = -(-seq_len // self.block_size)
+        k, v = self._dense(block_table[None, :used], lens, sid)  # [1, Hk, L, D] float32, storage frame
+        k, v = k[0, :, :seq_len], v[0, :, :seq_len]  # later positions hold whatever the pages hold
+        hk = self.num_kv_heads
+        sm = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        qf = kvarn_torch.rotate(q.float(), torch.float32) if self.cfg.rotated else q.float()
+        s = torch.einsum("nhgd,hld->hgnl", qf.reshape(n, hk, hq // hk, d), k) * sm
+        dev = s.device
+        qpos = seq_len - n + torch.arange(n, device=dev)
+        kpos = torch.arange(seq_len, device=dev)
+        s = s.masked_fill(~(kpos[None, :] <= qpos[:, None]), -math.inf)  # position 0 is always visible
+        o = torch.einsum("hgnl,hld->nhgd", torch.softmax(s, -1), v).reshape(n, hq, d)
+        return (kvarn_torch.unrotate(o, q.dtype) if self.cfg.rotated else o).to(q.dtype)
 
     @staticmethod
     def _bnbsh(pages: torch.Tensor) -> torch.Tensor:
@@ -509,22 +624,25 @@ class AscendPagedKVCache:
             if not bool(torch.isfinite(x).all()):
                 raise ValueError(f"{name} contains non-finite values (NaN or Inf); refusing to quantize them")
 
+    def _check_q(self, q):
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+        if q.ndim != 3 or q.shape[2] != self.head_dim:
+            raise ValueError(f"q must be [tokens, q_heads, {self.head_dim}], got {tuple(q.shape)}")
+        if q.dtype != self.dtype:
+            raise ValueError(f"q must have the cache's dtype {self.dtype} (the fused attention's query dtype), "
+                             f"got {q.dtype}")
+        if q.shape[1] % self.num_kv_heads or q.shape[1] // self.num_kv_heads > 64 or q.shape[1] > 256:
+            raise ValueError(f"q has {q.shape[1]} heads: it must be a multiple of num_kv_heads="
+                             f"{self.num_kv_heads}, at most 64 per kv head and 256 in all")
+        if q.device != self._device:
+            raise ValueError(f"q is on {q.device} but the cache is on {self._device}")
+        if not bool(torch.isfinite(q).all()):
+            raise ValueError("q contains non-finite values (NaN or Inf)")
+
     def _check_read(self, block_tables, seq_lens, seq_ids, q):
         if q is not None:
-            if not isinstance(q, torch.Tensor):
-                raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-            if q.ndim != 3 or q.shape[2] != self.head_dim:
-                raise ValueError(f"q must be [batch, q_heads, {self.head_dim}], got {tuple(q.shape)}")
-            if q.dtype != self.dtype:
-                raise ValueError(f"q must have the cache's dtype {self.dtype} (the fused attention's query dtype), "
-                                 f"got {q.dtype}")
-            if q.shape[1] % self.num_kv_heads or q.shape[1] // self.num_kv_heads > 64 or q.shape[1] > 256:
-                raise ValueError(f"q has {q.shape[1]} heads: it must be a multiple of num_kv_heads="
-                                 f"{self.num_kv_heads}, at most 64 per kv head and 256 in all")
-            if q.device != self._device:
-                raise ValueError(f"q is on {q.device} but the cache is on {self._device}")
-            if not bool(torch.isfinite(q).all()):
-                raise ValueError("q contains non-finite values (NaN or Inf)")
+            self._check_q(q)
         if not isinstance(block_tables, torch.Tensor) or block_tables.ndim != 2 or block_tables.is_floating_point():
             raise ValueError("block_tables must be an integer tensor [batch, max_blocks]")
         b, mb = block_tables.shape
@@ -557,6 +675,12 @@ class _CalibrationParams:
 
     def params(self, cfg, num_kv_heads, head_dim):
         return self._params
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """int32 int4 codes [..., D/8] as the int8 view [..., D/2] of the same bytes (npu_scatter_pa_kv_cache
+    takes float16, bfloat16 and int8 on Atlas A2/A3); other tensors unchanged."""
+    return t.view(torch.int8) if t.dtype == torch.int32 else t
 
 
 def _host_int(x, name: str, n: int) -> np.ndarray:

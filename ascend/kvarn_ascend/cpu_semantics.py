@@ -5,13 +5,15 @@ the op table (`ops.py`) hands one call to either. Inputs are assumed valid: `val
 the documented constraints first. Arithmetic is fp32; results are rounded to the documented output
 dtype once, at the end.
 
-Conventions pinned here (and where the documentation says so):
+Conventions pinned here (where the documentation is silent, the source each follows is named):
 - Rounding: round half to even (`torch.round`), as the op tests' CPU goldens do (np.round /
   torch.round) and `npu_rotate_quant`'s default round_mode="rint" names.
 - int4: signed values in [-8, 7]; 8 of them packed in one int32, element j at bits 4j..4j+3
   (element 0 in the low nibble; two's complement nibbles). This is how the op tests unpack
   `npu_dynamic_quant(..., dst_type=torch.quint4x2)` output (low nibble of each little-endian byte
-  first) and the same order as kvarn_jax.packing.
+  first) and the same order as kvarn_jax.packing. The same bytes viewed as int8 [..., D/2] (how
+  the codes go through npu_scatter_pa_kv_cache, which takes no int32 on Atlas A2/A3) hold element
+  2j in the low and 2j+1 in the high nibble of byte j.
 - Antiquant (npu_anti_quant, fused attention): `x_hat = (x + offset) * scale`.
 - Paged caches: `slot = block_id * block_size + offset`; ND ("Norm") caches are
   [num_blocks, block_size, num_heads, head_dim]; fused attention reads them as
@@ -26,6 +28,7 @@ import torch
 
 INT8_RANGE = (-128, 127)
 INT4_RANGE = (-8, 7)
+EMPTY_ROW_LSE = -3.40e38  # the decode kernel's softmax lse of a row with no keys (float32)
 _NIBBLE_SHIFTS = torch.arange(8, dtype=torch.int64) * 4
 
 
@@ -79,42 +82,48 @@ def _smoothed(x: torch.Tensor, smooth_scales, group_index) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------ quant ops
-def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None):
+def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=None, quant_mode="pertoken",
+                      dst_type_max=0.0):
     """Symmetric per-token quantization: `scale = rowmax|x| / DTYPE_MAX`, `y = round(x / scale)`.
 
     DTYPE_MAX is 127 (int8) or 7 (int4). Returns (y, scale) with scale float32 of x's shape minus the
     last axis; y int8, or int32 with 8 int4 per element for dst_type=torch.quint4x2.
-    Doc: torch_npu.npu_dynamic_quant (op-plugin docs/zh/custom_APIs/torch_npu/
-    torch_npu-npu_dynamic_quant.md; CPU golden in test/test_custom_ops/test_npu_dynamic_quant.py).
-    Ambiguous: an all-zero row divides 0 by 0; here it gives y = 0 and scale = 0.
+    Doc: torch_npu-npu_dynamic_quant.md, aclnnDynamicQuantV2.md; CPU golden in op-plugin
+    test/test_custom_ops/test_npu_dynamic_quant.py.
+    Not documented: an all-zero row (0 / 0); here y = 0 and scale = 0, so that it dequantizes to 0.
     """
     int4 = _is_int4(dst_type)
-    xf = _smoothed(x, smooth_scales, group_index)
+    xf = _smoothed(input, smooth_scales, group_index)
     scale = xf.abs().amax(-1) / (INT4_RANGE[1] if int4 else INT8_RANGE[1])
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     y = torch.where(scale[..., None] > 0, torch.round(xf / safe[..., None]), torch.zeros_like(xf))
     return _emit(y, int4), scale
 
 
-def npu_dynamic_quant_asymmetric(x, *, smooth_scales=None, group_index=None, dst_type=None):
+# The asymmetric kernel floors the scale (ops-nn quant/dynamic_quant/op_kernel/dynamic_quant_base.h,
+# GetScaleAndOffset): a constant row gets scale 1e-12 and dequantizes to its value within ~1e-10.
+ASYMMETRIC_MIN_SCALE = 1e-12
+
+
+def npu_dynamic_quant_asymmetric(input, *, smooth_scales=None, group_index=None, dst_type=None,
+                                 quant_mode="pertoken", dst_type_max=0.0):
     """Asymmetric per-token quantization (doc formula, pertoken mode):
 
-    `scale = (rowMax - rowMin) / (DST_MAX - DST_MIN)`, `offset = DST_MAX - rowMax / scale`,
-    `y = round(x / scale + offset)`; dequantization is `(y - offset) * scale`. Returns
-    (y, scale, offset), scale and offset float32 of x's shape minus the last axis.
-    Doc: torch_npu.npu_dynamic_quant_asymmetric (op-plugin docs; golden in
-    test/test_custom_ops/test_npu_dynamic_quant_asymmetric.py).
-    Ambiguous: a constant row divides by a zero scale; here it gives y = 0, scale = 0, offset = 0.
+    `scale = max((rowMax - rowMin) / (DST_MAX - DST_MIN), 1e-12)`, `offset = DST_MAX - rowMax / scale`,
+    `y = round(x / scale + offset)` clamped to the output range; dequantization is `(y - offset) * scale`.
+    Returns (y, scale, offset), scale and offset float32 of x's shape minus the last axis.
+    Doc: torch_npu-npu_dynamic_quant_asymmetric.md, aclnnDynamicQuantV2.md; CPU golden in op-plugin
+    test/test_custom_ops/test_npu_dynamic_quant_asymmetric.py. The 1e-12 floor is the kernel's, not
+    documented: a constant row's codes are then meaningless (rounding error of x / 1e-12) but its
+    dequantization is the row's value up to ~(DST_MAX - DST_MIN) * 1e-12.
     """
     int4 = _is_int4(dst_type)
     lo, hi = INT4_RANGE if int4 else INT8_RANGE
-    xf = _smoothed(x, smooth_scales, group_index)
+    xf = _smoothed(input, smooth_scales, group_index)
     mx, mn = xf.amax(-1), xf.amin(-1)
-    scale = (mx - mn) / (hi - lo)
-    ok = scale > 0
-    safe = torch.where(ok, scale, torch.ones_like(scale))
-    offset = torch.where(ok, hi - mx / safe, torch.zeros_like(scale))
-    y = torch.where(ok[..., None], torch.round(xf / safe[..., None] + offset[..., None]), torch.zeros_like(xf))
+    scale = torch.clamp((mx - mn) / (hi - lo), min=ASYMMETRIC_MIN_SCALE)
+    offset = hi - mx / scale
+    y = torch.round(xf / scale[..., None] + offset[..., None])
     return _emit(y, int4), scale, offset
 
 
@@ -136,7 +145,11 @@ def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):
       clamped to the dtype's range - the arithmetic of torch.quantize_per_channel, which is the
       op tests' CPU golden (the doc's formula `input / scales + zero_points` leaves the rounding
       point open; the golden rounds before adding the integer zero point).
-    Doc: torch_npu.npu_quantize (op-plugin docs; golden in test/test_custom_ops/test_npu_quantize.py).
+    Arithmetic in float32, rounding half to even and saturation to the output range are those of
+    aclnnAscendQuantV3's golden (ops-nn quant/ascend_quant_v2/tests/assets/golden.py: float32,
+    np.round, np.clip) - the torch_npu doc gives neither.
+    Doc: torch_npu-npu_quantize.md, aclnnAscendQuantV3.md; golden in op-plugin
+    test/test_custom_ops/test_npu_quantize.py.
     """
     x = input.float()
     if not div_mode:
@@ -258,13 +271,13 @@ def _antiquant_param(p, mode: int, heads: int, s: int, phys, dense_d: int):
 def npu_fused_infer_attention_score(
         query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
         actual_seq_lengths_kv=None, dequant_scale1=None, quant_scale1=None, dequant_scale2=None,
-        quant_scale2=None, quant_offset2=None, antiquant_scale=None, antiquant_offset=None, block_table=None,
-        query_padding_size=None, kv_padding_size=None, key_antiquant_scale=None, key_antiquant_offset=None,
-        value_antiquant_scale=None, value_antiquant_offset=None, key_shared_prefix=None,
-        value_shared_prefix=None, actual_shared_prefix_len=None, query_rope=None, key_rope=None,
-        key_rope_antiquant_scale=None, num_heads=1, scale=1.0, pre_tokens=2147483647,
+        quant_scale2=None, quant_offset2=None, antiquant_scale=None, antiquant_offset=None,
+        key_antiquant_scale=None, key_antiquant_offset=None, value_antiquant_scale=None,
+        value_antiquant_offset=None, block_table=None, query_padding_size=None, kv_padding_size=None,
+        key_shared_prefix=None, value_shared_prefix=None, actual_shared_prefix_len=None, query_rope=None,
+        key_rope=None, key_rope_antiquant_scale=None, num_heads=1, scale=1.0, pre_tokens=2147483647,
         next_tokens=2147483647, input_layout="BSH", num_key_value_heads=0, sparse_mode=0, inner_precise=0,
-        block_size=0, antiquant_mode=0, softmax_lse_flag=False, key_antiquant_mode=0, value_antiquant_mode=0):
+        block_size=0, antiquant_mode=0, key_antiquant_mode=0, value_antiquant_mode=0, softmax_lse_flag=False):
     """Decode branch (query S = 1) of the fused attention: `softmax(scale * q k^T) v` per sequence.
 
     Covered: layouts BSH / BSND / BNSD; GQA (query head h reads kv head h // (N / KV_N)); page
@@ -274,12 +287,13 @@ def npu_fused_infer_attention_score(
     key/value parameters, or the combined `antiquant_scale`/`antiquant_offset` with shapes (2, ...));
     `actual_seq_lengths_kv` (length 1 = shared by all rows). Positions >= a row's length are masked.
     Returns (out in query's dtype and layout, softmax_lse): lse is float32 [B, N, 1, 1] =
-    log(sum(exp(scale * q k^T))) when softmax_lse_flag, else a float32 zero of shape (1,). The lse
-    is of the scaled scores: it is what the documented ring-attention merge of two outputs needs.
-    Ambiguous in the docs: a row with actual length 0; here its output is 0 and its lse -inf.
-    Doc: torch_npu.npu_fused_infer_attention_score (op-plugin docs/zh/custom_APIs/torch_npu/, the
-    2025-07 docs/context version for the antiquant-mode shape table); the antiquant formula
-    `(kv + offset) * scale` is IncreFlashAttention's (ops-transformer IFA design doc).
+    log(sum(exp(scale * q k^T))) when softmax_lse_flag (the scaled scores: what the documented
+    ring-attention merge of two outputs needs), else an empty float32 tensor of shape (0,), as
+    op-plugin's FusedInferAttentionScoreKernelNpuOpApi.cpp allocates it (the doc says "(1,) zero").
+    A row with actual length 0 (not in the docs): output 0 and lse -3.40e38, as the decode kernel
+    writes it (ops-transformer incre_flash_attention_split_Bbn2s2_Us2.h, InitAllZeroOutput).
+    Doc: torch_npu-npu_fused_infer_attention_score.md and its 2025-07 docs/context version (the
+    antiquant-mode shape table); the antiquant formula `(kv + offset) * scale` is IncreFlashAttention's.
     """
     layout = input_layout
     nq = num_heads
@@ -335,7 +349,7 @@ def npu_fused_infer_attention_score(
     else:
         out = out.reshape(b, 1, nq * d)
     if not softmax_lse_flag:
-        return out, torch.zeros(1, dtype=torch.float32)
+        return out, torch.zeros(0, dtype=torch.float32)
     lse = torch.where(denom > 0, torch.log(torch.where(denom > 0, denom, torch.ones_like(denom))) + m,
-                      torch.full_like(denom, -math.inf))
+                      torch.full_like(denom, EMPTY_ROW_LSE))
     return out, lse.reshape(b, nq, 1, 1)

@@ -17,15 +17,25 @@ import torch
 
 from . import cpu_semantics, npu, validators
 
-_DOCS = "op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-{}.md"
+# The contracts each op's validator encodes (tags of validators.SOURCES).
+_CONTRACTS = {
+    "npu_dynamic_quant": ("aclnnDynamicQuantV2.md", "DynamicQuantKernelNpuOpApi.cpp"),
+    "npu_dynamic_quant_asymmetric": ("aclnnDynamicQuantV2.md", "DynamicQuantKernelNpuOpApi.cpp"),
+    "npu_quantize": ("aclnnAscendQuantV3.md", "aclnn_ascend_quant_v3.cpp", "QuantizeKernelNpuOpApi.cpp"),
+    "npu_anti_quant": ("aclnnAscendAntiQuant.md", "AntiQuantKernelNpuOpApi.cpp"),
+    "npu_scatter_pa_kv_cache": ("aclnnScatterPaKvCache.md",),
+    "npu_fused_infer_attention_score": ("FIA docs/context", "FusedInferAttentionScoreKernelNpuOpApi.cpp"),
+    "npu_rotate_quant": (),
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class OpSpec:
-    """One entry of the op table. `name` is the torch_npu attribute (and the CPU function's name)."""
+    """One entry of the op table. `name` is the torch_npu attribute (and the CPU function's name);
+    `sources` the tags (validators.SOURCES) of the documents and files its validator follows."""
 
     name: str
-    doc: str
+    sources: tuple
     cpu: Callable
     validate: Callable
     notes: str = ""
@@ -38,15 +48,18 @@ class OpSpec:
 
 
 def _spec(name: str, notes: str = "") -> OpSpec:
-    return OpSpec(name, _DOCS.format(name), getattr(cpu_semantics, name), getattr(validators, name), notes)
+    sources = ("op_plugin_functions.yaml", f"torch_npu-{name}.md") + _CONTRACTS[name]
+    return OpSpec(name, sources, getattr(cpu_semantics, name), getattr(validators, name), notes)
 
 
 OPS = {s.name: s for s in (
     _spec("npu_dynamic_quant", "symmetric per-token int8/int4; scale = rowmax|x| / 127 (or 7), float32"),
     _spec("npu_dynamic_quant_asymmetric", "asymmetric per-token; y = round(x/scale + offset), x = (y - offset)*scale"),
-    _spec("npu_quantize", "given per-channel scales/zero points (div_mode=False: round(x*scales + zero_points))"),
+    _spec("npu_quantize", "given per-channel scales/zero points (div_mode=False: round(x*scales + zero_points), "
+                          "scales and zero points of the input's dtype)"),
     _spec("npu_anti_quant", "(x + offset) * scale, 1-D scale along the last axis"),
-    _spec("npu_scatter_pa_kv_cache", "paged write by slot (in place); cache_mode 'Norm' = ND [blocks, bs, N, D]"),
+    _spec("npu_scatter_pa_kv_cache", "paged write by slot (in place); cache_mode 'Norm' = ND [blocks, bs, N, D]; "
+                                     "float16/bfloat16/int8 on Atlas A2/A3 (int4 codes go as int8 bytes)"),
     _spec("npu_fused_infer_attention_score", "decode branch: paged or contiguous KV, fp or int8/int4 antiquant"),
     _spec("npu_rotate_quant", "block rotation x @ R then per-token symmetric quant (not used by the cache: "
                               "KVarN needs Sinkhorn and asymmetric per-channel keys after the rotation)"),

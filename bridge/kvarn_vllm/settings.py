@@ -134,7 +134,7 @@ def _model_layers(vllm_config) -> int | None:
 
 
 def _load_layers(path: str, vllm_config) -> tuple:
-    from kvarn_jax.evaluation.layer_config import load_layer_config
+    from kvarn_jax.layer_config import load_layer_config
 
     num_layers = _model_layers(vllm_config)
     try:

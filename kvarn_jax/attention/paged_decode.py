@@ -8,14 +8,30 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ..config import KVQuantConfig
 from ..hadamard import rotate, unrotate
-from . import paged_decode_pallas, paged_decode_tpu
+from ..schemes.arith import saturate
+from ..impl import IMPLS, check_impl, resolve_impl  # noqa: F401  (IMPLS: the model and runner import it from here)
 from ..validation import require_compiled_backend
-from .reference import _attend, _check
+from . import paged_decode_pallas, paged_decode_tpu
+from .reference import attend, check_decode_args
 
-IMPLS = ("auto", "pallas", "reference")
 KERNELS = ("gpu", "tpu")
 _SUPPORTS = {"gpu": paged_decode_pallas.supports, "tpu": paged_decode_tpu.supports}
+
+
+def decode_impl(cfg: KVQuantConfig, block_size: int, head_dim: int, impl: str = "auto", kernel: str | None = None,
+                backend: str | None = None) -> tuple[str, str, str | None]:
+    """(implementation, kernel, why the kernel cannot take the cache or None) that
+    `paged_decode_attention(impl=impl, kernel=kernel)` uses for a cache of this scheme and geometry
+    (`impl.resolve_impl`). kernel default: the platform's - "tpu" on TPUs, "gpu" elsewhere."""
+    check_impl(impl)
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {list(KERNELS)} or None, got {kernel!r}")
+    backend = backend or jax.default_backend()
+    kernel = kernel or ("tpu" if backend == "tpu" else "gpu")
+    why = _SUPPORTS[kernel](cfg, block_size, head_dim)
+    return resolve_impl(impl, "decode", cfg, why, backend), kernel, why
 
 
 def paged_decode_attention(q, cache, block_tables, seq_lens, scale: float | None = None, *, seq_ids=None,
@@ -26,8 +42,8 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, scale: float | None
     Same arguments and result as `paged_decode_attention_reference` (q [B, Hq, D] -> [B, Hq, D] in
     q.dtype), plus:
       impl: "pallas" (a fused kernel), "reference" (pure jnp) or "auto": the platform's kernel on
-        NVIDIA GPUs and TPUs when it supports the cache, the reference elsewhere (CPU).
-      kernel: which Pallas kernel `impl="pallas"` runs: "gpu" (`paged_decode_pallas.py`, Triton
+        NVIDIA GPUs and TPUs when it supports the cache, the reference elsewhere (CPU): `decode_impl`.
+      kernel: which Pallas kernel `impl="pallas"` runs: "gpu" (`paged_decode_pallas/`, Triton
         lowering) or "tpu" (`paged_decode_tpu.py`, Mosaic, scalar-prefetched block tables). Default:
         the platform's - "tpu" on TPUs, "gpu" elsewhere (on CPU both run only interpreted).
       interpret: run the Pallas kernel in interpret mode (default: True on CPU; how CI tests it).
@@ -46,19 +62,15 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, scale: float | None
     `impl="pallas"` raises ValueError if the kernel cannot take the cache (e.g. a block size that is
     not a power of two); nothing falls back silently.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
+    check_impl(impl)
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {list(KERNELS)} or None, got {kernel!r}")
-    _check(q, cache, block_tables, seq_lens, seq_ids, window, values=bool(check_values))
+    check_decode_args(q, cache, block_tables, seq_lens, seq_ids, window, values=bool(check_values))
     backend = jax.default_backend()
-    kernel = kernel or ("tpu" if backend == "tpu" else "gpu")
-    why = _SUPPORTS[kernel](cache.cfg, cache.block_size, cache.head_dim)
-    if impl == "auto":
-        impl = "pallas" if backend in ("gpu", "tpu") and not why else "reference"
+    impl, kernel, why = decode_impl(cache.cfg, cache.block_size, cache.head_dim, impl, kernel, backend)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if impl == "reference":
-        return _attend(q, cache, block_tables, seq_lens, sm_scale, seq_ids, window, False)
+        return attend(q, cache, block_tables, seq_lens, sm_scale, seq_ids, window, False)
     if why is not None:
         raise ValueError(f"impl='pallas' cannot run this cache on the {kernel} kernel: {why}; "
                          "use impl='reference' or 'auto'")
@@ -81,7 +93,8 @@ def _pallas(q, cache, block_tables, seq_lens, seq_ids, *, scale, window, interpr
                                               window=window, interpret=interpret)
     else:  # seq_ids None: the GPU kernel reads sequence b's sink and tail from row b
         o = paged_decode_pallas.paged_decode_pallas(qr, cache, block_tables, seq_lens, seq_ids, scale=scale,
-                                                    window=window, num_splits=num_splits, interpret=interpret)
+                                                    window=window, interpret=interpret,
+                                                    launch=paged_decode_pallas.Launch(num_splits=num_splits))
     if cache.cfg.rotated:
         o = unrotate(o)
-    return o.astype(q.dtype)
+    return saturate(o, q.dtype)

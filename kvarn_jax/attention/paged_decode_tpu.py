@@ -1,7 +1,7 @@
 """Fused paged decode attention as a Pallas TPU (Mosaic) kernel, with scalar-prefetched block tables.
 
 Oracle: `reference.py` beside this file (`paged_decode_attention_reference`). Same math as the GPU
-kernel (`paged_decode_pallas.py`); what differs is how it is laid out for a TPU:
+kernel (`paged_decode_pallas/`); what differs is how it is laid out for a TPU:
 
 - Grid (sequence, kv head, block). The block tables, sequence lengths and sequence ids are scalar-
   prefetched into SMEM, so the BlockSpec index maps pick each step's physical page (and the
@@ -13,7 +13,7 @@ kernel (`paged_decode_pallas.py`); what differs is how it is laid out for a TPU:
   sees its own block quantized). The online softmax state lives in VMEM scratch across the block
   axis ("arbitrary"); the sequence and head axes are "parallel" (megacore).
 - TPU vectors have no cheap strided lane access, and codes are packed so that bit plane j of a byte
-  holds elements j, j + 8/bits, ... (DESIGN.md §1.5). Instead of re-interleaving lanes, planes are
+  holds elements j, j + 8/bits, ... (docs/design.md §1.5). Instead of re-interleaving lanes, planes are
   moved into natural order with small 0/1 selection matmuls on the otherwise idle matrix unit
   (exact at HIGHEST precision): key-plane scores -> token order, value-plane outputs -> channel
   order, per-group scales -> per-channel. Scales stay outside the code products as in the GPU kernel.

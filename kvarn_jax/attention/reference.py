@@ -15,10 +15,13 @@ import jax.numpy as jnp
 
 from ..cache.paged import PagedKVCache, check_read_args, gather_dense
 from ..hadamard import rotate, unrotate
+from ..schemes.arith import saturate
 from ..validation import check_array, check_finite
 
 
-def _check(q, cache, block_tables, seq_lens, seq_ids, window, values: bool = True):
+def check_decode_args(q, cache, block_tables, seq_lens, seq_ids, window, values: bool = True):
+    """The decode entries' argument checks (ValueError naming the argument); values=False checks
+    shapes and dtypes only, reading nothing back from the device."""
     check_array(q, "q", ndim=3, floating=True)
     if not isinstance(cache, PagedKVCache):
         raise ValueError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
@@ -48,12 +51,13 @@ def paged_decode_attention_reference(q: jnp.ndarray, cache: PagedKVCache, block_
     rotated_io: q is already rotated and the output is returned rotated (kernels' convention).
     Returns [B, Hq, D] in q.dtype.
     """
-    _check(q, cache, block_tables, seq_lens, seq_ids, window)
-    return _attend(q, cache, block_tables, seq_lens, scale, seq_ids, window, rotated_io)
+    check_decode_args(q, cache, block_tables, seq_lens, seq_ids, window)
+    return attend(q, cache, block_tables, seq_lens, scale, seq_ids, window, rotated_io)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "rotated_io"))
-def _attend(q, cache, block_tables, seq_lens, scale, seq_ids, window, rotated_io):
+def attend(q, cache, block_tables, seq_lens, scale, seq_ids, window, rotated_io):
+    """`paged_decode_attention_reference` without the argument checks (callers check first)."""
     nbt, hq, d = q.shape
     hk = cache.num_kv_heads
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -77,5 +81,5 @@ def _attend(q, cache, block_tables, seq_lens, scale, seq_ids, window, rotated_io
     o = o.reshape(nbt, hq, d)
     if cache.cfg.rotated and not rotated_io:
         o = unrotate(o)
-    return o.astype(q.dtype)
+    return saturate(o, q.dtype)
 

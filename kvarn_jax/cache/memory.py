@@ -11,11 +11,11 @@ from ..config import KVQuantConfig
 from .paged import PagedKVCache
 
 
-def _field_bytes(cfg: KVQuantConfig, head_dim: int):
+def _field_bytes(cfg: KVQuantConfig, head_dim: int, dtype="float16"):
     """(code bytes, metadata bytes) per tile, K and V together."""
     codes = meta = 0
     for side in schemes.SIDES:
-        for name, (shape, dt) in schemes.side_fields(cfg, side, head_dim).items():
+        for name, (shape, dt) in schemes.side_fields(cfg, side, head_dim, dtype).items():
             n = jnp.dtype(dt).itemsize
             for s in shape:
                 n *= s
@@ -26,16 +26,32 @@ def _field_bytes(cfg: KVQuantConfig, head_dim: int):
     return codes, meta
 
 
-def bytes_per_token(cfg: Union[str, KVQuantConfig], head_dim: int) -> float:
+def bytes_per_token(cfg: Union[str, KVQuantConfig], head_dim: int, dtype="float16") -> float:
     """Bytes one token costs per KV head in the quantized pages, K and V together, metadata included.
 
-    E.g. kvarn_k4v2_g128 at head_dim 128: 108.0 (fp16: 512.0, i.e. 4.74x). High-precision sink/tail
-    storage is per sequence, not per token: see `memory_report`.
+    dtype: the cache's model dtype, in which scales and zero points are stored (fp16 and bf16: the
+    same bytes; fp32 caches pay twice for their metadata). E.g. kvarn_k4v2_g128 at head_dim 128:
+    108.0 (fp16: 512.0, i.e. 4.74x). High-precision sink/tail storage is per sequence, not per
+    token: see `memory_report`.
     """
     cfg = KVQuantConfig.parse(cfg)
     cfg.check_head_dim(head_dim)
-    codes, meta = _field_bytes(cfg, head_dim)
+    codes, meta = _field_bytes(cfg, head_dim, dtype)
     return (codes + meta) / cfg.tile_tokens
+
+
+def decode_read_bytes(cfg: Union[str, KVQuantConfig], ctx: int, *, block_size: int, num_kv_heads: int,
+                      head_dim: int, dtype="float16") -> int:
+    """Bytes one decode step must read from one layer's cache for one sequence of `ctx` tokens: the
+    quantized pages of the full blocks between the sink and the query's own block, and the
+    high-precision sink and query's block (`gather_dense` serves the block holding position ctx - 1
+    from the tail ring even when it is full). dtype: the cache's model dtype (its sink and tail)."""
+    cfg = KVQuantConfig.parse(cfg)
+    per_token = bytes_per_token(cfg, head_dim, dtype) * num_kv_heads
+    bs = block_size
+    hp_tokens = 0 if cfg.is_passthrough else ctx if ctx <= bs else bs + (ctx - 1) % bs + 1
+    hp_bytes = hp_tokens * num_kv_heads * head_dim * 2 * jnp.dtype(dtype).itemsize
+    return int((ctx - hp_tokens) * per_token + hp_bytes)
 
 
 def _num_layers(cache: PagedKVCache) -> int:
@@ -57,6 +73,8 @@ def memory_report(cache: PagedKVCache) -> dict:
     capacity_vs_fp16 = fp16_bytes / total_bytes: how many times more tokens fit in the same memory,
     with the high-precision sink/tail storage counted.
     """
+    if not isinstance(cache, PagedKVCache):
+        raise ValueError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
     layers = _num_layers(cache)
     tokens = cache.num_blocks * cache.block_size
     codes = meta = 0

@@ -10,9 +10,11 @@ Layout (all pytree leaves; sizes are static aux data):
   (the attention sink) stays in high precision for the sequence's whole life.
 - `tail[side]`: [max_seqs, Hk, tail_blocks * block_size, D] in `dtype` - a ring indexed by
   `position % (tail_blocks * block_size)` holding the not-yet-full block of every sequence.
-- `dropped_tokens`: int32 count of tokens a jitted write could not store (invalid slot, sequence id
-  or position, or more blocks completed in one write than its static bound). Non-zero means the
-  caller passed bad metadata; eager calls raise instead.
+- `dropped_tokens`: int32 count of tokens a jitted write did not store as given: not stored at all
+  (an invalid slot, sequence id or position; a block completed beyond the write's static bound)
+  or stored altered (a non-finite K/V value: the token stored as zeros; a value beyond the storage
+  range: saturated, see `kvarn_jax.storage`; a block whose fp16 KVarN metadata saturated). Non-zero
+  means some input was bad; eager calls raise instead, naming the reason.
 
 High-precision storage is indexed by a sequence id in [0, max_seqs) (a serving slot, e.g. the row
 of a request in the batch), so its size is fixed by `max_seqs` and reported by `memory_report`; an
@@ -33,8 +35,9 @@ import numpy as np
 
 from .. import schemes
 from ..config import KVQuantConfig
-from ..hadamard import rotate
-from ..validation import check_array, check_finite, check_range, is_concrete, require_compiled_backend
+from ..storage import storage_values
+from ..validation import (check_array, check_count, check_finite, check_range, is_concrete,
+                          require_compiled_backend)
 from .quantize_pallas import quantize_blocks_pallas, supports as pallas_quantize_supports
 
 
@@ -107,27 +110,32 @@ class PagedKVCache:
         calibration: one layer's `Calibration`, required by static schemes.
         """
         cfg = KVQuantConfig.parse(cfg)
-        for name, val in (("num_blocks", num_blocks), ("num_kv_heads", num_kv_heads)):
-            if not isinstance(val, int) or val <= 0:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        num_blocks = check_count(num_blocks, "num_blocks")
+        num_kv_heads = check_count(num_kv_heads, "num_kv_heads")
+        head_dim = check_count(head_dim, "head_dim")
+        block_size = check_count(block_size, "block_size")
         cfg.check_head_dim(head_dim)
         cfg.check_block_size(block_size)
-        if jnp.dtype(dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        try:
+            dtype = jnp.dtype(dtype)
+        except TypeError:
+            dtype = None
+        if dtype not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
             raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
         if cfg.is_passthrough:
             dtype, max_seqs, tail_blocks = cfg.dtype, 0, 0
         else:
-            if not isinstance(max_seqs, int) or max_seqs <= 0:
-                raise ValueError(f"max_seqs must be a positive int for {cfg.name} (it bounds the high-precision "
-                                 f"sink/tail storage), got {max_seqs!r}")
-            if tail_blocks not in (1, 2):
+            max_seqs = check_count(max_seqs, "max_seqs",
+                                   f" for {cfg.name} (it bounds the high-precision sink/tail storage)")
+            if tail_blocks not in (1, 2) or isinstance(tail_blocks, bool):
                 raise ValueError(f"tail_blocks must be 1 or 2, got {tail_blocks!r}")
+            tail_blocks = int(tail_blocks)
         from ..quantize import _static_params  # the same calibration rules as `quantize`
-        static = _static_params(cfg, calibration, num_kv_heads, head_dim)
+        static = _static_params(cfg, calibration, num_kv_heads, head_dim, dtype)
         tpb = block_size // cfg.tile_tokens
         pages = {side: {name: jnp.zeros((num_blocks, num_kv_heads) + (
                             shape + (tpb,) if tokens_last(cfg, side, name) else (tpb,) + shape), dt)
-                        for name, (shape, dt) in schemes.side_fields(cfg, side, head_dim).items()}
+                        for name, (shape, dt) in schemes.side_fields(cfg, side, head_dim, dtype).items()}
                  for side in schemes.SIDES}
         sink = tail = None
         if not cfg.is_passthrough:
@@ -152,10 +160,6 @@ def stack_layers(caches: Sequence[PagedKVCache]) -> PagedKVCache:
 
 
 # ---------------------------------------------------------------------------------------- write
-def _storage_frame(cache: PagedKVCache, x: jnp.ndarray) -> jnp.ndarray:
-    return rotate(x, cache.dtype) if cache.cfg.rotated else x.astype(cache.dtype)
-
-
 def _quantize_blocks(cache: PagedKVCache, side: str, blocks: jnp.ndarray, quantizer: str = "reference") -> dict:
     """[M, Hk, block_size, D] storage-frame values -> page fields [M, Hk, tiles_per_block, ...].
 
@@ -164,12 +168,29 @@ def _quantize_blocks(cache: PagedKVCache, side: str, blocks: jnp.ndarray, quanti
     """
     if quantizer != "reference":
         return quantize_blocks_pallas(blocks, cache.static[side] if cache.static else None, cfg=cache.cfg,
-                                      side=side, interpret=quantizer == "pallas_interpret")
+                                      side=side, interpret=quantizer == "pallas_interpret", dtype=cache.dtype)
     g = cache.cfg.tile_tokens
     m, h, b, d = blocks.shape
     tiles = blocks if g == 1 else blocks.reshape(m, h, b // g, g, d)
     st = schemes.expand_static(cache.cfg, cache.static[side], 1) if cache.static else None
-    return schemes.quantize_side(tiles, cache.cfg, side, st)
+    return schemes.quantize_side(tiles, cache.cfg, side, st, dtype=cache.dtype)
+
+
+def saturated_blocks(cache: PagedKVCache, fields: dict) -> jnp.ndarray:
+    """[M] bool: quantized blocks ({side: {field: [M, ...]}}) whose metadata reached the largest finite
+    value of its dtype. Only KVarN's folded scales can (fp16 caches: a zero point of a column scale
+    below 1 over values near 65,504); elsewhere the data's own range bounds them, so an int scheme's
+    zero point of exactly -65,504 is a value, not a saturation."""
+    m = next(iter(fields["k"].values())).shape[0]
+    if cache.cfg.method != "kvarn":
+        return jnp.zeros((m,), bool)
+    big = float(jnp.finfo(jnp.dtype(cache.dtype)).max)
+    out = jnp.zeros((m,), bool)
+    for side in schemes.SIDES:
+        for name, f in fields[side].items():
+            if name != "codes":
+                out |= jnp.any(jnp.abs(f.astype(jnp.float32)).reshape(m, -1) >= big, axis=1)
+    return out
 
 
 def completed_block_bound(cache: PagedKVCache, num_tokens: int) -> int:
@@ -185,8 +206,11 @@ def completed_block_bound(cache: PagedKVCache, num_tokens: int) -> int:
 class WritePlan(NamedTuple):
     """Where each token of one write goes (`write_plan`); shared by `write_reference` and the vLLM
     bridge, which stores the same rows into torch buffers. Per token: `xs` the K/V rows in the storage
-    frame, block `blk` and offset `off` of its slot; for quantized schemes the clipped sequence id
-    `seq_c`, and masks: to the sink, to the tail ring, and `completes` (fills a block's last slot)."""
+    frame (`storage.storage_values`: non-finite tokens zeroed, values saturated to the storage range),
+    block `blk` and offset `off` of its slot; for quantized schemes the clipped sequence id `seq_c`,
+    and masks: to the sink, to the tail ring, and `completes` (fills a block's last slot). Counts of
+    the tokens stored (not padding): `dropped` invalid ones (not stored), `nonfinite` stored as zeros,
+    `saturated` stored clipped."""
     xs: dict
     blk: jnp.ndarray
     off: jnp.ndarray
@@ -199,6 +223,8 @@ class WritePlan(NamedTuple):
     rest: jnp.ndarray | None = None
     in_ring: jnp.ndarray | None = None
     completes: jnp.ndarray | None = None
+    nonfinite: jnp.ndarray | None = None
+    saturated: jnp.ndarray | None = None
 
 
 def write_plan(cache: PagedKVCache, k, v, slot_mapping, seq_ids, positions) -> WritePlan:
@@ -207,9 +233,12 @@ def write_plan(cache: PagedKVCache, k, v, slot_mapping, seq_ids, positions) -> W
     slot = slot_mapping.astype(jnp.int32)
     blk, off = slot // bs, slot % bs
     in_range = (slot >= 0) & (slot < nb * bs)
-    xs = {"k": _storage_frame(cache, k), "v": _storage_frame(cache, v)}
+    k_s, v_s, nonfinite, saturated = storage_values(cache.cfg, k, v, cache.dtype)
+    xs = {"k": k_s, "v": v_s}
+    count = lambda m: jnp.sum(m, dtype=jnp.int32)  # noqa: E731
     if cache.cfg.is_passthrough:
-        return WritePlan(xs, blk, off, in_range, jnp.sum(~in_range & (slot != -1), dtype=jnp.int32))
+        return WritePlan(xs, blk, off, in_range, count(~in_range & (slot != -1)),
+                         nonfinite=count(in_range & nonfinite), saturated=count(in_range & saturated))
     ns, r = cache.max_seqs, cache.tail_len
     seq = seq_ids.astype(jnp.int32)
     pos = positions.astype(jnp.int32)
@@ -219,9 +248,10 @@ def write_plan(cache: PagedKVCache, k, v, slot_mapping, seq_ids, positions) -> W
     # its earlier tokens are only needed by blocks this write completes, which read them directly).
     seq_c = jnp.clip(seq, 0, ns - 1)
     maxpos = jnp.full((ns,), -1, jnp.int32).at[jnp.where(rest, seq, ns)].max(pos, mode="drop")
-    return WritePlan(xs, blk, off, in_range, jnp.sum(~valid & (slot != -1), dtype=jnp.int32), seq=seq,
+    return WritePlan(xs, blk, off, in_range, count(~valid & (slot != -1)), seq=seq,
                      seq_c=seq_c, pos=pos, is_sink=valid & (pos < bs), rest=rest,
-                     in_ring=rest & (pos > maxpos[seq_c] - r), completes=rest & (off == bs - 1))
+                     in_ring=rest & (pos > maxpos[seq_c] - r), completes=rest & (off == bs - 1),
+                     nonfinite=count(valid & nonfinite), saturated=count(valid & saturated))
 
 
 def completion_sizes(cache: PagedKVCache, num_tokens: int) -> list[int]:
@@ -237,22 +267,38 @@ def completion_sizes(cache: PagedKVCache, num_tokens: int) -> list[int]:
     return sorted(sizes)
 
 
-@functools.partial(jax.jit, static_argnames=("quantizer",))
+# What `_write` counts, in order: tokens not stored (invalid metadata), stored as zeros (non-finite),
+# stored saturated, not quantized (completed beyond the static bound), and of blocks whose
+# metadata saturated.
+WRITE_COUNTS = ("invalid", "nonfinite", "saturated", "beyond_bound", "metadata_saturated")
+
+
+@functools.partial(jax.jit, static_argnames=("quantizer", "max_completed"))
 def write_reference(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp.ndarray,
                     seq_ids: jnp.ndarray | None, positions: jnp.ndarray | None,
-                    quantizer: str = "reference") -> PagedKVCache:
+                    quantizer: str = "reference", max_completed: int | None = None) -> PagedKVCache:
     """The write path without checks (see `write`). Never writes outside the named slots.
 
     Everything is jnp except the quantization of completed blocks, done by `quantizer`.
+    max_completed: a caller's static bound on the blocks this write completes (e.g. sequences x
+    ceil(chunk / block_size) for a prefill chunk): completions are quantized in one batch of that
+    size, with no branch on their count; completions beyond it are dropped and counted.
     """
+    return _write(cache, k, v, slot_mapping, seq_ids, positions, quantizer, max_completed)[0]
+
+
+def _write(cache, k, v, slot_mapping, seq_ids, positions, quantizer, max_completed):
+    """`write_reference`, also returning int32 [len(WRITE_COUNTS)]: why tokens were not stored as given."""
     n = k.shape[0]
     nb, bs = cache.num_blocks, cache.block_size
     p = write_plan(cache, k, v, slot_mapping, seq_ids, positions)
+    zero = jnp.zeros((), jnp.int32)
     if cache.cfg.is_passthrough:
         b_idx = jnp.where(p.in_range, p.blk, nb)  # out of bounds -> dropped
         pages = {s: {"values": cache.pages[s]["values"].at[b_idx, :, p.off].set(p.xs[s], mode="drop")}
                  for s in schemes.SIDES}
-        return dataclasses.replace(cache, pages=pages, dropped_tokens=cache.dropped_tokens + p.dropped)
+        counts = jnp.stack([p.dropped, p.nonfinite, p.saturated, zero, zero])
+        return dataclasses.replace(cache, pages=pages, dropped_tokens=cache.dropped_tokens + jnp.sum(counts)), counts
 
     ns, r = cache.max_seqs, cache.tail_len
     s_idx = jnp.where(p.is_sink, p.seq, ns)  # the sink block: its own high-precision page per sequence
@@ -265,7 +311,7 @@ def write_reference(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_ma
     # completions; most decode steps complete no block and few complete more than a couple, so the
     # quantization runs in the smallest of a few sizes that holds this call's completions (none at
     # all when nothing completes).
-    sizes = completion_sizes(cache, n)
+    sizes = completion_sizes(cache, n) if max_completed is None else [max(1, min(int(max_completed), n))]
     m = sizes[-1]
     count = jnp.sum(p.completes, dtype=jnp.int32)
     overflow = jnp.maximum(count - m, 0)
@@ -273,18 +319,23 @@ def write_reference(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_ma
     def store(size):
         def branch(pages):
             c_m, fields = completed_blocks(cache, p, size, quantizer)
+            bad = jnp.sum(saturated_blocks(cache, fields) & (c_m < nb), dtype=jnp.int32) * bs
             return {s: {name: pages[s][name].at[c_m].set(f.astype(pages[s][name].dtype), mode="drop")
-                        for name, f in fields[s].items()} for s in schemes.SIDES}
+                        for name, f in fields[s].items()} for s in schemes.SIDES}, bad
         return branch
 
-    branches = [lambda pages: pages] + [store(size) for size in sizes]
-    which = jnp.int32(0)
-    for i, size in enumerate(reversed(sizes)):  # smallest size that holds `count`
-        which = jnp.where(count <= size, len(sizes) - i, which)
-    which = jnp.where(count == 0, 0, jnp.where(count > m, len(sizes), which))
-    pages = jax.lax.switch(which, branches, cache.pages)
+    if max_completed is not None:
+        pages, meta_bad = store(m)(cache.pages)
+    else:
+        branches = [lambda pages: (pages, zero)] + [store(size) for size in sizes]
+        which = jnp.int32(0)
+        for i, size in enumerate(reversed(sizes)):  # smallest size that holds `count`
+            which = jnp.where(count <= size, len(sizes) - i, which)
+        which = jnp.where(count == 0, 0, jnp.where(count > m, len(sizes), which))
+        pages, meta_bad = jax.lax.switch(which, branches, cache.pages)
+    counts = jnp.stack([p.dropped, p.nonfinite, p.saturated, overflow * bs, meta_bad])
     return dataclasses.replace(cache, pages=pages, sink=sink, tail=tail,
-                               dropped_tokens=cache.dropped_tokens + p.dropped + overflow * bs)
+                               dropped_tokens=cache.dropped_tokens + jnp.sum(counts)), counts
 
 
 def completed_blocks(cache: PagedKVCache, p: WritePlan, size: int, quantizer: str = "reference"):
@@ -317,6 +368,63 @@ def completed_blocks(cache: PagedKVCache, p: WritePlan, size: int, quantizer: st
     return c_m, fields
 
 
+def stage_tokens(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp.ndarray, *,
+                 seq_ids: jnp.ndarray | None = None, positions: jnp.ndarray | None = None) -> PagedKVCache:
+    """The first half of a decode-step write: store tokens without quantizing any block.
+
+    Same arguments as `write`, no checks (for compiled serving steps whose metadata comes from their
+    own scheduler). Quantized schemes keep the tokens in the high-precision sink and tail ring only:
+    a scatter of the given rows, whatever the cache's size. A block whose last slot this fills must
+    then be quantized into its page by `commit_blocks` before its sequence writes past the ring
+    (`tail_len` positions later); reads are right in between, since the query's own block is served
+    from the ring. Passthrough schemes store into the pages directly (nothing to commit). Invalid
+    tokens are dropped and counted as by `write`.
+    """
+    p = write_plan(cache, k, v, slot_mapping, seq_ids, positions)
+    dropped = cache.dropped_tokens + p.dropped + p.nonfinite + p.saturated
+    if cache.cfg.is_passthrough:
+        b_idx = jnp.where(p.in_range, p.blk, cache.num_blocks)
+        pages = {s: {"values": cache.pages[s]["values"].at[b_idx, :, p.off].set(p.xs[s], mode="drop")}
+                 for s in schemes.SIDES}
+        return dataclasses.replace(cache, pages=pages, dropped_tokens=dropped)
+    ns, r = cache.max_seqs, cache.tail_len
+    s_idx = jnp.where(p.is_sink, p.seq, ns)
+    r_idx = jnp.where(p.in_ring, p.seq, ns)
+    sink = {s: cache.sink[s].at[s_idx, :, p.off].set(p.xs[s], mode="drop") for s in schemes.SIDES}
+    tail = {s: cache.tail[s].at[r_idx, :, p.pos % r].set(p.xs[s], mode="drop") for s in schemes.SIDES}
+    return dataclasses.replace(cache, sink=sink, tail=tail, dropped_tokens=dropped)
+
+
+def commit_blocks(cache: PagedKVCache, block_ids: jnp.ndarray, seq_ids: jnp.ndarray, first_positions: jnp.ndarray,
+                  *, quantizer: str = "reference") -> PagedKVCache:
+    """The second half of a decode-step write: quantize whole blocks from the ring into their pages.
+
+    block_ids, seq_ids, first_positions: [M] int - the physical block, the sequence slot whose ring
+    holds its tokens, and the block's first position (a multiple of block_size, past the sink
+    block). Entries with block_id -1 are padding (a fixed M serves any number of completions);
+    other invalid entries are dropped and counted (block_size tokens each). quantizer: as in
+    `write_reference` ("reference", "pallas" or "pallas_interpret"); `auto_quantizer` picks one.
+    The pages equal those `write` stores for the same tokens.
+    """
+    if cache.cfg.is_passthrough:
+        return cache
+    nb, bs, ns, r = cache.num_blocks, cache.block_size, cache.max_seqs, cache.tail_len
+    blk, seq, start = (a.astype(jnp.int32) for a in (block_ids, seq_ids, first_positions))
+    ok = (blk >= 0) & (blk < nb) & (seq >= 0) & (seq < ns) & (start >= bs) & (start % bs == 0)
+    c_m = jnp.where(ok, blk, nb)
+    s_m = jnp.clip(seq, 0, ns - 1)
+    ring_idx = (start[:, None] + jnp.arange(bs)[None, :]) % r           # [M, bs]
+    pages, fields = {}, {}
+    for s in schemes.SIDES:
+        buf = cache.tail[s][s_m[:, None], :, ring_idx]                     # [M, bs, Hk, D]
+        fields[s] = pages_from_fields(cache.cfg, s, _quantize_blocks(cache, s, buf.transpose(0, 2, 1, 3), quantizer))
+        pages[s] = {name: cache.pages[s][name].at[c_m].set(f.astype(cache.pages[s][name].dtype), mode="drop")
+                    for name, f in fields[s].items()}
+    dropped = jnp.sum(~ok & (blk != -1), dtype=jnp.int32) * bs
+    dropped += jnp.sum(ok & saturated_blocks(cache, fields), dtype=jnp.int32) * bs
+    return dataclasses.replace(cache, pages=pages, dropped_tokens=cache.dropped_tokens + dropped)
+
+
 def _check_write_args(cache, k, v, slot_mapping, seq_ids, positions):
     if not isinstance(cache, PagedKVCache):
         raise ValueError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
@@ -325,8 +433,9 @@ def _check_write_args(cache, k, v, slot_mapping, seq_ids, positions):
         if tuple(x.shape[1:]) != (cache.num_kv_heads, cache.head_dim):
             raise ValueError(f"{name} must be [tokens, {cache.num_kv_heads}, {cache.head_dim}] for this cache, "
                              f"got {tuple(x.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if k.shape != v.shape or k.dtype != v.dtype:
+        raise ValueError(f"k ({tuple(k.shape)} {k.dtype}) and v ({tuple(v.shape)} {v.dtype}) must have the same "
+                         "shape and dtype")
     n = k.shape[0]
     check_array(slot_mapping, "slot_mapping", ndim=1, integer=True)
     if slot_mapping.shape[0] != n:
@@ -379,10 +488,10 @@ def write(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp
           interpret: bool | None = None) -> PagedKVCache:
     """Store tokens and return the new cache (functional; donate `cache` under jit to update in place).
 
-    k, v: [tokens, Hk, D]. slot_mapping: [tokens] int, vLLM's convention - token i goes to slot
-    `block_id * block_size + offset`; -1 marks padding and is skipped. Quantized schemes also need
-    seq_ids ([tokens], the sequence's slot in [0, max_seqs)) and positions ([tokens], the token's
-    position in its sequence; position % block_size must equal the slot's offset).
+    k, v: [tokens, Hk, D] of one dtype. slot_mapping: [tokens] int, vLLM's convention - token i goes
+    to slot `block_id * block_size + offset`; -1 marks padding and is skipped. Quantized schemes also
+    need seq_ids ([tokens], the sequence's slot in [0, max_seqs)) and positions ([tokens], the
+    token's position in its sequence; position % block_size must equal the slot's offset).
 
     Semantics: tokens of a sequence's first block go to its high-precision sink; other tokens go to
     the high-precision tail ring; a block is quantized into its page in the same call that writes
@@ -392,6 +501,12 @@ def write(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp
     one block boundary). Reads decide by sequence length: a block is read from its page only when
     it is full, not the sink, and not the block of the query (position seq_len - 1) - so a token
     never sees a quantized version of its own block; the ring still holds a just-completed block.
+
+    Called eagerly, every token is stored as given or the call raises ValueError naming why (bad
+    metadata, a NaN/Inf value, a value the cache cannot hold - see `kvarn_jax.storage`); completed
+    blocks are quantized however many there are. Traced (under jit) nothing can be read back: such
+    tokens are dropped or stored altered (NaN/Inf tokens as zeros, out-of-range values saturated,
+    completions past `completed_block_bound` not quantized) and counted in `cache.dropped_tokens`.
 
     impl: how completed blocks are quantized - "pallas" (the kernel in `quantize_pallas.py`;
     interpreted when `interpret` is true, the default on CPU), "reference" (jnp, compiled by XLA) or
@@ -414,7 +529,40 @@ def write(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp
         interpret = jax.default_backend() == "cpu" if interpret is None else bool(interpret)
         require_compiled_backend(interpret, "write(impl='pallas')")
         quantizer = "pallas_interpret" if interpret else "pallas"
-    return write_reference(cache, k, v, slot_mapping, seq_ids, positions, quantizer=quantizer)
+    if not is_concrete(*jax.tree.leaves(cache), k, v, slot_mapping, seq_ids, positions):
+        return write_reference(cache, k, v, slot_mapping, seq_ids, positions, quantizer=quantizer)
+    size = None
+    if cache.has_hp:  # quantize every completed block, in the smallest of the usual sizes that holds them
+        sm, pos = np.asarray(slot_mapping), np.asarray(positions)
+        bs = cache.block_size
+        done = int(np.sum((sm != -1) & (pos >= bs) & (pos % bs == bs - 1)))
+        size = next((m for m in completion_sizes(cache, k.shape[0]) if m >= done), done)
+    new, counts = _write_eager(cache, k, v, slot_mapping, seq_ids, positions, quantizer, size)
+    counts = np.asarray(counts)
+    if counts.any():
+        raise ValueError(f"write: {_describe_counts(cache, counts)}; nothing was written")
+    return new
+
+
+_write_eager = jax.jit(_write, static_argnums=(6, 7))
+
+
+def _describe_counts(cache: PagedKVCache, counts) -> str:
+    """The reasons of a `_write`'s counts, for an eager caller's error."""
+    dt = cache.dtype
+    why = {
+        "invalid": "token(s) with an invalid slot, sequence id or position",
+        "nonfinite": "token(s) with a NaN or Inf value in k or v",
+        "saturated": (f"token(s) with values the cache cannot hold: beyond ±{2.0 ** 50:.3g} (quantized schemes "
+                      f"clip there) or, after {'the Hadamard rotation, ' if cache.cfg.rotated else ''}beyond "
+                      f"{dt}'s range ({'a KVarN cache stores rotated values: a token whose L2 norm exceeds ' if cache.cfg.rotated else ''}"
+                      f"{float(jnp.finfo(jnp.dtype(dt)).max):,.0f}); a bfloat16 or float32 cache holds them"),
+        "beyond_bound": "token(s) of blocks completed beyond the write's static bound",
+        "metadata_saturated": (f"token(s) of blocks whose KVarN scales or zero points exceed {dt}'s range "
+                               "(values near its maximum with a column scale below 1); a bfloat16 or float32 "
+                               "cache holds them"),
+    }
+    return "; ".join(f"{int(c)} {why[name]}" for name, c in zip(WRITE_COUNTS, counts) if c)
 
 
 # ---------------------------------------------------------------------------------------- read
@@ -472,7 +620,7 @@ def check_read_args(cache, block_tables, seq_lens, seq_ids, batch: int | None = 
     bs = cache.block_size
     if values:
         check_range(seq_lens, "seq_lens", 0, mb * bs + 1,
-                    f"a sequence holds at most block_tables.shape[1] * block_size = {mb * bs} tokens")
+                    f"lengths must be >= 0 and at most block_tables.shape[1] * block_size = {mb * bs} tokens")
     if values and is_concrete(block_tables, seq_lens):
         used = np.arange(mb)[None, :] * bs < np.asarray(seq_lens)[:, None]
         check_range(np.where(used, np.asarray(block_tables), 0), "block_tables", 0, cache.num_blocks,

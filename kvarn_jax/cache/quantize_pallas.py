@@ -67,28 +67,31 @@ GPU_ARITH = Arith(log2=_lg2_approx, div=_div_rn)
 GPU_ARITH_KVARN = Arith(log2=_lg2_approx)
 
 
-def _kernel(*refs, cfg, side, names, has_static, gpu_arith):
+def _kernel(*refs, cfg, side, names, has_static, gpu_arith, dtype):
     x_ref = refs[0]
     static = {n: r[...] for n, r in zip(has_static, refs[1:1 + len(has_static)])}
     outs = refs[1 + len(has_static):]
     # the loaded per-head params ([D] int, [1] fp8) line up with the tile like canonical ones do
     fields = schemes.quantize_side(x_ref[...], cfg, side, schemes.expand_static(cfg, static, 0) if cfg.static else None,
-                                   ar=(GPU_ARITH_KVARN if cfg.method == "kvarn" else GPU_ARITH) if gpu_arith else JNP)
+                                   ar=(GPU_ARITH_KVARN if cfg.method == "kvarn" else GPU_ARITH) if gpu_arith else JNP,
+                                   dtype=dtype)
     for n, o in zip(names, outs):
         o[...] = fields[n].astype(o.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "side", "interpret", "num_warps", "maxnreg"))
+@functools.partial(jax.jit, static_argnames=("cfg", "side", "interpret", "num_warps", "maxnreg", "dtype"))
 def quantize_blocks_pallas(blocks: jnp.ndarray, static: dict | None, *, cfg: KVQuantConfig, side: str,
-                           interpret: bool = False, num_warps: int | None = None, maxnreg: int | None = None) -> dict:
-    """blocks [M, Hk, block_size, D] (storage frame) -> fields {name: [M, Hk, tiles_per_block, ...]}."""
+                           interpret: bool = False, num_warps: int | None = None, maxnreg: int | None = None,
+                           dtype: str = "float16") -> dict:
+    """blocks [M, Hk, block_size, D] (storage frame) -> fields {name: [M, Hk, tiles_per_block, ...]}.
+    dtype: the cache's model dtype (its scales' dtype, `schemes.side_fields`)."""
     m, hk, bs, d = blocks.shape
     g = cfg.tile_tokens
     tiled = g > 1
     t = g if tiled else min(TOKEN_CHUNK, bs)
     n_t = bs // t
     x = blocks.reshape(m, hk, n_t, t, d)
-    fields = schemes.side_fields(cfg, side, d)
+    fields = schemes.side_fields(cfg, side, d, dtype)
     names = sorted(fields)
     # per-token schemes: one program quantizes t tokens, so each field gets a token axis
     out_tile = {n: (fields[n][0] if tiled else (t,) + fields[n][0]) for n in names}
@@ -107,7 +110,7 @@ def quantize_blocks_pallas(blocks: jnp.ndarray, static: dict | None, *, cfg: KVQ
         from jax.experimental.pallas import triton as plgpu
         params["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps or default_num_warps(cfg), num_stages=1)
     kernel = functools.partial(_kernel, cfg=cfg, side=side, names=names, has_static=has_static,
-                               gpu_arith=not interpret)
+                               gpu_arith=not interpret, dtype=dtype)
     outs = pl.pallas_call(kernel,
                           grid=(m, hk, n_t), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                           interpret=interpret, name=triton_options.kernel_name(f"kvarn_quantize_{cfg.name}_{side}", maxnreg),

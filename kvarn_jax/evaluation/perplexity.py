@@ -4,15 +4,19 @@ Windowing (the issue's bar): the text from `start_char` on is tokenized without 
 into `num_windows` consecutive, independent windows of `window` tokens; each window is one sequence
 starting at position 0 (so its first block is the attention sink). Every window predicts its tokens
 1..window-1 from the ones before. The reference is the same model with exact attention (no cache
-quantization); each scheme runs with serving semantics (`serving_attention`). Windows are the outer
-loop so only one window's reference distribution is held in memory.
+quantization); each scheme runs with serving semantics (`serving_attention`).
+
+Windows run in batches (one forward per configuration per batch, up to `max_batch_tokens` tokens).
+A forward returns the final hidden states only; the output head and the log-softmax run on a few
+hundred positions at a time, for the reference and every scheme together, so memory does not grow
+with the vocabulary times the batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Optional, Sequence, Union
+from typing import Mapping, Sequence, Union
 
 import torch
 
@@ -80,57 +84,70 @@ class _Accumulator:
         return PerplexityResult(name, self.n, nll, math.exp(nll), self.kl / self.n, self.agree / self.n)
 
 
+def _decoder_and_head(model):
+    """(decoder returning the final hidden states, output head), checked to reproduce `model(x).logits`
+    on a few tokens: a model that transforms its logits further (soft-capping, scaling) is refused."""
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    if decoder is None or head is None:
+        raise ValueError(f"{type(model).__name__} has no decoder/output head to evaluate")
+    vocab = head.weight.shape[0]
+    x = torch.arange(8, dtype=torch.long)[None] % vocab
+    with torch.no_grad():
+        want = model(x, use_cache=False).logits
+        got = head(decoder(input_ids=x, use_cache=False).last_hidden_state)
+    if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+        raise ValueError(f"{type(model).__name__}: logits are not the output head applied to the final hidden "
+                         "states (logit soft-capping or scaling?); this evaluation does not support it")
+    return decoder, head
+
+
 def evaluate_perplexity(model, windows: torch.Tensor,
                         schemes: Mapping[str, Union[str, Sequence[str], None]], *, block_size: int = 128,
                         quantize_own_full_block: bool = False, progress: bool = True,
-                        ) -> dict[str, PerplexityResult]:
+                        max_batch_tokens: int = 4096) -> dict[str, PerplexityResult]:
     """Perplexity of `model` on `windows` [N, T] under each named scheme, plus the exact REFERENCE.
 
     schemes: {display name: scheme string, per-layer list of strings, or None (exact)}.
+    max_batch_tokens: windows per forward = max(1, max_batch_tokens // T).
     Returns {REFERENCE: ..., name: ...} in that order.
     """
     if not isinstance(windows, torch.Tensor) or windows.ndim != 2 or windows.dtype != torch.long:
         raise ValueError("windows must be a LongTensor [num_windows, window] (see token_windows)")
     if REFERENCE in schemes:
         raise ValueError(f"{REFERENCE!r} is reserved for the unquantized model; rename that scheme")
+    if not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
+        raise ValueError(f"max_batch_tokens must be a positive int, got {max_batch_tokens!r}")
     from tqdm.auto import tqdm
 
-    accs = {REFERENCE: _Accumulator(), **{name: _Accumulator() for name in schemes}}
-    bar = tqdm(total=len(windows) * (1 + len(schemes)), desc="perplexity", unit="fwd", disable=not progress)
+    decoder, head = _decoder_and_head(model)
+    configs = {REFERENCE: None, **schemes}
+    accs = {name: _Accumulator() for name in configs}
+    n, t = windows.shape
+    per_batch = max(1, max_batch_tokens // t)
+    # progress in tokens, counted twice: once through the decoder, once through the output head
+    bar = tqdm(total=2 * n * t * len(configs), desc=f"perplexity ({len(configs)} configs x {n} windows)",
+               unit="tok", unit_scale=True, disable=not progress)
     with torch.no_grad():
-        for row in windows:
-            x = row[None]
-            targets = row[1:]
-            with serving_semantics(model, None, block_size=block_size):
-                ref_lp = torch.log_softmax(model(x, use_cache=False).logits[0, :-1].float(), dim=-1)
-            ref_top = ref_lp.argmax(-1)
-            accs[REFERENCE].add(ref_lp, targets, ref_lp, ref_top)
-            bar.update(1)
-            for name, scheme in schemes.items():
+        for start in range(0, n, per_batch):
+            x = windows[start:start + per_batch]
+            hidden = {}
+            for name, scheme in configs.items():
                 bar.set_postfix_str(name)
                 with serving_semantics(model, scheme, block_size=block_size,
-                                       quantize_own_full_block=quantize_own_full_block):
-                    logits = model(x, use_cache=False).logits[0, :-1]
-                accs[name].add(logits, targets, ref_lp, ref_top)
-                del logits
-                bar.update(1)
-            del ref_lp
+                                       quantize_own_full_block=quantize_own_full_block and scheme is not None):
+                    hidden[name] = decoder(input_ids=x, use_cache=False).last_hidden_state[:, :-1].flatten(0, 1)
+                bar.update(x.numel())
+            targets = x[:, 1:].flatten()
+            bar.set_postfix_str("output head")
+            for a in range(0, targets.shape[0], _Accumulator.ROWS):
+                sl = slice(a, a + _Accumulator.ROWS)
+                ref_lp = torch.log_softmax(head(hidden[REFERENCE][sl]).float(), dim=-1)
+                ref_top = ref_lp.argmax(-1)
+                for name, h in hidden.items():
+                    lp = ref_lp if name == REFERENCE else head(h[sl])
+                    accs[name].add(lp, targets[sl], ref_lp, ref_top)
+                bar.update(len(configs) * targets[sl].shape[0])
+            bar.update(len(configs) * x.shape[0])   # the last position of each window predicts nothing
+            del hidden
     bar.close()
     return {name: acc.result(name) for name, acc in accs.items()}
-
-
-def relative_increase(result: PerplexityResult, reference: PerplexityResult) -> float:
-    """(ppl - ppl_ref) / ppl_ref."""
-    return result.ppl / reference.ppl - 1.0
-
-
-def results_table(results: Mapping[str, PerplexityResult], reference: Optional[str] = REFERENCE) -> list[dict]:
-    """JSON-ready rows with the perplexity increase over `reference`."""
-    ref = results[reference] if reference else None
-    rows = []
-    for r in results.values():
-        row = dataclasses.asdict(r)
-        if ref is not None:
-            row["ppl_increase"] = relative_increase(r, ref)
-        rows.append(row)
-    return rows

@@ -1,10 +1,13 @@
-"""matplotlib figures: perplexity vs bits per element (eval), error by layer (report-errors).
+"""matplotlib figures: KL vs bits per element (eval), error by layer (report-errors).
 
 matplotlib is imported lazily with the non-interactive Agg backend, so headless machines work.
+Point labels are placed so that no two overlap and none covers a point (`place_labels`); the figure
+layout is fixed before placing them, because a later layout pass would move points but not text.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Mapping, Sequence, Union
 
@@ -20,62 +23,138 @@ def _pyplot():
     return plt
 
 
-def pareto_front(points: Sequence[Mapping]) -> list[Mapping]:
-    """Points no other point beats on both bits and perplexity (fewer or equal bits and lower ppl), by bits."""
+def pareto_front(points: Sequence[Mapping], y: str = "kl_mean", x: str = "bits_per_element") -> list[Mapping]:
+    """Points no other point beats on both axes (fewer or equal `x` and lower `y`), sorted by `x`."""
     front = []
-    for p in sorted(points, key=lambda p: (p["bits_per_element"], p["ppl"])):
-        if not front or p["ppl"] < front[-1]["ppl"]:
+    for p in sorted(points, key=lambda p: (p[x], p[y])):
+        if not front or p[y] < front[-1][y]:
             front.append(p)
     return front
 
 
-def plot_pareto(points: Sequence[Mapping], reference_ppl: float, path: Union[str, os.PathLike], *,
-                title: str = "", floor: float = 0.01) -> None:
-    """Perplexity increase over the unquantized cache (%, log scale) vs bits per element, one labelled
-    point per scheme, the Pareto front dashed. Increases below `floor` % (or negative) sit on the floor.
+# Directions tried around a point, in order of preference: right, upper right, lower right, up, down,
+# upper left, lower left, left.
+_DIRECTIONS = ((1, 0), (1, 1), (1, -1), (0, 1), (0, -1), (-1, 1), (-1, -1), (-1, 0))
+_RADII = (6, 14, 26, 40, 58, 80, 106)   # points from the marker's centre
 
-    points: [{"scheme", "bits_per_element", "ppl"}, ...].
+
+def _overlaps(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def place_labels(ax, xy: Sequence[tuple[float, float]], texts: Sequence[str], *, fontsize: float = 8,
+                 marker_px: float = 5.0) -> list:
+    """Annotate each data point xy[i] with texts[i] where the text overlaps no other label, no point
+    and stays inside the axes; labels farther out get a leader line. Returns the annotations, None for
+    a label no position fits (the caller lists those elsewhere, e.g. in the legend).
+
+    Call after the axes limits and the figure layout are final.
+    """
+    from matplotlib.transforms import Bbox
+
+    fig = ax.figure
+    renderer = fig.canvas.get_renderer()
+    to_px = fig.dpi / 72.0
+    disp = ax.transData.transform(list(xy))
+    frame = ax.get_window_extent(renderer)
+    taken = [Bbox.from_extents(px - marker_px, py - marker_px, px + marker_px, py + marker_px) for px, py in disp]
+    out = []
+    for (x, y), text in zip(xy, texts):
+        ann = ax.annotate(text, (x, y), xytext=(0, 0), textcoords="offset points", fontsize=fontsize)
+        placed = False
+        for r in _RADII:
+            for dx, dy in _DIRECTIONS:
+                norm = math.hypot(dx, dy)
+                ann.set_position((r * dx / norm, r * dy / norm))
+                ann.set_horizontalalignment({1: "left", 0: "center", -1: "right"}[dx])
+                ann.set_verticalalignment({1: "bottom", 0: "center", -1: "top"}[dy])
+                box = ann.get_window_extent(renderer).padded(1.5 * to_px)
+                inside = (box.x0 >= frame.x0 and box.x1 <= frame.x1 and box.y0 >= frame.y0 and box.y1 <= frame.y1)
+                if inside and not any(_overlaps(box, t) for t in taken):
+                    taken.append(box)
+                    placed = True
+                    break
+            if placed:
+                break
+        if placed and r > _RADII[1]:   # far from its point: redraw with a leader line
+            pos, ha, va = ann.get_position(), ann.get_horizontalalignment(), ann.get_verticalalignment()
+            ann.remove()
+            ann = ax.annotate(text, (x, y), xytext=pos, textcoords="offset points", fontsize=fontsize, ha=ha, va=va,
+                              arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.5", "shrinkA": 0, "shrinkB": 3})
+        if not placed:
+            ann.remove()
+            ann = None
+        out.append(ann)
+    return out
+
+
+def plot_kl_vs_bits(points: Sequence[Mapping], path: Union[str, os.PathLike], *, title: str = "",
+                    floor: float = 1e-6) -> list:
+    """Mean KL(unquantized || scheme) per token (nats, log scale) against bits per element, one
+    labelled point per scheme ("name, ΔPPL"), the Pareto front (no scheme has fewer bits and lower
+    KL) joined by a dashed line. KL below `floor` (an exact cache) is drawn at the floor.
+
+    points: [{"scheme", "bits_per_element", "kl_mean", "ppl_increase"}, ...]. Returns the labels'
+    annotations (see `place_labels`).
     """
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    fig.subplots_adjust(left=0.09, right=0.72, top=0.90, bottom=0.11)   # fixed: labels are placed in it
 
-    def inc(p):
-        return max(100 * (p["ppl"] / reference_ppl - 1), floor)
+    def kl(p):
+        return max(p["kl_mean"], floor)
 
-    for n, p in enumerate(sorted(points, key=lambda p: (p["bits_per_element"], p["ppl"]))):
-        ax.scatter(p["bits_per_element"], inc(p), s=36, zorder=3)
-        ax.annotate(f"{p['scheme']} ({p['ppl']:.2f})", (p["bits_per_element"], inc(p)), textcoords="offset points",
-                    xytext=(6, 6 if n % 2 == 0 else -12), fontsize=8)
-    front = pareto_front(points)
-    ax.plot([p["bits_per_element"] for p in front], [inc(p) for p in front], "--", lw=1, color="gray",
-            label="Pareto front", zorder=2)
+    pts = sorted(points, key=lambda p: (p["bits_per_element"], kl(p)))
+    front = pareto_front([{**p, "kl_mean": kl(p)} for p in pts])
+    on_front = {p["scheme"] for p in front}
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, p in enumerate(pts):
+        ax.scatter(p["bits_per_element"], kl(p), s=30, zorder=3, color=colors[i % len(colors)],
+                   marker="o" if p["scheme"] in on_front else "s", label=p["scheme"])
+    ax.plot([p["bits_per_element"] for p in front], [p["kl_mean"] for p in front], "--", lw=1, color="gray",
+            zorder=2)
     ax.set_yscale("log")
-    ax.set_xlabel("bits per K/V element (scales included)")
-    ax.set_ylabel("perplexity increase over unquantized KV (%)")
-    ax.plot([], [], " ", label=f"unquantized KV: PPL {reference_ppl:.2f}")
-    ax.plot([], [], " ", label=f"increases < {floor}% drawn at {floor}%")
+    xs = [p["bits_per_element"] for p in pts]
+    ys = [kl(p) for p in pts]
+    span = max(xs) - min(xs) or 1.0
+    ax.set_xlim(min(xs) - 0.08 * span - 0.5, max(xs) + 0.35 * span + 0.5)
+    ax.set_ylim(min(ys) / 4, max(ys) * 6)
+    ax.set_xlabel("bits per K/V element (scales and zero points included)")
+    ax.set_ylabel("KL(unquantized || scheme), nats per token (log)")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(loc="upper right", fontsize=8)
     if title:
         ax.set_title(title, fontsize=10)
-    fig.tight_layout()
+    labels = place_labels(ax, [(p["bits_per_element"], kl(p)) for p in pts],
+                          [f"{p['scheme']} ({100 * p['ppl_increase']:+.2f}% PPL)" for p in pts])
+    handles, names = ax.get_legend_handles_labels()
+    keep = [(h, n + ("" if lab is not None else " (label did not fit)"))
+            for h, n, lab in zip(handles, names, labels)]
+    from matplotlib.lines import Line2D
+    keep.append((Line2D([], [], ls="--", color="gray"), "Pareto front (circles)"))
+    keep.append((Line2D([], [], ls=""), f"KL < {floor:g} drawn at {floor:g}"))
+    fig.legend([h for h, _ in keep], [n for _, n in keep], loc="upper left", bbox_to_anchor=(0.73, 0.90),
+               fontsize=8, frameon=False)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return labels
 
 
-def plot_layer_errors(report: Mapping, path: Union[str, os.PathLike], *, title: str = "") -> None:
+def plot_layer_errors(report: Mapping, path: Union[str, os.PathLike], *, title: str = "",
+                      bits: Mapping[str, float] | None = None) -> None:
     """Three panels (K, V, attention output): mean relative error over heads by layer, one line per
-    scheme; layers with flagged key outlier channels are shaded."""
+    scheme (its bits per element in the legend when `bits` is given); layers with flagged key
+    outlier channels are shaded."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 4), sharex=True)
     flagged = sorted({o["layer"] for o in report["outliers"]})
     for ax, key, label in zip(axes, ("k", "v", "attn"), ("K", "V", "attention output")):
         for name, errs in report["schemes"].items():
             means = [sum(h) / len(h) for h in errs[key]]
-            ax.plot(range(len(means)), means, marker="o", ms=3, label=name)
+            tag = f"{name} ({bits[name]:.2f} bits)" if bits else name
+            ax.plot(range(len(means)), means, marker="o", ms=3, label=tag)
         for layer in flagged:
             ax.axvspan(layer - 0.5, layer + 0.5, color="red", alpha=0.08, lw=0)
-        ax.set_title(f"{label} relative error", fontsize=10)
+        ax.set_title(f"{label}: ||x̂ − x|| / ||x||", fontsize=10)
         ax.set_xlabel("layer")
         ax.set_yscale("log")
         ax.grid(alpha=0.3)

@@ -185,7 +185,7 @@ def serving_semantics(model, schemes: Union[Scheme, Sequence[Scheme]], *, block_
                       quantize_own_full_block: bool = False, recorder: Optional[Callable] = None):
     """Within the block, `model(...)` attends with serving semantics under `schemes`.
 
-    schemes: one scheme for all layers, a per-layer list (e.g. from `tune.load_layer_config`), or None
+    schemes: one scheme for all layers, a per-layer list (e.g. from `layer_config.load_layer_config`), or None
     (exact attention through the same code path). The model must run without a cache (teacher forcing:
     pass use_cache=False). The previous attention implementation is restored on exit.
     """

@@ -8,11 +8,13 @@
    mean_l bits_per_element(c_l) <= budget_bits: a multiple-choice knapsack, solved exactly by dynamic
    programming over block bytes (bits per element include every scale and zero point, like the tables).
    Layers whose keys have outlier channels have higher costs at low bits, so they get more bits.
-3. Check it: teacher-forced perplexity of the chosen per-layer config and of the best uniform candidate
-   that fits the same budget, against the unquantized model; with `max_ppl_increase`, a choice that
-   misses it is reported as a failure and not written.
+3. Check it: teacher-forced perplexity of the per-layer choice and of every uniform candidate that
+   fits the same budget, on the same tokens. The per-layer costs are a proxy (each layer's error
+   alone, on other text), so the choice can lose to a uniform scheme: whichever configuration has the
+   lowest perplexity is written (`pick_winner`), and the command says which won and by how much. With
+   `max_ppl_increase`, a winner that misses it is reported as a failure and nothing is written.
 
-The result is a layer-scheme file (`layer_config.py`), read back by `load_layer_config`.
+The result is a layer-scheme file (`kvarn_jax/layer_config.py`), read back by `load_layer_config`.
 """
 
 from __future__ import annotations
@@ -24,9 +26,6 @@ from typing import Sequence
 import numpy as np
 
 import kvarn_jax as kj
-
-from .errors import LayerActivations, layer_errors
-from .layer_config import load_layer_config, write_layer_config  # noqa: F401  (public re-export)
 
 DEFAULT_CANDIDATES = ("kvarn_k2v2_g128", "kvarn_k2v4_g128", "kvarn_k4v2_g128", "kvarn_k4v4_g128",
                       "kvarn_k8v4_g128", "kvarn_k8v8_g128")
@@ -48,10 +47,13 @@ def parse_fraction(text, arg: str = "max_ppl_increase") -> float:
     return value
 
 
-def layer_costs(activations: Sequence[LayerActivations], candidates: Sequence[str], *, block_size: int = 128,
+def layer_costs(activations: Sequence, candidates: Sequence[str], *, block_size: int = 128,
                 progress: bool = True) -> np.ndarray:
-    """cost[l, c]: mean over kv heads of the squared relative attention-output error of layer l."""
+    """cost[l, c]: mean over kv heads of the squared relative attention-output error of layer l
+    (activations: `errors.LayerActivations`, one per layer)."""
     from tqdm.auto import tqdm
+
+    from .errors import layer_errors  # torch: imported when used, so the CLI's --help stays light
 
     costs = np.zeros((len(activations), len(candidates)))
     bar = tqdm(total=costs.size, desc="layer costs", unit="layer", disable=not progress)
@@ -115,10 +117,11 @@ def mean_bits(layers: Sequence[str], head_dim: int) -> float:
     return float(np.mean([bits_per_element(s, head_dim) for s in layers]))
 
 
-def best_uniform(costs: np.ndarray, candidates: Sequence[str], head_dim: int, budget_bits: float) -> str | None:
-    """The candidate with the lowest total cost among those whose own bits fit the budget (None if none)."""
-    fits = [i for i, c in enumerate(candidates) if bits_per_element(c, head_dim) <= budget_bits + 1e-9]
-    if not fits:
-        return None
-    totals = np.asarray(costs).sum(0)
-    return kj.parse(candidates[min(fits, key=lambda i: totals[i])]).name
+def pick_winner(check: dict) -> str:
+    """The name of the configuration to write: lowest perplexity, then fewest bits.
+
+    check: {name: {"ppl": float, "bits_per_element": float, ...}} measured on the same tokens.
+    """
+    if not check:
+        raise ValueError("check is empty: nothing to choose from")
+    return min(check, key=lambda n: (check[n]["ppl"], check[n]["bits_per_element"]))

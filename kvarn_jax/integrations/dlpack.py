@@ -1,7 +1,7 @@
 """PyTorch <-> kvarn_jax through DLPack, in the [batch, heads, tokens, head_dim] layout PyTorch models use.
 
 `jax.dlpack.from_dlpack(tensor)` and `torch.from_dlpack(array)` share memory (measured zero-copy on CPU
-here and on the H200 both ways, DESIGN.md §4). kvarn_jax wants [tokens, kv_heads, head_dim] with
+here and on the H200 both ways, docs/design.md §5). kvarn_jax wants [tokens, kv_heads, head_dim] with
 consecutive tokens of a block in one tile, so [B, H, T, D] is permuted to [T, B*H, D] in torch first:
 that permute is the one copy on the way in (folding the batch into the head axis is exact, because a
 tile is always one head of one sequence). The dequantized result comes back to torch without a copy and

@@ -13,7 +13,7 @@ forcing. A prefill attends to its own new tokens in high precision (as a serving
 earlier quantized blocks dequantized.
 
 Memory and copies: new K/V enter kvarn_jax through DLPack (zero-copy for CPU and CUDA tensors; measured
-here on CPU, and on the H200 in DESIGN.md §4; CI tests CPU). The one copy on the way in is the
+here on CPU and on the H200, docs/design.md §5; CI tests CPU). The one copy on the way in is the
 [B, H, T, D] -> [T, B*H, D] permute of each completed block (one block per layer every block_size
 tokens, quantized one block per call so one compiled shape serves a whole generation). Quantized blocks
 stay as jax arrays on the tensors' device, in a buffer that doubles when full (the jitted dequantize
@@ -249,7 +249,7 @@ class KVarNCache(Cache):
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if isinstance(scheme, (os.PathLike,)) or (isinstance(scheme, str) and scheme.endswith(".json")):
-            from kvarn_jax.evaluation.layer_config import load_layer_config
+            from kvarn_jax.layer_config import load_layer_config
             scheme = load_layer_config(Path(scheme))
         self.block_size = block_size
         if isinstance(scheme, (str, KVQuantConfig)):

@@ -6,6 +6,11 @@ build we do not need). transformers can read a GGUF (dequantizing it to float) b
 ``save_pretrained`` a GGUF-loaded model, so the conversion rebuilds the model from its config and
 copies the state dict. The folder is written once, atomically, under the cache directory and
 reused; every consumer (the JAX model, the evaluation tools, vLLM) loads that folder.
+
+Cached folders are named by the content of what they were made from (a SHA-256 of the GGUF's bytes),
+never by where that file lives, so every environment of a user (each venv installs its own copy of
+the wheel) shares one conversion. Hashing a file is remembered per (path, size, mtime) in
+`cache_dir()/file-hashes.json`, so a file is read once, not on every load.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -72,19 +78,84 @@ def default_gguf_path() -> Path:
                             f"reinstall it with: {_INSTALL_HINT}")
 
 
-def _file_key(path: Path) -> str:
-    """A cache key that changes when the file does (name, size, mtime), without hashing 100 MB."""
+_HASH_INDEX = "file-hashes.json"
+
+
+def content_hash(path: str | os.PathLike) -> str:
+    """SHA-256 (hex) of a file's bytes, remembered per (real path, size, mtime) under `cache_dir()`.
+
+    The index is rewritten atomically; concurrent writers can only lose an entry (a later call hashes
+    that file again), never corrupt the index.
+    """
+    path = Path(path).resolve()
     st = path.stat()
-    raw = f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()
-    return hashlib.sha256(raw).hexdigest()[:16]
+    stamp = f"{path}|{st.st_size}|{st.st_mtime_ns}"
+    index_path = cache_dir() / _HASH_INDEX
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if isinstance(index, dict) and isinstance(index.get(stamp), str):
+        return index[stamp]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    digest = h.hexdigest()
+    # keep the entries of files that still exist (test folders and old wheels come and go)
+    index = {k: v for k, v in (index.items() if isinstance(index, dict) else ()) if os.path.exists(k.rsplit("|", 2)[0])}
+    index[stamp] = digest
+    index_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=_HASH_INDEX + ".tmp-", dir=index_path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(index, f)
+    os.replace(tmp, index_path)
+    return digest
+
+
+def cache_size(path: str | os.PathLike | None = None) -> int:
+    """Bytes of the files under `path` (default: the whole cache directory); 0 if it does not exist."""
+    root = Path(path) if path is not None else cache_dir()
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def check_model_path(model: str | os.PathLike, arg: str = "model") -> Path:
+    """`model` as a Path if it is a .gguf file or a folder with config.json; else a ValueError naming
+    `arg` that says what is wrong (missing, a folder without config.json, another kind of file)."""
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"{arg} {str(model)!r} does not exist")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{arg} {str(model)!r} is a folder without config.json (a Hugging Face checkpoint "
+                             "folder has one)")
+        return path
+    if path.suffix.lower() != ".gguf":
+        raise ValueError(f"{arg} {str(model)!r} is a file but not a .gguf; give a .gguf file or a Hugging Face "
+                         "checkpoint folder")
+    return path
+
+
+def _gguf_file(gguf_path) -> Path:
+    gguf = Path(gguf_path) if gguf_path is not None else default_gguf_path()
+    if not gguf.exists():
+        raise FileNotFoundError(f"gguf_path {str(gguf)!r} does not exist")
+    if not gguf.is_file():
+        raise FileNotFoundError(f"gguf_path {str(gguf)!r} is not a file")
+    return gguf
 
 
 def hf_folder_path(gguf_path: str | os.PathLike | None = None, dtype: str = "float32") -> Path:
     """Where `hf_folder_from_gguf` puts (or has put) the converted folder of a GGUF file."""
-    gguf = Path(gguf_path) if gguf_path is not None else default_gguf_path()
-    if not gguf.is_file():
-        raise FileNotFoundError(f"gguf_path {str(gguf)!r} is not a file")
-    return cache_dir() / "hf" / f"{gguf.stem}-{dtype}-{_file_key(gguf)}"
+    gguf = _gguf_file(gguf_path)
+    return cache_dir() / "hf" / f"{gguf.stem}-{dtype}-{content_hash(gguf)[:16]}"
 
 
 def hf_folder_from_gguf(gguf_path: str | os.PathLike | None = None, *,
@@ -96,9 +167,7 @@ def hf_folder_from_gguf(gguf_path: str | os.PathLike | None = None, *,
     and renamed into place, so concurrent callers (test workers, vLLM processes) never see half a
     checkpoint.
     """
-    gguf = Path(gguf_path) if gguf_path is not None else default_gguf_path()
-    if not gguf.is_file():
-        raise FileNotFoundError(f"gguf_path {str(gguf)!r} is not a file")
+    gguf = _gguf_file(gguf_path)
     if dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
     target = Path(out_dir) if out_dir is not None else hf_folder_path(gguf, dtype)

@@ -1,41 +1,47 @@
-"""A Llama/Qwen2-family decoder in Flax NNX whose attention layers read and write a `PagedKVCache`.
+"""A Llama/Qwen2-family decoder in Flax NNX whose attention reads and writes kvarn-jax paged caches.
 
 Architecture (what Llama, Mistral without sliding window, and Qwen2 share): token embedding, N
 pre-norm blocks of RMSNorm -> GQA attention with RoPE (Qwen2: bias on q/k/v) -> residual, RMSNorm ->
 SwiGLU MLP -> residual, final RMSNorm, LM head (tied to the embedding or not).
 
-Every attention layer holds its cache as `nnx` state (a `KVCache` variable holding a
-`kvarn_jax.PagedKVCache`). The cache is not part of the weights: `nnx.split(model, nnx.Param,
-KVCache)` separates them, so a serving engine keeps one copy of the weights and swaps in the cache
-state of whichever scheme a batch uses (see `kvarn_jax.serving`).
-
-Two entry points, both pure functions of (weights, cache, batch metadata) once split:
-- `prefill(PrefillBatch)`: a chunk of prompt tokens for each of P sequences. A chunk's queries see the
-  sequence's earlier tokens exactly as the cache serves them (`gather_dense`: high-precision sink and
-  partial tail, full blocks dequantized) plus the chunk's own keys/values causally, in the model
-  dtype; then the chunk is written through `kvarn_jax.write`.
-- `decode(DecodeBatch)`: one token per sequence; written first, then `paged_decode_attention`
-  (impl "auto": the reference on CPU, the Pallas kernel on NVIDIA GPUs).
-Norms, RoPE, softmax and logits are computed in float32 whatever the model dtype.
+The decoder layers' weights are stacked (every parameter of `Decoder.layers` has a leading layer
+axis), and the KV caches of all layers live outside the model in one `kvarn_jax.cache.LayerCaches`,
+so a forward pass is a pure function of (weights, caches, batch) that `jax.jit` compiles whole:
+- `prefill(caches, PrefillBatch)`: a chunk of prompt tokens for each of P sequences. A chunk's
+  queries see the sequence's earlier tokens exactly as the cache serves them (`gather_dense`: the
+  high-precision sink and partial tail, full blocks dequantized) plus the chunk's own keys and
+  values causally; then the chunk is written (blocks it completes are quantized in the same call).
+- `decode(caches, DecodeBatch)`: one token per sequence; stored in high precision first, then
+  `paged_decode_attention` (impl "auto": the Pallas kernel on NVIDIA GPUs, the reference elsewhere);
+  blocks the batch completes are quantized by `LayerCaches.commit` (in the call, or by a serving
+  engine when it knows they exist).
+The layers run in a Python loop over static layer indices (each layer's weights are a static slice
+of the stacked ones; on GPUs a `lax.scan` would copy every layer's weights per step) or, for
+prefill with one scheme in every layer, a `lax.scan` (one layer compiled once; prefill is
+compute-bound, so the weight copies cost little). Norms, RoPE, softmax and logits are computed in
+float32 whatever the model dtype; attention products take model-dtype operands with float32
+accumulation, exactly float32 for float32 models.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from .. import cache as kv_cache
 from ..attention.paged_decode import IMPLS, paged_decode_attention
-from ..config import KVQuantConfig
+from ..cache.sharding import HeadParallel, on_heads
+from ..cache.layers import LayerCaches
 from ..hadamard import rotate, unrotate
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -152,12 +158,25 @@ def _hashable(v):
     return tuple(v) if isinstance(v, list) else v
 
 
-# SmolLM2-135M(-Instruct): the default model's architecture, embedded so that benchmarks can build
-# it with random weights where no checkpoint can be carried (e.g. a GPU machine without network).
+# Published architectures (from their config.json files), embedded so that benchmarks can build
+# them with random weights where no checkpoint can be carried (e.g. a GPU machine without network).
+# SmolLM2-135M(-Instruct) is also the default model's.
 SMOLLM2_135M = LlamaConfig(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
     head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
     max_position_embeddings=8192, bos_token_id=1, eos_token_ids=(2,), model_type="llama")
+# Llama-3.1-8B: Llama 3's 8B architecture with its 128K-token RoPE scaling.
+LLAMA3_8B = LlamaConfig(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+    head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+    rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+                  ("original_max_position_embeddings", 8192), ("rope_type", "llama3")),
+    max_position_embeddings=131072, bos_token_id=128000, eos_token_ids=(128001, 128008, 128009), model_type="llama")
+QWEN25_7B = LlamaConfig(
+    vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4,
+    head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, qkv_bias=True, max_position_embeddings=32768,
+    bos_token_id=151643, eos_token_ids=(151643, 151645), model_type="qwen2")
+ARCHITECTURES = {"smollm2-135m": SMOLLM2_135M, "llama3-8b": LLAMA3_8B, "qwen2.5-7b": QWEN25_7B}
 
 
 # ------------------------------------------------------------------------------------------ RoPE
@@ -195,9 +214,10 @@ def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: jnp.ndarray) ->
 class PrefillBatch:
     """A chunk of prompt tokens for each of P sequences, padded to C tokens (padding: slot -1, at the end).
 
-    tokens, positions, slot_mapping: [P, C]. seq_ids: [P] high-precision cache slots. block_tables:
-    [P, W]. start: [P] tokens of the sequence already in the cache (the chunk's first position).
-    last: [P] index in the chunk of the token whose logits are wanted (its last real token).
+    tokens, positions, slot_mapping: [P, C]. seq_ids: [P] sequence slots (rows of the caches'
+    high-precision storage). block_tables: [P, W]. start: [P] tokens of the sequence already in the
+    cache (the chunk's first position). last: [P] index in the chunk of the token whose logits are
+    wanted (its last real token).
     """
 
     tokens: jnp.ndarray
@@ -227,12 +247,17 @@ class DecodeBatch:
     def seq_lens(self) -> jnp.ndarray:
         return jnp.where(self.slot_mapping >= 0, self.positions + 1, 0).astype(jnp.int32)
 
+    def completions(self, block_size: int):
+        """(block ids, sequence ids, first positions) [B] of the blocks this step's tokens complete
+        (block id -1 elsewhere): the arguments of `LayerCaches.commit`. The sink block is never
+        quantized."""
+        pos = self.positions.astype(jnp.int32)
+        done = (self.slot_mapping >= 0) & (pos % block_size == block_size - 1) & (pos >= block_size)
+        return (jnp.where(done, self.slot_mapping // block_size, -1).astype(jnp.int32), self.seq_ids,
+                (pos // block_size) * block_size)
+
 
 # ------------------------------------------------------------------------------------------ modules
-class KVCache(nnx.Variable):
-    """nnx state holding one attention layer's `kvarn_jax.PagedKVCache` (None until caches are attached)."""
-
-
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias); kernel [in, out] (HF stores [out, in])."""
 
@@ -255,7 +280,9 @@ class Embedding(nnx.Module):
         return self.embedding[...][tokens]
 
     def attend(self, h):
-        return jnp.dot(h, self.embedding[...].T, preferred_element_type=jnp.float32)
+        # contract the hidden axes directly: `h @ table.T` makes XLA's CPU backend copy the table
+        return jax.lax.dot_general(h, self.embedding[...], (((h.ndim - 1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
 
 
 class RMSNorm(nnx.Module):
@@ -269,6 +296,15 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * xf.astype(x.dtype)
 
 
+def _product(spec: str, a, b, dtype):
+    """einsum with float32 results: exact float32 for float32 models (and on CPUs, whose XLA backend
+    has no 16-bit products with float32 results), else operands in the model dtype (the matrix
+    units' native input) with float32 accumulation."""
+    if jnp.dtype(dtype) == jnp.float32 or jax.default_backend() == "cpu":
+        return jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32), precision="highest")
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs, std: float):
         h, d = cfg.hidden_size, cfg.head_dim
@@ -277,7 +313,6 @@ class Attention(nnx.Module):
         self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs, std=std)
         self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs, std=std)
         self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_bias, dtype=dtype, rngs=rngs, std=std)
-        self.kv_cache = KVCache(None)
 
     def _qkv(self, x, positions, inv_freq):
         lead = x.shape[:-1]
@@ -286,48 +321,64 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(lead + (self.num_kv_heads, self.head_dim))
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
-    def prefill(self, x, batch: PrefillBatch, inv_freq):
-        """x [P, C, hidden] -> [P, C, hidden]; writes the chunk's K/V into the cache."""
-        cache: kv_cache.PagedKVCache = self.kv_cache.get_value()
+    def prefill(self, x, caches: LayerCaches, layer, batch: PrefillBatch, inv_freq, tp=None):
+        """x [P, C, hidden] -> ([P, C, hidden], (k, v) [P, C, Hk, D] to store: `Decoder.prefill` writes
+        every layer's after the layers have run, so that no layer writes a cache it still reads)."""
         p, c, _ = x.shape
-        hk, g, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         q, k, v = self._qkv(x, batch.positions, inv_freq)
+        g, j = caches.locate(layer)
+        o = on_heads(tp, functools.partial(self._prefill_heads, group=g, dtype=x.dtype),
+                      (caches, q, k, v, batch, j), ("caches", 2, 2, 2, "rep", "rep"), (2,))
+        return self.o_proj(o.reshape(p, c, self.num_heads * self.head_dim).astype(x.dtype)), (k, v)
+
+    @staticmethod
+    def _prefill_heads(caches, q, k, v, batch, j, *, group, dtype):
+        """Attention of a chunk's queries (q [P, C, Hq, D]) over the cached tokens of layer (group,
+        j) and the chunk's own k, v, for the heads these arrays hold."""
+        layer = (group, j)
+        cache, _, _ = caches.layer_cache(layer)
+        p, c, hq, d = q.shape
+        hk = k.shape[2]
         scale = 1.0 / math.sqrt(d)
-        qf = q.astype(jnp.float32).reshape(p, c, hk, g, d)
-        # Earlier tokens as the cache serves them (storage frame: rotated for KVarN), read before this
-        # chunk is written (writing may overwrite the high-precision ring they come from).
-        kc, vc = kv_cache.gather_dense(cache, batch.block_tables, batch.start, batch.seq_ids)  # [P, Hk, L, D]
+        qf = q.astype(jnp.float32).reshape(p, c, hk, hq // hk, d)
+        # earlier tokens as the cache serves them (storage frame: rotated for KVarN)
+        kc, vc = caches.gather_dense(layer, batch.block_tables, batch.start, batch.seq_ids)  # [P, Hk, L, D]
         qc = rotate(qf) if cache.cfg.rotated else qf
-        s_cache = jnp.einsum("pchgd,phld->phgcl", qc, kc, precision="highest") * scale
+        s_cache = _product("pchgd,phld->phgcl", qc, kc, dtype) * scale
         cached = jnp.arange(kc.shape[2])[None, :] < batch.start[:, None]                   # [P, L]
         s_cache = jnp.where(cached[:, None, None, None, :], s_cache, -jnp.inf)
         # The chunk's own tokens, causally, as computed (padding sits after the real tokens, so real
         # queries never see it; padded queries see at least themselves and stay finite).
-        kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
-        s_self = jnp.einsum("pchgd,pthd->phgct", qf, kf, precision="highest") * scale
+        s_self = _product("pchgd,pthd->phgct", qf, k, dtype) * scale
         causal = jnp.arange(c)[None, :] <= jnp.arange(c)[:, None]                           # [C, C]
         s_self = jnp.where(causal, s_self, -jnp.inf)
         s = jnp.concatenate([s_cache, s_self], axis=-1)
         prob = jax.nn.softmax(s, axis=-1)
         p_cache, p_self = prob[..., :kc.shape[2]], prob[..., kc.shape[2]:]
-        o_cache = jnp.einsum("phgcl,phld->pchgd", p_cache, vc, precision="highest")
+        o_cache = _product("phgcl,phld->pchgd", p_cache, vc, dtype)
         if cache.cfg.rotated:
             o_cache = unrotate(o_cache)
-        o = o_cache + jnp.einsum("phgct,pthd->pchgd", p_self, vf, precision="highest")
-        self.kv_cache.set_value(kv_cache.write(
-            cache, k.reshape(p * c, hk, d), v.reshape(p * c, hk, d), batch.slot_mapping.reshape(-1),
-            seq_ids=jnp.repeat(batch.seq_ids, c), positions=batch.positions.reshape(-1)))
-        return self.o_proj(o.reshape(p, c, self.num_heads * d).astype(x.dtype))
+        o = o_cache + _product("phgct,pthd->pchgd", p_self, v, dtype)
+        return o.reshape(p, c, hq, d)
 
-    def decode(self, x, batch: DecodeBatch, inv_freq, impl: str):
-        """x [B, hidden] -> [B, hidden]; writes the token's K/V, then attends over the cache."""
-        cache: kv_cache.PagedKVCache = self.kv_cache.get_value()
+    def decode(self, x, caches: LayerCaches, layer, batch: DecodeBatch, inv_freq, impl: str, tp=None):
+        """x [B, hidden] -> ([B, hidden], caches): stores the token's K/V in high precision (no block is
+        quantized here), then attends over the cache."""
         b = x.shape[0]
         q, k, v = self._qkv(x, batch.positions, inv_freq)
-        cache = kv_cache.write(cache, k, v, batch.slot_mapping, seq_ids=batch.seq_ids, positions=batch.positions)
-        self.kv_cache.set_value(cache)
-        o = paged_decode_attention(q, cache, batch.block_tables, batch.seq_lens, seq_ids=batch.seq_ids, impl=impl)
-        return self.o_proj(o.reshape(b, self.num_heads * self.head_dim).astype(x.dtype))
+        g, j = caches.locate(layer)
+        o, caches = on_heads(tp, functools.partial(self._decode_heads, group=g, impl=impl),
+                              (caches, q, k, v, batch, j), ("caches", 1, 1, 1, "rep", "rep"), (1, "caches"))
+        return self.o_proj(o.reshape(b, self.num_heads * self.head_dim).astype(x.dtype)), caches
+
+    @staticmethod
+    def _decode_heads(caches, q, k, v, batch, j, *, group, impl):
+        layer = (group, j)
+        caches = caches.stage(layer, k, v, batch.slot_mapping, batch.seq_ids, batch.positions)
+        cache, tables, sid = caches.read_view(layer, batch.block_tables, batch.seq_ids)
+        # no value checks: under jit there are no values, and the ids come from the caller's scheduler
+        o = paged_decode_attention(q, cache, tables, batch.seq_lens, seq_ids=sid, impl=impl, check_values=False)
+        return o, caches
 
 
 class MLP(nnx.Module):
@@ -348,18 +399,31 @@ class DecoderLayer(nnx.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs, std=std)
 
-    def prefill(self, x, batch, inv_freq):
-        x = x + self.attn.prefill(self.input_norm(x), batch, inv_freq)
-        return x + self.mlp(self.post_norm(x))
+    def prefill(self, x, caches, layer, batch, inv_freq, tp=None):
+        a, kv = self.attn.prefill(self.input_norm(x), caches, layer, batch, inv_freq, tp)
+        x = x + a
+        return x + self.mlp(self.post_norm(x)), kv
 
-    def decode(self, x, batch, inv_freq, impl):
-        x = x + self.attn.decode(self.input_norm(x), batch, inv_freq, impl)
-        return x + self.mlp(self.post_norm(x))
+    def decode(self, x, caches, layer, batch, inv_freq, impl, tp=None):
+        a, caches = self.attn.decode(self.input_norm(x), caches, layer, batch, inv_freq, impl, tp)
+        x = x + a
+        return x + self.mlp(self.post_norm(x)), caches
+
+
+LAYER_LOOPS = ("unroll", "scan")
+
+
+def _stack_modules(modules) -> nnx.Module:
+    """One module of the same definition whose every array has a leading axis over `modules`."""
+    graphdef = nnx.graphdef(modules[0])
+    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(m) for m in modules]))
 
 
 class Decoder(nnx.Module):
     """The causal LM. Build with random weights (`Decoder(cfg, rngs=...)`) or from a checkpoint
-    (`kvarn_jax.models.load_model`). `dtype` is the weights' and activations' dtype."""
+    (`kvarn_jax.models.load_model`). `dtype` is the weights' and activations' dtype. `layers` is one
+    `DecoderLayer` whose parameters are stacked over the layers ([num_layers, ...]); `layer(i)` is
+    layer i."""
 
     def __init__(self, cfg: LlamaConfig, *, dtype="float32", rngs: nnx.Rngs, init_std: float = 0.02):
         if not isinstance(cfg, LlamaConfig):
@@ -368,36 +432,27 @@ class Decoder(nnx.Module):
         self.dtype = model_dtype(dtype)
         dt = jnp.dtype(self.dtype)
         self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dt, rngs=rngs, std=init_std)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype=dt, rngs=rngs, std=init_std) for _ in range(cfg.num_layers)])
+        self.layers = _stack_modules([DecoderLayer(cfg, dtype=dt, rngs=rngs, std=init_std)
+                                      for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dt, rngs=rngs, std=init_std)
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))  # not a Param: never loaded
 
     # -------------------------------------------------------------- caches
-    def create_caches(self, kv_cache_dtype, *, num_blocks: int, block_size: int, max_seqs: int,
-                      calibration=None) -> list:
-        """One empty `PagedKVCache` per layer (sink/tail in the model dtype). calibration: a
-        `kvarn_jax.Calibration` of every layer, for static schemes."""
-        cfg = KVQuantConfig.parse(kv_cache_dtype)
-        if cfg.static and calibration is None:
-            raise ValueError(f"kv_cache_dtype {cfg.name} needs a calibration (static scales)")
-        return [kv_cache.PagedKVCache.create(
-            cfg, num_blocks=num_blocks, block_size=block_size, num_kv_heads=self.config.num_kv_heads,
-            head_dim=self.config.head_dim, max_seqs=max_seqs, dtype=self.dtype,
-            calibration=None if calibration is None else calibration.layer(i))
-            for i in range(self.config.num_layers)]
+    def new_caches(self, kv_cache_dtype, *, num_blocks: int, block_size: int, max_seqs: int,
+                   calibration=None) -> LayerCaches:
+        """Empty caches of every layer: one scheme, or a sequence of one per layer (sink/tail in the
+        model dtype). calibration: a `kvarn_jax.Calibration` of every layer, for static schemes."""
+        return LayerCaches.create(kv_cache_dtype, self.config.num_layers, num_blocks=num_blocks,
+                                  block_size=block_size, num_kv_heads=self.config.num_kv_heads,
+                                  head_dim=self.config.head_dim, max_seqs=max_seqs, dtype=self.dtype,
+                                  calibration=calibration)
 
-    def attach_caches(self, caches: Sequence | None) -> None:
-        """Put one cache per layer into the layers' `KVCache` state (None detaches them all)."""
-        caches = [None] * self.config.num_layers if caches is None else list(caches)
-        if len(caches) != self.config.num_layers:
-            raise ValueError(f"caches has {len(caches)} entries for {self.config.num_layers} layers")
-        for layer, c in zip(self.layers, caches):
-            layer.attn.kv_cache.set_value(c)
-
-    def caches(self) -> list:
-        return [layer.attn.kv_cache.get_value() for layer in self.layers]
+    def layer(self, i) -> DecoderLayer:
+        """Decoder layer i: its slice of the stacked weights (a static slice for an int i)."""
+        graphdef, state = nnx.split(self.layers)
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
 
     # -------------------------------------------------------------- forward
     def logits(self, h):
@@ -407,25 +462,120 @@ class Decoder(nnx.Module):
             return self.embed.attend(h).astype(jnp.float32)
         return jnp.dot(h, self.lm_head.kernel[...], preferred_element_type=jnp.float32).astype(jnp.float32)
 
-    def prefill(self, batch: PrefillBatch, *, all_logits: bool = False) -> jnp.ndarray:
-        """Logits [P, V] of each row's `last` token (or [P, C, V] with all_logits); updates the caches."""
-        x = self.embed(batch.tokens)
+    def _run_layers(self, kind: str, x, caches: LayerCaches, batch, layer_loop: str, *extra):
+        # extra: (impl, tp) for decode, (tp,) for prefill
+        """x through every decoder layer: a Python loop over static layer indices (one copy of the
+        layer's program per layer; each layer's weights a static slice, which GPUs read in place) or
+        a `lax.scan` over each run of layers that share a cache group (one copy of the program per
+        run; each layer's weights dynamically sliced, which XLA copies). Decode layers update the
+        caches; prefill layers only read them and return their (k, v), stacked over the layers."""
+        if layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"layer_loop must be one of {list(LAYER_LOOPS)}, got {layer_loop!r}")
         inv = self.inv_freq[...]
-        for layer in self.layers:
-            x = layer.prefill(x, batch, inv)
+        graphdef, state = nnx.split(self.layers)
+        kvs = []
+        for g, first, n in caches.runs():
+            if layer_loop == "unroll" or n == 1:
+                for i in range(first, first + n):
+                    x, out = getattr(self.layer(i), kind)(x, caches, i, batch, inv, *extra)
+                    if kind == "decode":
+                        caches = out
+                    else:
+                        kvs.append(jax.tree.map(lambda a: a[None], out))
+                continue
+            weights = jax.tree.map(lambda a: a[first:first + n], state)
+            j0 = caches.layer_index[first]
+            if kind == "decode":
+                def body(carry, xs, g=g):
+                    x, caches = carry
+                    params, j = xs
+                    return nnx.merge(graphdef, params).decode(x, caches, (g, j), batch, inv, *extra), None
+                x, caches = jax.lax.scan(body, (x, caches), (weights, j0 + jnp.arange(n)))[0]
+            else:
+                def read(x, xs, g=g):  # prefill: the caches are read only, not carried
+                    params, j = xs
+                    return nnx.merge(graphdef, params).prefill(x, caches, (g, j), batch, inv, *extra)
+                x, kv = jax.lax.scan(read, x, (weights, j0 + jnp.arange(n)))
+                kvs.append(kv)
+        if kind == "decode":
+            return x, caches
+        return x, jax.tree.map(lambda *a: jnp.concatenate(a), *kvs)
+
+    def prefill(self, caches: LayerCaches, batch: PrefillBatch, *, all_logits: bool = False,
+                layer_loop: str = "scan", tp: HeadParallel | None = None):
+        """(logits [P, V] of each row's `last` token (or [P, C, V] with all_logits), updated caches).
+        layer_loop: "scan" (default; with per-layer schemes always a loop) or "unroll". tp: run
+        tensor-parallel over a mesh (weights and caches placed as `head_parallel_specs` says)."""
+        self._check_caches(caches)
+        x, (k, v) = self._run_layers("prefill", self.embed(batch.tokens), caches, batch, layer_loop, tp)
+        p, c = batch.tokens.shape
+        n = self.config.num_layers
+        hk, d = self.config.num_kv_heads, self.config.head_dim
+        # every layer's chunk stored in one write after the layers ran; at most ceil(C / block_size)
+        # blocks complete per sequence in a chunk of C positions
+        def write(caches, k, v, slots, seq_ids, positions):
+            return caches.write_all(k, v, slots, seq_ids, positions, max_completed=p * -(-c // caches.block_size))
+        caches = on_heads(tp, write, (caches, k.reshape(n, p * c, hk, d), v.reshape(n, p * c, hk, d),
+                                       batch.slot_mapping.reshape(-1), jnp.repeat(batch.seq_ids, c),
+                                       batch.positions.reshape(-1)),
+                           ("caches", 2, 2, "rep", "rep", "rep"), ("caches",))
         if not all_logits:
             x = jnp.take_along_axis(x, batch.last[:, None, None], axis=1)[:, 0]
-        return self.logits(x)
+        return self.logits(x), caches
 
-    def decode(self, batch: DecodeBatch, *, impl: str = "auto") -> jnp.ndarray:
-        """Logits [B, V] of the next token of each row; updates the caches."""
+    def decode(self, caches: LayerCaches, batch: DecodeBatch, *, impl: str = "auto", commit: bool = True,
+               layer_loop: str = "unroll", tp: HeadParallel | None = None):
+        """(logits [B, V] of the next token of each row, updated caches).
+
+        commit: quantize the blocks this batch completes before returning (a fixed batch of B, so
+        every call pays for B blocks). A serving engine that knows which blocks complete passes
+        False and calls `LayerCaches.commit` itself, only when some do.
+        layer_loop: "unroll" (default: no weight is copied) or "scan" (compiles faster).
+        tp: as in `prefill`.
+        """
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
-        x = self.embed(batch.tokens)
-        inv = self.inv_freq[...]
-        for layer in self.layers:
-            x = layer.decode(x, batch, inv, impl)
-        return self.logits(x)
+        self._check_caches(caches)
+        x, caches = self._run_layers("decode", self.embed(batch.tokens), caches, batch, layer_loop, impl, tp)
+        if commit:
+            caches = commit_blocks(caches, *batch.completions(caches.block_size), tp=tp)
+        return self.logits(x), caches
+
+    def _check_caches(self, caches) -> None:
+        if not isinstance(caches, LayerCaches):
+            raise TypeError(f"caches must be a kvarn_jax.cache.LayerCaches (Decoder.new_caches), got "
+                            f"{type(caches).__name__}")
+        if caches.num_layers != self.config.num_layers:
+            raise ValueError(f"caches hold {caches.num_layers} layers; the model has {self.config.num_layers}")
+
+
+def commit_blocks(caches: LayerCaches, block_ids, seq_ids, first_positions, *, tp: HeadParallel | None = None):
+    """`LayerCaches.commit`, on each device's own heads under tensor parallelism."""
+    return on_heads(tp, lambda c, b, s, f: c.commit(b, s, f), (caches, block_ids, seq_ids, first_positions),
+                     ("caches", "rep", "rep", "rep"), ("caches",))
+
+
+# Megatron-style placement: projections into heads / MLP units split on their output axis, the
+# projections back split on their input axis (XLA sums the partial products across devices).
+_SPLIT_OUT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_SPLIT_IN = ("o_proj", "down_proj")
+
+
+def head_parallel_specs(model: "Decoder", axis: str = "tp"):
+    """PartitionSpecs of a model's state (`nnx.state(model)`) for tensor parallelism over `axis`:
+    the stacked layers' q/k/v and gate/up kernels (and biases) split on their output axis, o and
+    down kernels on their input axis; embeddings, norms and the LM head replicated."""
+    def spec(path, x):
+        names = [str(p) for p in path if str(p) != "value"]  # a Variable's array sits under "value"
+        if not names or names[0] != "layers":
+            return P()
+        if any(n in names for n in _SPLIT_OUT):
+            return P(None, None, axis) if names[-1] == "kernel" else P(None, axis)
+        if any(n in names for n in _SPLIT_IN) and names[-1] == "kernel":
+            return P(None, axis, None)
+        return P()
+    return jax.tree_util.tree_map_with_path(lambda path, x: spec([getattr(k, "key", getattr(k, "name", k))
+                                                                   for k in path], x), nnx.state(model))
 
 
 def model_dtype(dtype) -> str:
@@ -440,36 +590,48 @@ def model_dtype(dtype) -> str:
 
 
 def param_names(model: Decoder) -> dict:
-    """{dotted name: nnx.Param} of a model, e.g. 'layers.0.attn.q_proj.kernel' (the converted-weight names)."""
+    """{dotted name: array} of a model's weights as checkpoints name them, one entry per layer
+    (e.g. 'layers.0.attn.q_proj.kernel': that layer's slice of the stacked parameter)."""
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        out[".".join(str(p) for p in path)] = var
+        if path[0] == "layers":
+            tail = ".".join(str(p) for p in path[1:])
+            for i in range(model.config.num_layers):
+                out[f"layers.{i}.{tail}"] = var[...][i]
+        else:
+            out[".".join(str(p) for p in path)] = var[...]
     return out
 
 
 def from_params(cfg: LlamaConfig, params: Mapping[str, np.ndarray], *, dtype="float32") -> Decoder:
-    """A Decoder holding the given weights (dotted names as `param_names`, JAX layout), cast to dtype.
-
-    Every parameter must be given with its exact shape; extra names are an error too.
-    """
+    """A Decoder holding the given weights (dotted names as `param_names`: one entry per layer,
+    JAX layout), cast to dtype. Every parameter must be given with its exact shape; extra names are
+    an error too."""
     dtype = model_dtype(dtype)
     abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
     flat = nnx.to_flat_state(state)
-    names = {".".join(str(p) for p in path): path for path, _ in flat}
+    n = cfg.num_layers
+
+    def per_layer(path):  # the checkpoint names of one stacked parameter, or its own name
+        tail = ".".join(str(p) for p in path[1:])
+        return [f"layers.{i}.{tail}" for i in range(n)] if path[0] == "layers" else [".".join(str(p) for p in path)]
+    names = {}
+    for path, var in flat:
+        shape = tuple(var.shape[1:]) if path[0] == "layers" else tuple(var.shape)
+        names.update({name: shape for name in per_layer(path)})
     missing, extra = sorted(set(names) - set(params)), sorted(set(params) - set(names))
     if missing or extra:
         more = lambda xs: "..." if len(xs) > 8 else ""  # noqa: E731
         raise ValueError(f"params do not match the {cfg.model_type} architecture: missing {missing[:8]}"
                          f"{more(missing)}, unexpected {extra[:8]}{more(extra)}")
+    for name, shape in names.items():
+        if tuple(params[name].shape) != shape:
+            raise ValueError(f"param {name} has shape {tuple(params[name].shape)}, the architecture needs {shape}")
     leaves = []
     for path, var in flat:
-        name = ".".join(str(p) for p in path)
-        arr = params[name]
-        if tuple(arr.shape) != tuple(var.shape):
-            raise ValueError(f"param {name} has shape {tuple(arr.shape)}, the architecture needs {tuple(var.shape)}")
-        leaves.append((path, var.replace(jnp.asarray(arr, dtype=dtype))))
+        arrays = [jnp.asarray(params[name], dtype=dtype) for name in per_layer(path)]
+        leaves.append((path, var.replace(jnp.stack(arrays) if path[0] == "layers" else arrays[0])))
     model = nnx.merge(graphdef, nnx.from_flat_state(leaves), rest)
     model.inv_freq.set_value(jnp.asarray(rope_inv_freq(cfg)))  # the only other array; never loaded
-    model.attach_caches(None)
     return model

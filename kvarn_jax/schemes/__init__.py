@@ -15,24 +15,26 @@ import jax.numpy as jnp
 
 from ..config import KVQuantConfig
 from . import kivi, kvarn, per_token
-from .arith import JNP, Arith
+from .arith import JNP, Arith, meta_dtype, saturate
 
 SIDES = ("k", "v")
 
 
-def side_fields(cfg: KVQuantConfig, side: str, head_dim: int) -> dict:
-    """{field name: (shape per tile, dtype)} stored for one side."""
+def side_fields(cfg: KVQuantConfig, side: str, head_dim: int, dtype="float16") -> dict:
+    """{field name: (shape per tile, dtype)} stored for one side of a cache of model dtype `dtype`
+    (scales and zero points are stored in it: `arith.meta_dtype`)."""
     b = cfg.bits(side)
+    meta = meta_dtype(dtype)
     if cfg.method == "kvarn":
-        return kvarn.fields(side, b, cfg.group, head_dim)
+        return kvarn.fields(side, b, cfg.group, head_dim, meta)
     if cfg.method == "kivi":
-        return kivi.fields(side, b, cfg.group, head_dim)
+        return kivi.fields(side, b, cfg.group, head_dim, meta)
     if cfg.method == "int":
         if cfg.static:
             return per_token.int_static_fields(b, head_dim)
-        return per_token.int_fields(b, cfg.channel_group(side, head_dim), head_dim)
+        return per_token.int_fields(b, cfg.channel_group(side, head_dim), head_dim, meta)
     if cfg.method == "fp8":
-        return per_token.fp8_fields(head_dim, cfg.static)
+        return per_token.fp8_fields(head_dim, cfg.static, meta)
     return per_token.passthrough_fields(head_dim, cfg.dtype)
 
 
@@ -59,20 +61,22 @@ def expand_static(cfg: KVQuantConfig, params: dict | None, between: int) -> dict
 
 
 def quantize_side(x: jnp.ndarray, cfg: KVQuantConfig, side: str, static: dict | None = None,
-                  ar: Arith = JNP) -> dict:
-    """ar: the log2 and division the math uses (`arith.Arith`; a kernel may pass its own)."""
+                  ar: Arith = JNP, dtype="float16") -> dict:
+    """Fields of tiles x (storage frame) of a cache of model dtype `dtype` (`side_fields`).
+    ar: the log2 and division the math uses (`arith.Arith`; a kernel may pass its own)."""
     b = cfg.bits(side)
+    meta = meta_dtype(dtype)
     if cfg.method == "kvarn":
-        return kvarn.quantize(x, side, b, cfg.sinkhorn_iters, ar)
+        return kvarn.quantize(x, side, b, cfg.sinkhorn_iters, ar, meta)
     if cfg.method == "kivi":
-        return kivi.quantize(x, side, b, cfg.group, ar)
+        return kivi.quantize(x, side, b, cfg.group, ar, meta)
     if cfg.method == "int":
         if cfg.static:
             return per_token.int_static_quantize(x, b, static["scale"], static["zero"], ar)
-        return per_token.int_quantize(x, b, cfg.channel_group(side, x.shape[-1]), ar)
+        return per_token.int_quantize(x, b, cfg.channel_group(side, x.shape[-1]), ar, meta)
     if cfg.method == "fp8":
-        return per_token.fp8_quantize(x, static["scale"] if cfg.static else None, ar)
-    return {"values": x.astype(cfg.dtype)}
+        return per_token.fp8_quantize(x, static["scale"] if cfg.static else None, ar, meta)
+    return {"values": saturate(x, cfg.dtype)}
 
 
 def dequantize_side(f: dict, cfg: KVQuantConfig, side: str, head_dim: int,

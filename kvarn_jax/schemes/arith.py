@@ -28,3 +28,23 @@ class Arith:
 
 
 JNP = Arith()
+
+
+def saturate(x: jnp.ndarray, dtype) -> jnp.ndarray:
+    """x rounded to `dtype` with values beyond its largest finite magnitude clipped to it (a plain
+    cast turns them into inf). NaN stays NaN. Exact where x is already within range."""
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return x.astype(dtype)
+    big = float(jnp.finfo(dtype).max)
+    return jnp.clip(x, -big, big).astype(dtype)
+
+
+def meta_dtype(dtype) -> jnp.dtype:
+    """The dtype of the scales and zero points stored beside the codes of a cache of `dtype` (the
+    model dtype): the same one, so their range covers the data's (fp16 scales under bf16 data
+    overflowed at 65,504)."""
+    d = jnp.dtype(dtype)
+    if d not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
+    return d

@@ -11,29 +11,27 @@ import jax.numpy as jnp
 
 from ..packing import load_tiled, store_tiled
 from .arith import JNP, Arith
-from .rtn import rtn_dequant, rtn_fp16
+from .rtn import rtn_dequant, rtn_stored
 
 
-def fields(side: str, bits: int, group: int, head_dim: int):
+def fields(side: str, bits: int, group: int, head_dim: int, meta=jnp.float16):
     g, d = group, head_dim
     if side == "k":
-        return {"codes": ((g * bits // 8, d), jnp.uint8), "scale": ((d,), jnp.float16),
-                "zero": ((d,), jnp.float16)}
+        return {"codes": ((g * bits // 8, d), jnp.uint8), "scale": ((d,), meta), "zero": ((d,), meta)}
     cg = min(g, d)
-    return {"codes": ((d * bits // 8, g), jnp.uint8), "scale": ((g, d // cg), jnp.float16),
-            "zero": ((g, d // cg), jnp.float16)}
+    return {"codes": ((d * bits // 8, g), jnp.uint8), "scale": ((g, d // cg), meta), "zero": ((g, d // cg), meta)}
 
 
-def quantize(x: jnp.ndarray, side: str, bits: int, group: int, ar: Arith = JNP) -> dict:
-    """x: tiles [..., G, D] -> fields."""
+def quantize(x: jnp.ndarray, side: str, bits: int, group: int, ar: Arith = JNP, meta=jnp.float16) -> dict:
+    """x: tiles [..., G, D] -> fields (scales and zeros in `meta`)."""
     t = x.astype(jnp.float32)
     if side == "k":
-        codes, scale, zero = rtn_fp16(jnp.swapaxes(t, -1, -2), bits, ar)  # rows = channels
+        codes, scale, zero = rtn_stored(jnp.swapaxes(t, -1, -2), bits, meta, ar)  # rows = channels
         return {"codes": store_tiled(codes, bits), "scale": scale, "zero": zero}
     d = t.shape[-1]
     cg = min(group, d)
     rows = t.reshape(*t.shape[:-1], d // cg, cg)
-    codes, scale, zero = rtn_fp16(rows, bits, ar)
+    codes, scale, zero = rtn_stored(rows, bits, meta, ar)
     return {"codes": store_tiled(codes.reshape(t.shape), bits), "scale": scale, "zero": zero}
 
 

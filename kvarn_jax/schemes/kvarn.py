@@ -1,8 +1,9 @@
-"""KVarN tile quantization, exactly as DESIGN.md §1.2-1.5 (pure jnp; the oracle for the kernels).
+"""KVarN tile quantization, exactly as docs/design.md §1.2-1.5 describes (pure jnp; the oracle for the kernels).
 
 A tile is G tokens x D channels of one head, already rotated (`hadamard.rotate`). Keys are
 normalized as a [D x G] matrix (rows = channels), values as [G x D] (rows = tokens); the RTN runs per
-row of the balanced tile and the Sinkhorn row scale is folded into the stored fp16 scale and zero.
+row of the balanced tile and the Sinkhorn row scale is folded into the stored scale and zero (in
+the cache's dtype: fp16 for fp16 data, as the reference stores them).
 
 Codes are packed as the reference packs them (K along tokens, V along channels) but stored with the
 byte axes swapped: K codes [G*b/8, D], V codes [D*b/8, G] (see `packing.store_tiled`): the decode
@@ -14,7 +15,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ..packing import load_tiled, store_tiled
-from .arith import JNP, Arith
+from .arith import JNP, Arith, saturate
 from .rtn import rtn_codes, rtn_params
 
 
@@ -101,37 +102,45 @@ def sinkhorn_log_scales(t: jnp.ndarray, iters: int, ar: Arith = JNP):
     return best_lc, best_lr
 
 
-def _quantize_matrix(t: jnp.ndarray, bits: int, iters: int, ar: Arith = JNP):
-    """Balance `t` [..., R, C], RTN per row. Returns codes [..., R, C], row scale/zero (folded), col scale."""
+def _quantize_matrix(t: jnp.ndarray, bits: int, iters: int, ar: Arith = JNP, meta=jnp.float16):
+    """Balance `t` [..., R, C], RTN per row. Returns codes [..., R, C], row scale/zero (folded), col scale
+    (in `meta`, saturated to its range: a folded fp16 zero point can exceed the data's own range)."""
     lc, lr = sinkhorn_log_scales(t, iters, ar)
     s_col, s_row = jnp.exp2(lc), jnp.exp2(lr)
     bal = t * jnp.exp2(-lc)[..., None, :] * jnp.exp2(-lr)[..., :, None]
     mn, scale = rtn_params(bal, bits, ar=ar)
-    codes = rtn_codes(bal, mn, scale, bits, ar)
-    return (codes, (s_row * scale).astype(jnp.float16), (s_row * mn).astype(jnp.float16),
-            s_col.astype(jnp.float16))
+    row_scale, row_zero, col = saturate(s_row * scale, meta), saturate(s_row * mn, meta), saturate(s_col, meta)
+    if jnp.dtype(meta) == jnp.dtype(jnp.float16):
+        # the reference's order: codes of the unrounded scales, which are rounded to fp16 after
+        codes = rtn_codes(bal, mn, scale, bits, ar)
+    else:
+        # bf16 keeps 8 bits of a scale (fp16: 11): codes chosen against the stored scales, as
+        # `rtn.rtn_stored` does, else their rounding adds to every value (8-bit codes: 1.4x the error)
+        u = ar.div(t, col.astype(jnp.float32)[..., None, :])
+        codes = rtn_codes(u, row_zero.astype(jnp.float32), row_scale.astype(jnp.float32), bits, ar)
+    return codes, row_scale, row_zero, col
 
 
-def fields(side: str, bits: int, group: int, head_dim: int):
+def fields(side: str, bits: int, group: int, head_dim: int, meta=jnp.float16):
     g, d = group, head_dim
     if side == "k":
-        return {"codes": ((g * bits // 8, d), jnp.uint8), "scale_chan": ((d,), jnp.float16),
-                "zero_chan": ((d,), jnp.float16), "scale_tok": ((g,), jnp.float16)}
-    return {"codes": ((d * bits // 8, g), jnp.uint8), "scale_chan": ((d,), jnp.float16),
-            "scale_tok": ((g,), jnp.float16), "zero_tok": ((g,), jnp.float16)}
+        return {"codes": ((g * bits // 8, d), jnp.uint8), "scale_chan": ((d,), meta),
+                "zero_chan": ((d,), meta), "scale_tok": ((g,), meta)}
+    return {"codes": ((d * bits // 8, g), jnp.uint8), "scale_chan": ((d,), meta),
+            "scale_tok": ((g,), meta), "zero_tok": ((g,), meta)}
 
 
-def quantize(x: jnp.ndarray, side: str, bits: int, iters: int, ar: Arith = JNP) -> dict:
+def quantize(x: jnp.ndarray, side: str, bits: int, iters: int, ar: Arith = JNP, meta=jnp.float16) -> dict:
     """x: rotated tiles [..., G, D] -> stored fields (see `fields`). ar: see `sinkhorn_log_scales`."""
     if x.ndim > 3:  # XLA's CPU code runs the Sinkhorn loop on [M, H, 1, G, D] tiles ~14x slower than on [M*H, G, D]
-        out = quantize(x.reshape((-1,) + x.shape[-2:]), side, bits, iters, ar)
+        out = quantize(x.reshape((-1,) + x.shape[-2:]), side, bits, iters, ar, meta)
         return {n: f.reshape(x.shape[:-2] + f.shape[1:]) for n, f in out.items()}
     t = x.astype(jnp.float32)
     if side == "k":
-        codes, scale_chan, zero_chan, scale_tok = _quantize_matrix(jnp.swapaxes(t, -1, -2), bits, iters, ar)
+        codes, scale_chan, zero_chan, scale_tok = _quantize_matrix(jnp.swapaxes(t, -1, -2), bits, iters, ar, meta)
         return {"codes": store_tiled(codes, bits), "scale_chan": scale_chan, "zero_chan": zero_chan,
                 "scale_tok": scale_tok}
-    codes, scale_tok, zero_tok, scale_chan = _quantize_matrix(t, bits, iters, ar)
+    codes, scale_tok, zero_tok, scale_chan = _quantize_matrix(t, bits, iters, ar, meta)
     return {"codes": store_tiled(codes, bits), "scale_chan": scale_chan, "scale_tok": scale_tok,
             "zero_tok": zero_tok}
 

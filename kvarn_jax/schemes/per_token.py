@@ -12,24 +12,23 @@ from jax import lax
 
 from ..config import FP8_E4M3_MAX
 from ..packing import pack, unpack
-from .arith import JNP, Arith
-from .rtn import FP16_TINY, round_half_even, rtn_dequant, rtn_fp16
+from .arith import JNP, Arith, saturate
+from .rtn import SCALE_FLOOR, round_half_even, rtn_dequant, rtn_stored
 
 FP8 = jnp.float8_e4m3fn
 
 
 # ------------------------------------------------------------------ int, dynamic
-def int_fields(bits: int, channel_group: int, head_dim: int):
+def int_fields(bits: int, channel_group: int, head_dim: int, meta=jnp.float16):
     n = head_dim // channel_group
-    return {"codes": ((head_dim * bits // 8,), jnp.uint8), "scale": ((n,), jnp.float16),
-            "zero": ((n,), jnp.float16)}
+    return {"codes": ((head_dim * bits // 8,), jnp.uint8), "scale": ((n,), meta), "zero": ((n,), meta)}
 
 
-def int_quantize(x: jnp.ndarray, bits: int, channel_group: int, ar: Arith = JNP) -> dict:
+def int_quantize(x: jnp.ndarray, bits: int, channel_group: int, ar: Arith = JNP, meta=jnp.float16) -> dict:
     t = x.astype(jnp.float32)
     d = t.shape[-1]
     rows = t.reshape(*t.shape[:-1], d // channel_group, channel_group)
-    codes, scale, zero = rtn_fp16(rows, bits, ar)
+    codes, scale, zero = rtn_stored(rows, bits, meta, ar)
     return {"codes": pack(codes.reshape(t.shape), bits), "scale": scale, "zero": zero}
 
 
@@ -45,10 +44,10 @@ def int_static_fields(bits: int, head_dim: int):
     return {"codes": ((head_dim * bits // 8,), jnp.uint8)}
 
 
-def int_static_params(lo: jnp.ndarray, hi: jnp.ndarray, bits: int):
-    """Calibrated per-channel range [lo, hi] -> fp16 (scale, zero), same rule as dynamic RTN."""
-    scale = jnp.maximum((hi - lo) / (2 ** bits - 1), FP16_TINY).astype(jnp.float16)
-    return scale, lo.astype(jnp.float16)
+def int_static_params(lo: jnp.ndarray, hi: jnp.ndarray, bits: int, meta=jnp.float16):
+    """Calibrated per-channel range [lo, hi] -> (scale, zero) in `meta`, same rule as dynamic RTN."""
+    scale = jnp.maximum((hi - lo) / (2 ** bits - 1), SCALE_FLOOR)
+    return saturate(scale, meta), saturate(lo, meta)
 
 
 def int_static_quantize(x: jnp.ndarray, bits: int, scale: jnp.ndarray, zero: jnp.ndarray, ar: Arith = JNP) -> dict:
@@ -63,15 +62,15 @@ def int_static_dequantize(f: dict, bits: int, scale: jnp.ndarray, zero: jnp.ndar
 
 
 # ------------------------------------------------------------------ fp8 e4m3
-def fp8_fields(head_dim: int, static: bool):
+def fp8_fields(head_dim: int, static: bool, meta=jnp.float16):
     f = {"codes": ((head_dim,), jnp.uint8)}  # e4m3 bit patterns; uint8 so pages are plain bytes
     if not static:
-        f["scale"] = ((), jnp.float16)
+        f["scale"] = ((), meta)
     return f
 
 
-def fp8_scale_from_amax(amax: jnp.ndarray, ar: Arith = JNP) -> jnp.ndarray:
-    return jnp.maximum(ar.div(amax, jnp.asarray(FP8_E4M3_MAX, amax.dtype)), FP16_TINY).astype(jnp.float16)
+def fp8_scale_from_amax(amax: jnp.ndarray, ar: Arith = JNP, meta=jnp.float16) -> jnp.ndarray:
+    return saturate(jnp.maximum(ar.div(amax, jnp.asarray(FP8_E4M3_MAX, amax.dtype)), SCALE_FLOOR), meta)
 
 
 def _to_fp8_bits(y: jnp.ndarray) -> jnp.ndarray:
@@ -79,11 +78,12 @@ def _to_fp8_bits(y: jnp.ndarray) -> jnp.ndarray:
     return lax.bitcast_convert_type(y.astype(FP8), jnp.uint8)
 
 
-def fp8_quantize(x: jnp.ndarray, scale: jnp.ndarray | None = None, ar: Arith = JNP) -> dict:
-    """Dynamic (scale=None: per-token amax/448) or static (scale broadcast against x[..., :1])."""
+def fp8_quantize(x: jnp.ndarray, scale: jnp.ndarray | None = None, ar: Arith = JNP, meta=jnp.float16) -> dict:
+    """Dynamic (scale=None: per-token amax/448, stored in `meta`) or static (scale broadcast against
+    x[..., :1])."""
     t = x.astype(jnp.float32)
     if scale is None:
-        s = fp8_scale_from_amax(jnp.max(jnp.abs(t), axis=-1), ar)
+        s = fp8_scale_from_amax(jnp.max(jnp.abs(t), axis=-1), ar, meta)
         return {"codes": _to_fp8_bits(ar.div(t, s.astype(jnp.float32)[..., None])), "scale": s}
     return {"codes": _to_fp8_bits(ar.div(t, scale.astype(jnp.float32)))}
 

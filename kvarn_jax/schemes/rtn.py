@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from .arith import JNP, Arith
+from .arith import JNP, Arith, saturate
 
-# Smallest positive fp16 (subnormal): scales stored in fp16 must not flush to zero.
-FP16_TINY = 2.0 ** -24
+# Smallest positive fp16 (subnormal): the scale floor, so that no stored scale flushes to zero.
+SCALE_FLOOR = 2.0 ** -24
 
 
 def round_half_even(x: jnp.ndarray) -> jnp.ndarray:
@@ -23,7 +23,8 @@ def round_half_even(x: jnp.ndarray) -> jnp.ndarray:
 
 
 def rtn_params(x: jnp.ndarray, bits: int, floor: float = 1e-10, ar: Arith = JNP):
-    """(min, scale) of rows of `x` (fp32) over the last axis; `scale = max((max-min)/(2^b-1), floor)`."""
+    """(min, scale) of rows of `x` (fp32) over the last axis; `scale = max((max-min)/(2^b-1), floor)`.
+    Finite for |x| up to `storage.QUANT_MAX`, where every path that quantizes clips its input."""
     mn = jnp.min(x, axis=-1)
     mx = jnp.max(x, axis=-1)
     scale = jnp.maximum(ar.div(mx - mn, jnp.asarray(2 ** bits - 1, mx.dtype)), floor)
@@ -36,18 +37,18 @@ def rtn_codes(x: jnp.ndarray, mn: jnp.ndarray, scale: jnp.ndarray, bits: int, ar
     return jnp.clip(q, 0, 2 ** bits - 1).astype(jnp.uint8)
 
 
-def rtn_fp16(x: jnp.ndarray, bits: int, ar: Arith = JNP):
-    """RTN whose codes are computed against the fp16-rounded (min, scale) that get stored.
+def rtn_stored(x: jnp.ndarray, bits: int, dtype=jnp.float16, ar: Arith = JNP):
+    """RTN whose codes are computed against the (min, scale) rounded to `dtype`, as they get stored.
 
     Rounding the metadata first and then choosing codes against it makes the stored triple
     self-consistent (strictly lower error than rounding scales after choosing codes).
-    Returns codes [..., n] uint8, scale [...] fp16, zero [...] fp16.
+    Returns codes [..., n] uint8, scale [...] and zero [...] in `dtype` (saturated to its range).
     """
-    mn, scale = rtn_params(x, bits, floor=FP16_TINY, ar=ar)
-    scale16 = scale.astype(jnp.float16)
-    zero16 = mn.astype(jnp.float16)
-    codes = rtn_codes(x, zero16.astype(jnp.float32), scale16.astype(jnp.float32), bits, ar)
-    return codes, scale16, zero16
+    mn, scale = rtn_params(x, bits, floor=SCALE_FLOOR, ar=ar)
+    scale_s = saturate(scale, dtype)
+    zero_s = saturate(mn, dtype)
+    codes = rtn_codes(x, zero_s.astype(jnp.float32), scale_s.astype(jnp.float32), bits, ar)
+    return codes, scale_s, zero_s
 
 
 def rtn_dequant(codes: jnp.ndarray, scale: jnp.ndarray, zero: jnp.ndarray) -> jnp.ndarray:

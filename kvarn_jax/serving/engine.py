@@ -1,16 +1,18 @@
-"""A small serving engine: requests, per-scheme paged cache pools, chunked prefill, batched decode.
+"""A serving engine: requests, per-scheme paged cache pools, chunked prefill, batched decode, all
+steps compiled whole and dispatched asynchronously.
 
 - **Requests** carry token ids, `SamplingParams` and a `kv_cache_dtype` (default: the engine's
   `default_kv_cache_dtype`, which can be changed at any time).
-- **Pools**: one per scheme, created lazily the first time a request uses it, each with its own
-  per-layer `PagedKVCache`s, a page allocator and a sequence-slot allocator (the slot indexes the
-  cache's high-precision sink/tail storage). The weights are loaded once and shared by all pools.
+- **Pools**: one per scheme, each with the caches of every layer (`kvarn_jax.cache.LayerCaches`), a
+  page allocator and a sequence-slot allocator (the slot indexes the high-precision sink/tail
+  storage). The default scheme's pool is created with the engine, others when a request first
+  asks for them; a pool that does not fit in the device's free memory is refused then, with the
+  bytes it needs. The weights are loaded once and shared by all pools.
 - **Per-layer schemes**: a `kv_cache_dtype` may also name a scheme per decoder layer - a sequence
   of scheme strings, or the path of a layer-scheme file written by `kvarn-jax tune` (`.json` or an
-  `os.PathLike`). Its pool is keyed by the tuple of per-layer schemes and gives each layer a
-  `PagedKVCache` of its own scheme. Every layer of a pool has the same number of pages (one page
-  table serves all layers), so a page's bytes differ per layer and the memory report sums the
-  layers. A per-layer sequence whose layers all have one scheme is that scheme (the same pool).
+  `os.PathLike`). Every layer of a pool has the same number of pages (one page table serves all
+  layers), so a page's bytes differ per layer and the memory report sums the layers. A per-layer
+  sequence whose layers all have one scheme is that scheme (the same pool).
 - **Precision switch semantics**: a sequence keeps the scheme it started with until it finishes
   (its cache is never re-quantized); requests added after a switch use the new scheme. Pools of
   schemes no longer used stay allocated until `release_pool`.
@@ -18,10 +20,14 @@
   whole life (prompt + max_new_tokens - 1 cached tokens, capped by max_model_len); otherwise it
   waits, and later requests of the same pool wait behind it (FIFO per pool). Pages and slot are
   freed when it finishes (stop token or length).
-- **Steps**: each `step()` runs one prefill call per pool with prompts left to process (up to
-  `prefill_batch` sequences, one chunk of at most `prefill_chunk` tokens each), then one decode
-  call per pool for its sequences that are generating. Shapes are bucketed to powers of two so
-  that few functions get compiled.
+- **Steps**: each `step()` dispatches one prefill call per pool with prompts left to process (up to
+  `prefill_batch` sequences, one chunk of at most `prefill_chunk` tokens each) and one decode call
+  per pool for its generating sequences, each a single compiled call of the whole model (see
+  `runner.py`); then it waits for the previous step's sampled tokens. The device thus runs step t
+  while the host learns step t-1's tokens and prepares step t+1: input tokens stay on the device,
+  and positions, slots and block tables are known to the host without them. The price is that a
+  sequence which stops on a stop token is found one step late; the token computed for it in that
+  step is discarded. Shapes are bucketed to powers of two so that few functions get compiled.
 """
 
 from __future__ import annotations
@@ -31,13 +37,16 @@ import os
 import time
 from typing import Sequence
 
+import jax
 import numpy as np
+import jax.numpy as jnp
+from jax.sharding import Mesh
 
-from ..cache import memory_report as layer_memory_report
 from ..config import KVQuantConfig
-from ..models.llama import Decoder, DecodeBatch, PrefillBatch
+from ..cache.sharding import HeadParallel
+from ..models.llama import Decoder
 from .allocator import BlockAllocator
-from .runner import ModelRunner, SamplingArrays
+from .runner import DECODE_COLS, PREFILL_COLS, ModelRunner
 from .sampling import SamplingParams
 
 
@@ -53,19 +62,25 @@ def blocks_needed(prompt_len: int, max_new_tokens: int, block_size: int, max_mod
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-    """A finished request. finish_reason: "stop" (a stop token, kept as the last output token) or
-    "length" (max_new_tokens or max_model_len reached). kv_cache_dtype: see `scheme_name`."""
+    """A finished request. finish_reason: "stop" (a stop token, kept as the last output token),
+    "length" (max_new_tokens or max_model_len reached) or "error" (then `error` says why; output_ids
+    holds the tokens generated before it). kv_cache_dtype: see `scheme_name`."""
 
     request_id: int
     prompt_ids: tuple
     output_ids: tuple
     finish_reason: str
     kv_cache_dtype: "str | tuple"  # the scheme's name, or a tuple of per-layer names for per-layer schemes
+    error: "str | None" = None
 
 
 @dataclasses.dataclass
 class EngineStats:
-    """Run time excludes compilation, which `compile_s` counts (host syncs once per step)."""
+    """Device time of the steps, measured as the interval between the arrivals of consecutive steps'
+    tokens (the device works through the steps back to back), less compilation, which `compile_s` of
+    the runner counts. A step that ran a prefill call counts as prefill time; decode_tokens counts
+    the tokens decode calls generated (not those computed for a sequence already stopped, see
+    `Engine`), commit_calls the calls that quantized completed blocks."""
 
     prefill_tokens: int = 0
     prefill_s: float = 0.0
@@ -73,6 +88,7 @@ class EngineStats:
     decode_tokens: int = 0
     decode_s: float = 0.0
     decode_calls: int = 0
+    commit_calls: int = 0
     steps: int = 0
 
 
@@ -83,10 +99,12 @@ class _Seq:
     params: SamplingParams
     cfg: "KVQuantConfig | tuple"  # the pool key (see Engine._parse)
     stop_ids: frozenset
-    output: list = dataclasses.field(default_factory=list)
+    output: list = dataclasses.field(default_factory=list)  # tokens the host has received
     blocks: list = dataclasses.field(default_factory=list)
     slot: int = -1
-    computed: int = 0  # tokens written to the cache
+    computed: int = 0   # prompt tokens written to the cache
+    scheduled: int = 0  # generated tokens dispatched (their values may still be on the device)
+    finished: bool = False
 
     @property
     def length(self) -> int:
@@ -98,25 +116,71 @@ def scheme_name(key) -> "str | tuple":
     return key.name if isinstance(key, KVQuantConfig) else tuple(c.name for c in key)
 
 
+def _gib(n: float) -> str:
+    return f"{n / 2 ** 30:.2f} GiB"
+
+
 class CachePool:
-    """The paged caches of one scheme (every layer) or of per-layer schemes, their page allocator and
-    sequence slots. cfg: a `KVQuantConfig`, or a tuple of one per layer; `layer_schemes` lists them
-    per layer either way."""
+    """The caches of one scheme (every layer) or of per-layer schemes, their page allocator, sequence
+    slots and each slot's last sampled token (on the device). cfg: a `KVQuantConfig`, or a tuple of
+    one per layer; `layer_schemes` lists them per layer either way."""
 
     def __init__(self, runner: ModelRunner, cfg, *, num_blocks: int, block_size: int,
                  max_seqs: int, max_blocks_per_seq: int, calibration=None):
         self.cfg = cfg
-        self.layer_schemes = ([cfg] * runner.config.num_layers if isinstance(cfg, KVQuantConfig) else list(cfg))
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.caches = runner.new_caches(cfg, num_blocks=num_blocks, block_size=block_size, max_seqs=max_seqs,
-                                        calibration=calibration)
+        make = lambda: runner.new_caches(cfg, num_blocks=num_blocks, block_size=block_size,  # noqa: E731
+                                         max_seqs=max_seqs, calibration=calibration)
+        _check_fits(jax.eval_shape(make), cfg, num_blocks, max_seqs, runner.tp)
+        self.caches = make()
+        self.layer_schemes = self.caches.layer_schemes
+        self.last_tokens = runner.new_tokens(max_seqs)
+        self.quantized = any(not c.is_passthrough for c in self.layer_schemes)
         self.blocks = BlockAllocator(num_blocks, "KV-cache pages")
         self.slots = BlockAllocator(max_seqs, "sequence slots")
         self.running: list[_Seq] = []
 
-    def layer_caches(self) -> list:
-        return [s["attn"]["kv_cache"].get_value() for s in self.caches]
+
+def _check_fits(abstract, cfg, num_blocks: int, max_seqs: int, tp=None) -> None:
+    """Refuse a pool larger than the devices' free memory, saying what it needs (where a device
+    reports its memory: GPUs and TPUs; the CPU backend does not). Under tensor parallelism each
+    device holds its share of the heads."""
+    need = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
+    devices = list(tp.mesh.devices.flat) if tp is not None else jax.devices()[:1]
+    share = need / len(devices)
+    for dev in devices:
+        try:
+            st = dev.memory_stats()
+        except Exception:  # noqa: BLE001 - a backend without memory statistics
+            st = None
+        if not st or "bytes_limit" not in st:
+            continue
+        free = st["bytes_limit"] - st.get("bytes_in_use", 0)
+        if share > free:
+            each = f" ({_gib(share)} on each of {len(devices)} devices)" if len(devices) > 1 else ""
+            raise ValueError(
+                f"the {scheme_name(cfg) if isinstance(cfg, KVQuantConfig) else 'per-layer'} KV cache pool needs "
+                f"{_gib(need)}{each} (num_blocks={num_blocks} pages per layer, max_seqs={max_seqs}) but the device "
+                f"has {_gib(free)} free of {_gib(st['bytes_limit'])}: use a quantized kv_cache_dtype, fewer "
+                "num_blocks or max_seqs, a shorter max_model_len, or more devices (tensor_parallel)")
+
+
+def _head_parallel(tensor_parallel, mesh) -> HeadParallel | None:
+    if mesh is not None:
+        if "tp" not in mesh.axis_names:
+            raise ValueError(f"mesh must have an axis named 'tp' to split heads over, got axes {mesh.axis_names}")
+        if tensor_parallel not in (1, mesh.shape["tp"]):
+            raise ValueError(f"tensor_parallel={tensor_parallel} disagrees with the mesh's tp axis of {mesh.shape['tp']}")
+        return HeadParallel(mesh) if mesh.shape["tp"] > 1 else None
+    if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel must be a positive int, got {tensor_parallel!r}")
+    if tensor_parallel == 1:
+        return None
+    devices = jax.devices()
+    if tensor_parallel > len(devices):
+        raise ValueError(f"tensor_parallel={tensor_parallel} needs that many devices; {len(devices)} are visible")
+    return HeadParallel(Mesh(np.array(devices[:tensor_parallel]), ("tp",)))
 
 
 class Engine:
@@ -132,31 +196,40 @@ class Engine:
       max_position_embeddings, capped at 2048).
     num_blocks: pages per pool (default: max_seqs full-length sequences).
     prefill_chunk / prefill_batch: tokens per sequence and sequences per prefill call.
-    layers_per_call: decoder layers per compiled call (see `ModelRunner`; None = all).
     impl: decode attention ("auto": Pallas kernel on NVIDIA GPUs, reference elsewhere).
     calibration: a `kvarn_jax.Calibration` of all layers, for static schemes.
+    decode_loop: how the decode step runs the layers (`ModelRunner`): "auto", "unroll" or "scan".
+    tensor_parallel: split attention heads, KV-cache heads and MLP units over this many devices (the
+      first ones of `jax.devices()`), or `mesh`: a `jax.sharding.Mesh` with a "tp" axis to split over.
+      Each step is still one compiled call, over the mesh.
+    debug: after every step, read the caches' count of tokens not stored as given
+      (`LayerCaches.dropped_tokens`, less the non-finite ones, which finish their request with
+      finish_reason="error") and raise RuntimeError if it grew. Waits for each step: slower.
+    A request whose model output put a NaN or Inf into the cache (any layer's key or value; stored
+    as zeros, so its neighbours in the batch are untouched) finishes with finish_reason="error".
     """
 
     def __init__(self, model: Decoder, *, kv_cache_dtype="kvarn_k4v2_g128", block_size: int = 128,
                  max_seqs: int = 8, max_model_len: int | None = None, num_blocks: int | None = None,
-                 prefill_chunk: int = 512, prefill_batch: int = 8, layers_per_call: int | None = 1,
-                 impl: str = "auto", calibration=None):
+                 prefill_chunk: int = 512, prefill_batch: int = 8, impl: str = "auto", calibration=None,
+                 decode_loop: str = "auto", tensor_parallel: int = 1, mesh=None, debug: bool = False):
         for name, val in (("block_size", block_size), ("max_seqs", max_seqs), ("prefill_chunk", prefill_chunk),
                           ("prefill_batch", prefill_batch)):
             if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
-        self.runner = ModelRunner(model, layers_per_call=layers_per_call, impl=impl)
+        self.runner = ModelRunner(model, impl=impl, decode_loop=decode_loop,
+                                  tp=_head_parallel(tensor_parallel, mesh))
         self.config = model.config
         cap = self.config.max_position_embeddings
         if max_model_len is None:
             max_model_len = min(cap, 2048)
-        if not isinstance(max_model_len, int) or not 2 <= max_model_len <= cap:
+        if not isinstance(max_model_len, int) or isinstance(max_model_len, bool) or not 2 <= max_model_len <= cap:
             raise ValueError(f"max_model_len must be an int in [2, {cap}] (the model's max_position_embeddings), "
                              f"got {max_model_len!r}")
         self.block_size, self.max_seqs, self.max_model_len = block_size, max_seqs, max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.num_blocks = max_seqs * self.max_blocks_per_seq if num_blocks is None else num_blocks
-        if not isinstance(self.num_blocks, int) or self.num_blocks <= 0:
+        if not isinstance(self.num_blocks, int) or isinstance(self.num_blocks, bool) or self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         self.prefill_chunk, self.prefill_batch = prefill_chunk, prefill_batch
         self.calibration = calibration
@@ -165,7 +238,14 @@ class Engine:
         self.waiting: list[_Seq] = []
         self._next_id = 0
         self._finished: dict[int, Result] = {}
+        self._inflight: list = []      # what the last step dispatched, collected by the next step
+        self._last_arrival = None      # (time, compile seconds) when the previous step's tokens arrived
         self.stats = EngineStats()
+        if not isinstance(debug, bool):
+            raise ValueError(f"debug must be a bool, got {debug!r}")
+        self.debug = debug
+        self._unexplained_drops: dict = {}  # debug: pool key -> dropped less non-finite, as last checked
+        self.pool()                    # the default pool exists from the start: a size error surfaces here
 
     # ------------------------------------------------------------------ schemes and pools
     def _check(self, cfg: KVQuantConfig, where: str = "") -> None:
@@ -183,7 +263,7 @@ class Engine:
         n = self.config.num_layers
         if isinstance(kv_cache_dtype, os.PathLike) or (
                 isinstance(kv_cache_dtype, str) and kv_cache_dtype.lower().endswith(".json")):
-            from ..evaluation.layer_config import load_layer_config
+            from ..layer_config import load_layer_config
             where = f"layer config {os.fspath(kv_cache_dtype)!r}: "
             try:
                 layers = load_layer_config(kv_cache_dtype, num_layers=n)
@@ -225,6 +305,9 @@ class Engine:
     def pool(self, kv_cache_dtype=None) -> CachePool:
         """The pool of a scheme (default: the engine's default), created on first use."""
         cfg = self._default if kv_cache_dtype is None else self._parse(kv_cache_dtype)
+        return self._pool(cfg)
+
+    def _pool(self, cfg) -> CachePool:
         if cfg not in self.pools:
             self.pools[cfg] = CachePool(self.runner, cfg, num_blocks=self.num_blocks, block_size=self.block_size,
                                         max_seqs=self.max_seqs, max_blocks_per_seq=self.max_blocks_per_seq,
@@ -239,44 +322,45 @@ class Engine:
             return
         if pool.running or any(s.cfg == cfg for s in self.waiting):
             raise ValueError(f"the {scheme_name(cfg)} pool still has requests; release it when they have finished")
+        self._drain()
         del self.pools[cfg]
+        self._unexplained_drops.pop(cfg, None)
 
     def memory_report(self, kv_cache_dtype=None) -> dict:
         """`kvarn_jax.memory_report` of a pool, summed over layers (creates the pool if needed).
 
         With per-layer schemes, "scheme" summarizes them ("per-layer: 16 x a, 14 x b") and
-        "layer_schemes" lists them; every byte count is the sum of the layers' own.
+        "layer_schemes" lists them; every byte count is the sum of the layers' own. "devices" and
+        "per_device_bytes": under tensor parallelism each device holds 1/devices of every buffer.
         """
+        report = self.pool(kv_cache_dtype).caches.memory_report()
+        n = 1 if self.runner.tp is None else self.runner.tp.size
+        report["devices"] = n
+        report["per_device_bytes"] = report["total_bytes"] / n  # every buffer is split over the heads
+        return report
+
+    def precompile(self, decode_batches: Sequence[int] | None = None, kv_cache_dtype=None) -> None:
+        """Compile a pool's decode steps (and block commits) now rather than at their first use:
+        for the given batch sizes, or every power of two up to max_seqs (the sizes steps use)."""
         pool = self.pool(kv_cache_dtype)
-        caches = pool.layer_caches()
-        layers = [layer_memory_report(c) for c in caches]
-        out = dict(layers[0])
-        for key in ("code_bytes", "metadata_bytes", "page_bytes", "sink_bytes", "tail_bytes", "static_bytes",
-                    "total_bytes", "fp16_bytes"):
-            out[key] = sum(r[key] for r in layers)
-        out["layers"] = len(layers)
-        out["bytes_per_token_per_head"] = out["page_bytes"] / (len(layers) * out["tokens"] * caches[0].num_kv_heads)
-        out["capacity_vs_fp16"] = out["fp16_bytes"] / out["total_bytes"]
-        out["layer_schemes"] = [c.name for c in pool.layer_schemes]
-        if not isinstance(pool.cfg, KVQuantConfig):
-            counts = {}
-            for c in pool.layer_schemes:
-                counts[c.name] = counts.get(c.name, 0) + 1
-            out["scheme"] = "per-layer: " + ", ".join(f"{n} x {name}" for name, n in counts.items())
-        return out
+        sizes = decode_batches or [1 << i for i in range(_pow2(self.max_seqs).bit_length())]
+        for b in sorted({_pow2(b) for b in sizes}):
+            self.runner.precompile_decode(pool.caches, pool.last_tokens, b, self.max_blocks_per_seq)
 
     # ------------------------------------------------------------------ requests
     def blocks_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         """Pages a request holds for its whole life (see the module-level `blocks_needed`)."""
         return blocks_needed(prompt_len, max_new_tokens, self.block_size, self.max_model_len)
 
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
-                    kv_cache_dtype=None) -> int:
-        """Queue a request; returns its id. The scheme is fixed for the request's whole life."""
+    def _request(self, prompt_ids, params, kv_cache_dtype) -> _Seq:
+        """A checked request (not queued): ValueError/TypeError naming what is wrong."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        prompt = [int(t) for t in np.asarray(prompt_ids).reshape(-1)]
+        arr = np.asarray(prompt_ids)
+        if arr.dtype == object or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+            raise ValueError(f"prompt_ids must be integer token ids, got {arr.dtype} values")
+        prompt = [int(t) for t in arr.reshape(-1)]
         if not prompt:
             raise ValueError("prompt_ids is empty")
         if min(prompt) < 0 or max(prompt) >= self.config.vocab_size:
@@ -290,18 +374,27 @@ class Engine:
                              f"num_blocks={self.num_blocks}")
         cfg = self._default if kv_cache_dtype is None else self._parse(kv_cache_dtype)
         stop = self.config.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
-        seq = _Seq(self._next_id, prompt, params, cfg, frozenset() if params.ignore_eos else frozenset(stop))
+        return _Seq(-1, prompt, params, cfg, frozenset() if params.ignore_eos else frozenset(stop))
+
+    def _queue(self, seq: _Seq) -> int:
+        self._pool(seq.cfg)  # created now: an error (e.g. it does not fit) belongs to this request
+        seq.request_id = self._next_id
         self._next_id += 1
         self.waiting.append(seq)
         return seq.request_id
 
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
+                    kv_cache_dtype=None) -> int:
+        """Queue a request; returns its id. The scheme is fixed for the request's whole life."""
+        return self._queue(self._request(prompt_ids, params, kv_cache_dtype))
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting) or any(p.running for p in self.pools.values())
+        return bool(self.waiting) or bool(self._inflight) or any(p.running for p in self.pools.values())
 
     def _admit(self) -> None:
         still, blocked = [], set()
         for seq in self.waiting:
-            pool = self.pool(seq.cfg)
+            pool = self._pool(seq.cfg)
             need = self.blocks_needed(len(seq.prompt), seq.params.max_new_tokens)
             # FIFO per pool: once a request waits, later ones of its pool wait behind it (no starvation)
             if seq.cfg not in blocked and pool.slots.can_allocate(1) and pool.blocks.can_allocate(need):
@@ -313,13 +406,16 @@ class Engine:
                 still.append(seq)
         self.waiting = still
 
-    def _finish(self, pool: CachePool, seq: _Seq, reason: str) -> None:
+    def _finish(self, pool: CachePool, seq: _Seq, reason: str, error: str | None = None) -> None:
+        # Work already dispatched for this sequence may still write its old pages and slot; it runs
+        # before anything dispatched later (one device stream, caches passed from call to call), and a
+        # later owner reads only what it wrote itself, so freeing now is safe.
         pool.blocks.free(seq.blocks)
         pool.slots.free([seq.slot])
-        seq.blocks, seq.slot = [], -1
+        seq.blocks, seq.slot, seq.finished = [], -1, True
         pool.running.remove(seq)
         self._finished[seq.request_id] = Result(seq.request_id, tuple(seq.prompt), tuple(seq.output), reason,
-                                                scheme_name(seq.cfg))
+                                                scheme_name(seq.cfg), error)
 
     def _accept(self, pool: CachePool, seq: _Seq, token: int) -> None:
         seq.output.append(token)
@@ -333,96 +429,159 @@ class Engine:
         bs = self.block_size
         return np.asarray(seq.blocks, np.int32)[positions // bs] * bs + positions % bs
 
-    def _table(self, rows: list) -> np.ndarray:
-        # A fixed width (one compiled shape); unused entries point at page 0 and are masked by length.
-        table = np.zeros((len(rows), self.max_blocks_per_seq), np.int32)
+    def _meta(self, rows: list, cols: int, table: bool = True):
+        """Packed per-row metadata: int32 [n, cols + W] (block table last) and float32 [n, 2]."""
+        n, w = len(rows), self.max_blocks_per_seq
+        meta = np.zeros((n, cols + w), np.int32)
+        fmeta = np.zeros((n, 2), np.float32)
+        fmeta[:, 1] = 1.0
         for i, seq in enumerate(rows):
             if seq is not None:
-                table[i, :len(seq.blocks)] = seq.blocks
-        return table
+                meta[i, cols:cols + len(seq.blocks)] = seq.blocks
+                fmeta[i] = seq.params.temperature, seq.params.top_p
+        return meta, fmeta
 
-    def _sampling(self, rows: list) -> SamplingArrays:
-        n = len(rows)
-        samp = SamplingArrays(np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.uint32),
-                              np.zeros(n, np.int32))
-        for i, s in enumerate(rows):
-            if s is not None:
-                samp.temperature[i], samp.top_p[i] = s.params.temperature, s.params.top_p
-                samp.seeds[i], samp.steps[i] = s.params.seed, len(s.output)
-        return samp
-
-    def _prefill(self, pool: CachePool) -> None:
+    def _prefill(self, pool: CachePool) -> list:
         todo = [s for s in pool.running if s.computed < len(s.prompt)][: self.prefill_batch]
         if not todo:
-            return
+            return []
         takes = [min(self.prefill_chunk, len(s.prompt) - s.computed) for s in todo]
         p = _pow2(len(todo))
         c = min(_pow2(max(takes + [16])), self.prefill_chunk)
         tokens = np.zeros((p, c), np.int32)
-        positions = np.tile(np.arange(c, dtype=np.int32), (p, 1))
         slots = np.full((p, c), -1, np.int32)
-        seq_ids, start, last = np.zeros(p, np.int32), np.zeros(p, np.int32), np.zeros(p, np.int32)
+        rows = todo + [None] * (p - len(todo))
+        meta, fmeta = self._meta(rows, len(PREFILL_COLS))
+        col = {n: i for i, n in enumerate(PREFILL_COLS)}
+        finishing = []  # whether the row's sampled token is its first generated one
         for i, (s, t) in enumerate(zip(todo, takes)):
             pos = np.arange(s.computed, s.computed + t, dtype=np.int32)
             tokens[i, :t] = s.prompt[s.computed:s.computed + t]
-            positions[i] = s.computed + np.arange(c, dtype=np.int32)
             slots[i, :t] = self._slots(s, pos)
-            seq_ids[i], start[i], last[i] = s.slot, s.computed, t - 1
-        rows = todo + [None] * (p - len(todo))
-        batch = PrefillBatch(tokens, positions, slots, seq_ids, self._table(rows), start, last)
-        next_tok = self._run("prefill", pool, batch, rows, sum(takes))
-        for i, (s, t) in enumerate(zip(todo, takes)):
+            done = s.computed + t == len(s.prompt)
+            meta[i, [col["seq_ids"], col["start"], col["last"], col["finishes"], col["seeds"], col["steps"]]] = (
+                s.slot, s.computed, t - 1, int(done), np.uint32(s.params.seed).view(np.int32), 0)
             s.computed += t
-            if s.computed == len(s.prompt):
-                self._accept(pool, s, int(next_tok[i]))
+            if done:
+                s.scheduled = 1
+            finishing.append(done)
+        tok, pool.caches, pool.last_tokens = self.runner.prefill(pool.caches, pool.last_tokens, tokens, slots,
+                                                                 meta, fmeta)
+        self.stats.prefill_tokens += sum(takes)
+        self.stats.prefill_calls += 1
+        return [(pool, todo, tok, "prefill", finishing)]
 
-    def _decode(self, pool: CachePool, todo: list) -> None:
+    def _decode(self, pool: CachePool, todo: list) -> list:
         b = _pow2(len(todo))
-        tokens, positions = np.zeros(b, np.int32), np.zeros(b, np.int32)
-        slots, seq_ids = np.full(b, -1, np.int32), np.zeros(b, np.int32)
-        for i, s in enumerate(todo):
-            pos = s.length - 1  # the last generated token is written now
-            tokens[i], positions[i], seq_ids[i] = s.output[-1], pos, s.slot
-            slots[i] = self._slots(s, np.array([pos]))[0]
         rows = todo + [None] * (b - len(todo))
-        batch = DecodeBatch(tokens, positions, slots, seq_ids, self._table(rows))
-        next_tok = self._run("decode", pool, batch, rows, len(todo))
+        meta, fmeta = self._meta(rows, len(DECODE_COLS))
+        meta[:, DECODE_COLS.index("slots")] = -1
+        bs = self.block_size
+        commits = []
         for i, s in enumerate(todo):
-            s.computed += 1
-            self._accept(pool, s, int(next_tok[i]))
+            pos = len(s.prompt) + s.scheduled - 1  # the last generated token is written now
+            meta[i, :len(DECODE_COLS)] = (pos, self._slots(s, np.array([pos]))[0], s.slot,
+                                          np.uint32(s.params.seed).view(np.int32), s.scheduled)
+            if pool.quantized and pos % bs == bs - 1 and pos >= bs:  # its block is full after this step
+                commits.append((s.blocks[pos // bs], s.slot, pos - bs + 1))
+            s.scheduled += 1
+        tok, pool.caches, pool.last_tokens = self.runner.decode(pool.caches, pool.last_tokens, meta, fmeta)
+        if commits:
+            blocks = np.full((_pow2(len(commits)), 3), -1, np.int32)
+            blocks[:len(commits)] = commits
+            blocks[len(commits):, 1:] = 0
+            pool.caches = self.runner.commit(pool.caches, blocks)
+            self.stats.commit_calls += 1
+        self.stats.decode_calls += 1
+        return [(pool, todo, tok, "decode", [True] * len(todo))]
 
-    def _run(self, kind: str, pool: CachePool, batch, rows: list, tokens: int) -> np.ndarray:
-        """One compiled prefill or decode call on `pool`; its time (less compilation) goes to the stats."""
-        samp = self._sampling(rows)
-        t0, c0 = time.perf_counter(), self.runner.stats.compile_s
-        next_tok, _, pool.caches = getattr(self.runner, kind)(pool.caches, batch, samp)
-        next_tok = np.asarray(next_tok)
-        st, run_s = self.stats, time.perf_counter() - t0 - (self.runner.stats.compile_s - c0)
-        setattr(st, f"{kind}_s", getattr(st, f"{kind}_s") + run_s)
-        setattr(st, f"{kind}_tokens", getattr(st, f"{kind}_tokens") + tokens)
-        setattr(st, f"{kind}_calls", getattr(st, f"{kind}_calls") + 1)
-        return next_tok
+    def _generating(self, pool: CachePool) -> list:
+        """Sequences whose next token can be computed now: prompt in the cache, a token sampled, not
+        finished (as far as the host knows), and room left."""
+        return [s for s in pool.running if s.computed == len(s.prompt) and s.scheduled >= 1 and not s.finished
+                and s.scheduled < s.params.max_new_tokens and len(s.prompt) + s.scheduled < self.max_model_len]
 
     # ------------------------------------------------------------------ driving
+    def _collect(self, launched: list, kind: str, dispatched_at: float, compiled_at: float) -> None:
+        """Receive a step's sampled tokens (waits for the device) and account its time: the interval
+        since the previous step's tokens arrived (or since this step's dispatch, after idling), less
+        the compilation done in it (compiling happens on the host while dispatching)."""
+        for entry in launched:
+            entry[2].copy_to_host_async()
+        arrived = [np.asarray(entry[2]) for entry in launched]  # [2, rows]: tokens, non-finite flags
+        now, compiled = time.perf_counter(), self.runner.stats.compile_s
+        start, start_compiled = ((dispatched_at, compiled_at) if self._last_arrival is None
+                                 else self._last_arrival)
+        dt = max(0.0, now - start - (compiled - start_compiled))
+        self._last_arrival = (now, compiled)
+        if kind == "prefill":
+            self.stats.prefill_s += dt
+        else:
+            self.stats.decode_s += dt
+        for (pool, rows, _, call, takes), (toks, bad) in zip(launched, arrived):
+            for seq, t, b, take in zip(rows, toks, bad, takes):
+                if seq.finished:
+                    continue
+                if b:
+                    where = "its prompt" if call == "prefill" else f"output token {len(seq.output)}"
+                    self._finish(pool, seq, "error", f"the model produced a NaN or Inf key or value while "
+                                 f"processing {where}; it was stored as zeros (no other request is affected) "
+                                 "and the request stopped")
+                elif take:
+                    self._accept(pool, seq, int(t))
+                    self.stats.decode_tokens += call == "decode"
+
+    def _drain(self) -> None:
+        if self._inflight:
+            launched, kind, at, compiled_at = self._inflight
+            self._inflight = []
+            self._collect(launched, kind, at, compiled_at)
+            if self.debug:
+                self._check_drops()
+
+    def _check_drops(self) -> None:
+        """debug: RuntimeError if a pool's caches did not store tokens as given, beyond the non-finite
+        ones (reported per request). Reads the latest caches: waits for every dispatched step."""
+        for key, pool in self.pools.items():
+            unexplained = int(pool.caches.dropped_tokens) - int(jnp.sum(pool.caches.nonfinite))
+            if unexplained > self._unexplained_drops.get(key, 0):
+                raise RuntimeError(
+                    f"debug: the {scheme_name(key)} cache did not store {unexplained - self._unexplained_drops.get(key, 0)} "
+                    "(token, layer) write(s) as given in the last step: invalid slots, sequence ids or positions "
+                    "(an engine bug), more completed blocks than a call's bound, or values beyond what the cache "
+                    "can hold (kvarn_jax.storage: e.g. a float16 KVarN token of L2 norm above 65,504)")
+            self._unexplained_drops[key] = unexplained
+
     def step(self) -> list[Result]:
-        """Admit, then one prefill call and one decode call per pool with work; returns the requests
-        that finished in this step."""
+        """Admit, dispatch one prefill and one decode call per pool with work, then receive the
+        previous step's tokens; returns the requests that finished in this step."""
         before = set(self._finished)
         self._admit()
         pools = list(self.pools.values())
-        decoding = {id(p): [s for s in p.running if s.computed >= len(s.prompt) and s.output] for p in pools}
+        decoding = {id(p): self._generating(p) for p in pools}
+        at, c0 = time.perf_counter(), self.runner.stats.compile_s
+        launched, kind = [], "decode"
         for pool in pools:
-            self._prefill(pool)
+            pre = self._prefill(pool)
+            if pre:
+                kind = "prefill"
+            launched += pre
         for pool in pools:
             if decoding[id(pool)]:
-                self._decode(pool, decoding[id(pool)])
-        self.stats.steps += 1
+                launched += self._decode(pool, decoding[id(pool)])
+        self._drain()
+        if launched:
+            self._inflight = (launched, kind, at, c0)
+            self.stats.steps += 1
+        else:
+            self._last_arrival = None  # idle: the next step's time starts at its dispatch
         return [self._finished[i] for i in sorted(set(self._finished) - before)]
 
     def run(self) -> dict[int, Result]:
         """Step until every request has finished; returns all finished results by request id."""
         while self.has_unfinished():
             self.step()
+        self._last_arrival = None
         return dict(self._finished)
 
     def pop_result(self, request_id: int) -> Result:
@@ -431,10 +590,25 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  kv_cache_dtype=None) -> list[Result]:
-        """Run a batch of prompts to completion; results in prompt order."""
+        """Run a batch of prompts to completion; results in prompt order. All or nothing: every
+        request is checked before any is queued, so a refused batch leaves no state behind."""
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
-        ids = [self.add_request(p, sp, kv_cache_dtype=kv_cache_dtype) for p, sp in zip(prompts, plist)]
+        seqs = []
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            try:
+                seqs.append(self._request(p, sp, kv_cache_dtype))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+        existing = set(self.pools)
+        try:
+            for s in seqs:
+                self._pool(s.cfg)  # every pool exists before anything is queued
+        except Exception:
+            for key in set(self.pools) - existing:  # nor does a pool created for the refused batch stay
+                del self.pools[key]
+            raise
+        ids = [self._queue(s) for s in seqs]
         self.run()
         return [self.pop_result(i) for i in ids]

@@ -1,43 +1,50 @@
-"""Runs a `Decoder` step by step over per-layer cache state: compiled once per shape, caches updated in place.
+"""Compiled whole-model steps: one executable per prefill chunk shape and per decode batch size.
 
-The model is split once into its weights (`nnx.Param`, shared by every cache pool) and per-layer
-`KVCache` state (one set per pool/scheme). A step runs as: embed -> groups of `layers_per_call`
-decoder layers -> final norm, logits and sampling, each a compiled function whose cache arguments
-are donated, so the library's scatter writes update the cache buffers in place. One compiled
-function serves every group of layers (all layers have the same structure), so compile time grows
-with `layers_per_call`, not with depth; the price is one dispatch per group and step (negligible
-next to a CPU step; on a GPU, small batches gain from more layers per call).
+`ModelRunner` splits a `Decoder` into its graph and weights once. Each step is one call of one
+compiled function of (weights, caches, last tokens, packed metadata): the model's own `prefill` /
+`decode` (all layers: decode as a Python loop over the layers on GPUs and TPUs, a `lax.scan` on CPUs,
+`decode_loop`; prefill as a scan), the logits of the rows that need them, sampling, and the sampled tokens
+stored into `last_tokens` - a per-sequence-slot device array from which the next decode step reads
+its input tokens, so a step never waits for the host to learn the previous step's tokens. The
+caches and `last_tokens` are donated (updated in place). Host metadata travels as two or three
+packed arrays per call.
 
-Per-layer schemes (a pool whose layers have different cache schemes): a group's layers run one after
-the other inside its compiled function (unrolled, not a `lax.scan`), so layers of different schemes
-can share a group. The cache schemes are part of the function's key, so each distinct sequence of
-schemes in a group compiles once: with `layers_per_call=1`, one function per scheme; with larger
-groups, one per distinct combination that occurs.
+Blocks that a decode step completes are quantized by a separate compiled `commit` (the engine
+knows from positions alone when one is due: about once per `block_size` steps per sequence), so the
+decode step itself only scatters one token per sequence into high-precision storage. Nothing in a
+step branches on device data (whether any row samples is a static choice of the host's), so the
+host never waits for the device inside a step.
 
-Compiled functions are compiled ahead of time (so `stats` reports compile time apart from run
-time) and cached process-wide by the model's structure, `impl` and the argument shapes: engines
-over models of the same architecture (e.g. the same weights under several engines) share them.
+Executables are compiled ahead of time (so `stats` reports compile time apart from run time) and
+cached process-wide by the model's structure, `impl` and the argument shapes and dtypes: engines
+over models of the same architecture share them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..attention.paged_decode import IMPLS
-from ..cache import PagedKVCache
-from ..config import KVQuantConfig
-from ..models.llama import Decoder, DecodeBatch, KVCache, PrefillBatch
-from .sampling import sample
+from ..cache.layers import LayerCaches
+from ..cache import sharding as cache_sharding
+from ..cache.sharding import HeadParallel
+from ..models.llama import LAYER_LOOPS, Decoder, DecodeBatch, PrefillBatch, commit_blocks, head_parallel_specs
+from .sampling import sample_rows
 
+_COMPILED: dict = {}       # (kind, model structure, impl, static args, argument shapes) -> executable
+_COMPILED_MAX = 256        # oldest entries are dropped beyond this
 
-_COMPILED: dict = {}       # (function, model structure, impl, argument shapes) -> executable
-_COMPILED_MAX = 512        # oldest entries are dropped beyond this
+# Column layout of the packed per-row int32 metadata (block table columns follow).
+DECODE_COLS = ("positions", "slots", "seq_ids", "seeds", "steps")
+PREFILL_COLS = ("seq_ids", "start", "last", "finishes", "seeds", "steps")
 
 
 @dataclasses.dataclass
@@ -46,89 +53,77 @@ class RunnerStats:
     compile_s: float = 0.0
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SamplingArrays:
-    """Per-row sampling inputs [B]: temperature, top_p, seed, step (index of the token generated)."""
+def _u32(a):
+    """Seeds travel as int32 bit patterns (the packed array is int32); back to uint32."""
+    return jax.lax.bitcast_convert_type(a, jnp.uint32)
 
-    temperature: np.ndarray
-    top_p: np.ndarray
-    seeds: np.ndarray
-    steps: np.ndarray
+
+def _nonfinite(caches: LayerCaches, seq_ids):
+    """Per row: the non-finite (token, layer) writes its sequence slot has had (`LayerCaches.nonfinite`)."""
+    return caches.nonfinite[jnp.clip(seq_ids, 0, caches.max_seqs - 1)]
+
+
+def _with_flags(tok, bad):
+    """What a step returns for the host: int32 [2, B], the sampled tokens and, per row, 1 if its keys
+    or values were non-finite in this step (one array: one transfer per step)."""
+    return jnp.stack([tok.astype(jnp.int32), bad.astype(jnp.int32)])
 
 
 class ModelRunner:
-    def __init__(self, model: Decoder, *, layers_per_call: int | None = 1, impl: str = "auto"):
+    """Compiled prefill / decode / commit steps of one `Decoder` (weights shared by every cache)."""
+
+    def __init__(self, model: Decoder, *, impl: str = "auto", decode_loop: str = "auto",
+                 tp: HeadParallel | None = None):
         if not isinstance(model, Decoder):
             raise TypeError(f"model must be a kvarn_jax.models.Decoder, got {type(model).__name__}")
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
-        n = model.config.num_layers
-        k = n if layers_per_call is None else layers_per_call
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= n:
-            raise ValueError(f"layers_per_call must be an int in [1, {n}] (or None = all layers), "
-                             f"got {layers_per_call!r}")
+        if decode_loop not in ("auto",) + LAYER_LOOPS:
+            raise ValueError(f"decode_loop must be one of {['auto', *LAYER_LOOPS]}, got {decode_loop!r}")
         self.config = model.config
         self.dtype = model.dtype
         self.impl = impl
-        self.layers_per_call = k
         self.stats = RunnerStats()
-        self._model = model  # kept for cache creation only; the weights live in the split states
-        model.attach_caches(None)
-        self._embed_gd, self._embed = nnx.split(model.embed)
-        self._norm_gd, self._norm = nnx.split(model.norm)
-        self._head_gd, self._head = nnx.split(model.lm_head) if model.lm_head is not None else (None, None)
-        self._inv_freq = model.inv_freq[...]
-        self._layer_gd = None
-        self._layers = []
-        for layer in model.layers:
-            gd, params, _ = nnx.split(layer, nnx.Param, KVCache)
-            if self._layer_gd is None:
-                self._layer_gd = gd
-            elif gd != self._layer_gd:
-                raise ValueError("decoder layers differ in structure; they must share one definition")
-            self._layers.append(params)
-        # everything the compiled functions close over besides their arguments
-        self._structure = (self._layer_gd, self._embed_gd, self._norm_gd, self._head_gd, impl)
+        self._model = model  # for cache creation
+        self.tp = tp
+        self._graphdef, self._weights = nnx.split(model)
+        if tp is not None:  # each device holds its heads' and MLP units' part of the weights
+            tp.check(model.config)
+            self._weights = jax.device_put(self._weights, self._named(head_parallel_specs(model, tp.axis)))
+        # GPUs read each layer's statically sliced weights in place; XLA's CPU backend copies them,
+        # and compiles one loop body much faster than a body per layer
+        self.decode_loop = decode_loop if decode_loop != "auto" else (
+            "scan" if jax.default_backend() == "cpu" else "unroll")
+        self._structure = (self._graphdef, impl, self.decode_loop, tp)
 
     @property
-    def params(self) -> list:
-        """The per-layer weight states (shared by every cache pool)."""
-        return self._layers
+    def weights(self):
+        """The model's state (every parameter; shared by every cache pool)."""
+        return self._weights
 
-    # ------------------------------------------------------------------ caches
+    def _named(self, specs):
+        return jax.tree.map(lambda s: NamedSharding(self.tp.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
     def new_caches(self, kv_cache_dtype, *, num_blocks: int, block_size: int, max_seqs: int,
-                   calibration=None) -> list:
-        """Fresh per-layer KVCache states: of one scheme, or of a per-layer sequence of schemes (one
-        entry per decoder layer; every layer gets the same num_blocks, block_size and max_seqs)."""
-        if isinstance(kv_cache_dtype, (str, KVQuantConfig)):
-            caches = self._model.create_caches(kv_cache_dtype, num_blocks=num_blocks, block_size=block_size,
-                                               max_seqs=max_seqs, calibration=calibration)
-        else:
-            schemes = [KVQuantConfig.parse(s) for s in kv_cache_dtype]
-            n = self.config.num_layers
-            if len(schemes) != n:
-                raise ValueError(f"kv_cache_dtype has {len(schemes)} per-layer schemes but the model has "
-                                 f"num_layers={n}")
-            # One layer at a time, with the arguments Decoder.create_caches passes for every layer.
-            caches = []
-            for i, cfg in enumerate(schemes):
-                if cfg.static and calibration is None:
-                    raise ValueError(f"kv_cache_dtype layer {i}: {cfg.name} needs a calibration (static scales)")
-                caches.append(PagedKVCache.create(
-                    cfg, num_blocks=num_blocks, block_size=block_size, num_kv_heads=self.config.num_kv_heads,
-                    head_dim=self.config.head_dim, max_seqs=max_seqs, dtype=self.dtype,
-                    calibration=None if calibration is None else calibration.layer(i)))
-        self._model.attach_caches(caches)
-        # tree_map rebuilds the Variables, so detaching the model's own ones below leaves these intact
-        states = jax.tree.map(lambda a: a, [nnx.state(layer, KVCache) for layer in self._model.layers])
-        self._model.attach_caches(None)
-        return states
+                   calibration=None) -> LayerCaches:
+        """Empty caches of every layer (one scheme, or a sequence of one per layer); under tensor
+        parallelism created directly split over the devices (never whole on one)."""
+        def make():
+            return self._model.new_caches(kv_cache_dtype, num_blocks=num_blocks, block_size=block_size,
+                                          max_seqs=max_seqs, calibration=calibration)
+        if self.tp is None:
+            return make()
+        return jax.jit(make, out_shardings=cache_sharding.shardings(jax.eval_shape(make), self.tp.mesh,
+                                                                       self.tp.axis))()
 
-    # ------------------------------------------------------------------ compiled pieces
-    def _executable(self, name, fn, args, donate=()):
-        structure = self._structure if name.startswith("decode") else self._structure[:-1]  # impl: decode only
-        key = (name, structure, jax.tree.structure(args),
+    def new_tokens(self, max_seqs: int):
+        """The per-slot last-token array (replicated under tensor parallelism)."""
+        z = jnp.zeros((max_seqs,), jnp.int32)
+        return z if self.tp is None else jax.device_put(z, NamedSharding(self.tp.mesh, P()))
+
+    # ------------------------------------------------------------------ compiled functions
+    def _executable(self, kind: str, fn, args, donate=(), static=()):
+        key = (kind, self._structure, static, jax.tree.structure(args),
                tuple((x.shape, x.dtype) for x in jax.tree.leaves(args)))
         exe = _COMPILED.get(key)
         if exe is None:
@@ -141,60 +136,75 @@ class ModelRunner:
             _COMPILED[key] = exe
         return exe
 
-    def _embed_fn(self, embed, tokens):
-        return nnx.merge(self._embed_gd, embed)(tokens)
+    def _decode_fn(self, weights, caches, last_tokens, meta, fmeta, *, sampled: bool):
+        model = nnx.merge(self._graphdef, weights)
+        cols = {n: meta[:, i] for i, n in enumerate(DECODE_COLS)}
+        live = cols["slots"] >= 0
+        seq = cols["seq_ids"]
+        batch = DecodeBatch(tokens=last_tokens[jnp.clip(seq, 0, last_tokens.shape[0] - 1)],
+                            positions=cols["positions"], slot_mapping=cols["slots"], seq_ids=seq,
+                            block_tables=meta[:, len(DECODE_COLS):])
+        before = _nonfinite(caches, seq)
+        logits, caches = model.decode(caches, batch, impl=self.impl, commit=False, layer_loop=self.decode_loop,
+                                      tp=self.tp)
+        tok = sample_rows(logits, fmeta[:, 0], fmeta[:, 1], _u32(cols["seeds"]), cols["steps"], sampled)
+        last_tokens = last_tokens.at[jnp.where(live, seq, last_tokens.shape[0])].set(tok, mode="drop")
+        return _with_flags(tok, live & (_nonfinite(caches, seq) > before)), caches, last_tokens
 
-    def _layers_fn(self, kind):
-        gd, impl = self._layer_gd, self.impl
+    def _prefill_fn(self, weights, caches, last_tokens, tokens, slots, meta, fmeta, *, sampled: bool):
+        model = nnx.merge(self._graphdef, weights)
+        cols = {n: meta[:, i] for i, n in enumerate(PREFILL_COLS)}
+        c = tokens.shape[1]
+        batch = PrefillBatch(tokens=tokens, positions=cols["start"][:, None] + jnp.arange(c, dtype=jnp.int32)[None],
+                             slot_mapping=slots, seq_ids=cols["seq_ids"], block_tables=meta[:, len(PREFILL_COLS):],
+                             start=cols["start"], last=cols["last"])
+        before = _nonfinite(caches, cols["seq_ids"])
+        logits, caches = model.prefill(caches, batch, layer_loop="scan", tp=self.tp)
+        tok = sample_rows(logits, fmeta[:, 0], fmeta[:, 1], _u32(cols["seeds"]), cols["steps"], sampled)
+        # a row whose prompt ends in this chunk hands its first generated token to the decode steps
+        idx = jnp.where(cols["finishes"] > 0, cols["seq_ids"], last_tokens.shape[0])
+        bad = jnp.any(slots >= 0, axis=1) & (_nonfinite(caches, cols["seq_ids"]) > before)
+        return _with_flags(tok, bad), caches, last_tokens.at[idx].set(tok, mode="drop")
 
-        def run(params, caches, inv_freq, x, batch):
-            new = []
-            for p, c in zip(params, caches):
-                layer = nnx.merge(gd, p, c)
-                x = layer.prefill(x, batch, inv_freq) if kind == "prefill" else layer.decode(x, batch, inv_freq, impl)
-                new.append(nnx.state(layer, KVCache))
-            return x, tuple(new)
-        return run
+    def _commit_fn(self, caches, blocks):
+        return commit_blocks(caches, blocks[:, 0], blocks[:, 1], blocks[:, 2], tp=self.tp)
 
-    def _head_fn(self, kind):
-        def run(embed, norm, head, x, last, samp: SamplingArrays):
-            if kind == "prefill":
-                x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
-            h = nnx.merge(self._norm_gd, norm)(x)
-            if head is None:
-                logits = nnx.merge(self._embed_gd, embed).attend(h)
-            else:
-                logits = jnp.dot(h, nnx.merge(self._head_gd, head).kernel[...], preferred_element_type=jnp.float32)
-            logits = logits.astype(jnp.float32)
-            return sample(logits, samp.temperature, samp.top_p, samp.seeds, samp.steps), logits
-        return run
+    # ------------------------------------------------------------------ steps
+    def decode(self, caches: LayerCaches, last_tokens, meta: np.ndarray, fmeta: np.ndarray):
+        """One decode step of every row: (int32 [2, B] device array - the sampled tokens, and 1 where
+        the row's key or value was NaN/Inf in some layer (stored as zeros) -, caches, last_tokens).
 
-    def _run(self, kind, caches: list, batch, last, samp: SamplingArrays):
-        samp = jax.tree.map(jnp.asarray, samp)
-        batch = jax.tree.map(jnp.asarray, batch)
-        args = (self._embed, batch.tokens)
-        x = self._executable("embed", self._embed_fn, args)(*args)
-        k = self.layers_per_call
-        new, exes = [], {}
-        for i in range(0, len(self._layers), k):
-            group = tuple(caches[i:i + k])
-            args = (tuple(self._layers[i:i + k]), group, self._inv_freq, x, batch)
-            # Groups with the same cache structure (schemes are static in it) and shapes share one
-            # executable: look it up once per distinct group, not per group (the full key flattens the weights).
-            sig = (jax.tree.structure(group), tuple((a.shape, a.dtype) for a in jax.tree.leaves(group)))
-            exe = exes.get(sig)
-            if exe is None:
-                exe = exes[sig] = self._executable(f"{kind}_layers", self._layers_fn(kind), args, donate=(1,))
-            x, c = exe(*args)
-            new.extend(c)
-        args = (self._embed, self._norm, self._head, x, last, samp)
-        tokens, logits = self._executable(f"{kind}_head", self._head_fn(kind), args)(*args)
-        return tokens, logits, new
+        meta: int32 [B, 5 + W] - columns `DECODE_COLS` (seeds as int32 bit patterns), then the block
+        table; fmeta: float32 [B, 2] temperature and top_p. The input token of each row is
+        last_tokens[seq_id]. caches and last_tokens are donated."""
+        args = (self._weights, caches, last_tokens, meta, fmeta)
+        sampled = bool((fmeta[:, 0] > 0).any())
+        fn = functools.partial(self._decode_fn, sampled=sampled)
+        return self._executable("decode", fn, args, donate=(1, 2), static=(sampled,))(*args)
 
-    def prefill(self, caches: list, batch: PrefillBatch, samp: SamplingArrays):
-        """(next tokens [P] device array, logits [P, V], new caches); the given caches are donated."""
-        return self._run("prefill", caches, batch, jnp.asarray(batch.last), samp)
+    def prefill(self, caches: LayerCaches, last_tokens, tokens: np.ndarray, slots: np.ndarray, meta: np.ndarray,
+                fmeta: np.ndarray):
+        """One prefill chunk per row: (int32 [2, P]: tokens sampled from each row's last real token and
+        the rows whose chunk had a NaN/Inf key or value, caches, last_tokens). tokens, slots: int32 [P, C]; meta: int32 [P, 6 + W] - columns `PREFILL_COLS`,
+        then the block table; fmeta: float32 [P, 2]. caches and last_tokens are donated."""
+        args = (self._weights, caches, last_tokens, tokens, slots, meta, fmeta)
+        sampled = bool((fmeta[:, 0] > 0).any())
+        fn = functools.partial(self._prefill_fn, sampled=sampled)
+        return self._executable("prefill", fn, args, donate=(1, 2), static=(sampled,))(*args)
 
-    def decode(self, caches: list, batch: DecodeBatch, samp: SamplingArrays):
-        """(next tokens [B] device array, logits [B, V], new caches); the given caches are donated."""
-        return self._run("decode", caches, batch, jnp.zeros((), jnp.int32), samp)
+    def precompile_decode(self, caches: LayerCaches, last_tokens, batch: int, table_width: int) -> None:
+        """Compile (not run) the decode step of `batch` rows and the commits of up to `batch` blocks."""
+        meta = np.zeros((batch, len(DECODE_COLS) + table_width), np.int32)
+        self._executable("decode", functools.partial(self._decode_fn, sampled=False),
+                         (self._weights, caches, last_tokens, meta, np.zeros((batch, 2), np.float32)),
+                         donate=(1, 2), static=(False,))
+        m = 1
+        while m <= batch:
+            self._executable("commit", self._commit_fn, (caches, np.zeros((m, 3), np.int32)), donate=(0,))
+            m *= 2
+
+    def commit(self, caches: LayerCaches, blocks: np.ndarray) -> LayerCaches:
+        """Quantize completed blocks of every layer: blocks int32 [M, 3] = (block id, sequence slot,
+        first position), block id -1 for padding. caches are donated."""
+        args = (caches, blocks)
+        return self._executable("commit", self._commit_fn, args, donate=(0,))(*args)

@@ -66,14 +66,20 @@ def sample(logits: jnp.ndarray, temperature: jnp.ndarray, top_p: jnp.ndarray, se
     Rows with temperature 0 take the argmax; the others sample (the sort for top-p runs only when
     some row samples).
     """
+    return jax.lax.cond(jnp.any(temperature > 0), lambda _: sample_rows(logits, temperature, top_p, seeds, steps, True),
+                        lambda _: sample_rows(logits, temperature, top_p, seeds, steps, False), None)
+
+
+def sample_rows(logits, temperature, top_p, seeds, steps, any_sampled: bool) -> jnp.ndarray:
+    """`sample` with the branch decided by the caller (static `any_sampled`: some row has temperature
+    > 0), for compiled steps whose host knows it: a data-dependent branch would make the device wait
+    for the host in the middle of the step."""
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def sampled(_):
-        keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.PRNGKey(s), t))(
-            seeds.astype(jnp.uint32), steps.astype(jnp.uint32))
-        scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-        tok = jax.vmap(_nucleus_sample)(scaled, top_p.astype(jnp.float32), keys).astype(jnp.int32)
-        return jnp.where(temperature > 0, tok, greedy)
-
-    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
+    if not any_sampled:
+        return greedy
+    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.PRNGKey(s), t))(
+        seeds.astype(jnp.uint32), steps.astype(jnp.uint32))
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    tok = jax.vmap(_nucleus_sample)(scaled, top_p.astype(jnp.float32), keys).astype(jnp.int32)
+    return jnp.where(temperature > 0, tok, greedy)

@@ -1,0 +1,49 @@
+"""What a token becomes when it is stored: the one place that turns given K/V into the values a cache
+(or `quantize`) keeps, so that finite input never comes back non-finite and a bad token never
+spreads past itself.
+
+- A token with any non-finite value (NaN or Inf) in its K or V is stored as zeros: quantized
+  with others of its tile, a NaN would make the whole tile's scales NaN (an Inf, every key of it).
+- Quantized schemes clip values to ±`QUANT_MAX` (2^50) first: the tile arithmetic squares values
+  (KVarN's variances) and must stay finite in fp32. Only bf16/fp32 data can reach it.
+- KVarN's rotation accumulates in fp32 (`hadamard.rotate`); its result, like every stored value, is
+  rounded to the storage dtype with saturation: a token whose rotated values exceed the dtype's
+  range (fp16: L2 norm above ~65,504) is stored saturated.
+Callers count the tokens changed this way (`PagedKVCache.dropped_tokens`) or, eagerly, raise.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from .config import KVQuantConfig
+from .hadamard import rotate
+from .schemes.arith import saturate
+
+QUANT_MAX = 2.0 ** 50
+
+
+def _per_token(mask: jnp.ndarray) -> jnp.ndarray:
+    return jnp.any(mask.reshape(mask.shape[0], -1), axis=1)
+
+
+def storage_values(cfg: KVQuantConfig, k: jnp.ndarray, v: jnp.ndarray, dtype, rotated: bool = False):
+    """(k, v) [tokens, Hk, D] -> (stored k, stored v, nonfinite [tokens] bool, saturated [tokens] bool).
+
+    Stored values are in the storage frame (rotated for KVarN unless `rotated`: already in it) and
+    in `dtype`. nonfinite: the token was stored as zeros; saturated: some value of a finite token was
+    clipped (to ±QUANT_MAX before quantization, or to the dtype's range)."""
+    nonfinite = _per_token(~jnp.isfinite(k)) | _per_token(~jnp.isfinite(v))
+    big = float(jnp.finfo(jnp.dtype(dtype)).max)
+    out, saturated = [], jnp.zeros(nonfinite.shape, bool)
+    for x in (k, v):
+        x = jnp.where(nonfinite[:, None, None], jnp.zeros((), x.dtype), x)
+        if not cfg.is_passthrough and float(jnp.finfo(x.dtype).max) > QUANT_MAX:
+            saturated |= _per_token(jnp.abs(x) > QUANT_MAX)
+            x = jnp.clip(x, -QUANT_MAX, QUANT_MAX)
+        # in fp32 first (for fp16 input KVarN's rotation keeps the reference's fp16 matrix), then
+        # rounded once to the storage dtype
+        y = rotate(x, jnp.float32) if cfg.rotated and not rotated else x.astype(jnp.float32)
+        saturated |= _per_token(jnp.abs(y) > big)
+        out.append(saturate(y, dtype))
+    return out[0], out[1], nonfinite, saturated & ~nonfinite
