@@ -69,7 +69,7 @@ def _prefill_in_chunks(scheme, seqs, queries, chunks, rng, dtype=jnp.float32):
     steps = max(len(c) for c in chunks)
     for step in range(steps):
         take = [c[step] if step < len(c) else 0 for c in chunks]
-        width = max(1, max(take))
+        width = max(8, 1 << (max(take) - 1).bit_length())  # padded to few widths: few compilations
         qb = np.zeros((len(seqs), width, HQ, D), np.float32)
         kb = np.zeros((len(seqs), width, HK, D), np.float32)
         vb = np.zeros_like(kb)
@@ -88,6 +88,9 @@ def _prefill_in_chunks(scheme, seqs, queries, chunks, rng, dtype=jnp.float32):
             k = np.concatenate([kb[i, :n] for i, n in enumerate(take)])
             v = np.concatenate([vb[i, :n] for i, n in enumerate(take)])
             slots = [int(tables[i, p // BS]) * BS + p % BS for i, p in zip(sid, pos)]
+            pad = max(16, 1 << (len(pos) - 1).bit_length()) - len(pos)  # padding tokens: slot -1
+            k, v = (np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)]) for x in (k, v))
+            slots, sid, pos = slots + [-1] * pad, sid + [0] * pad, pos + [0] * pad
             cache = kj.write(cache, jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(slots, jnp.int32),
                              seq_ids=jnp.asarray(sid, jnp.int32), positions=jnp.asarray(pos, jnp.int32))
         for i, n in enumerate(take):

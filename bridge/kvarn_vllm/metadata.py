@@ -20,9 +20,17 @@ from .checks import check_layer_order
 from .plan import KvarnMetadata, StepPlan
 
 try:  # vLLM is optional for the rest of the package (the torch entry points need none)
+    from vllm.logger import init_logger
     from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder, CommonAttentionMetadata
 except ImportError as e:  # pragma: no cover
     raise ImportError("kvarn_vllm.metadata needs vLLM (pip install 'kvarn-jax[vllm]')") from e
+
+
+logger = init_logger("vllm.kvarn_vllm")
+REPORT_EVERY = 256
+ALTERED_WORDS = {"nonfinite_tokens": "token(s) with NaN/Inf in K or V as zeros",
+                 "saturated_tokens": "token(s) clipped to the cache dtype's range",
+                 "metadata_saturated_tokens": "token(s) in blocks whose KVarN scales saturated"}
 
 
 class SlotTable:
@@ -83,6 +91,23 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         self.block_size = kv_cache_spec.block_size
         self.table = SlotTable(self.max_seqs)
         self.runner = _find_runner()
+        self.steps = 0
+        self.reported = dict.fromkeys(torch_ops.ALTERED, 0)
+
+    def _report_altered(self) -> None:
+        """Log the tokens the writes stored altered (NaN/Inf as zeros, saturated values) since the
+        last report: every step on CPUs, where the counters are host memory, every
+        REPORT_EVERY steps on GPUs, where reading them waits for the device."""
+        self.steps += 1
+        if self.device.type != "cpu" and self.steps % REPORT_EVERY:
+            return
+        now = torch_ops.altered_tokens()
+        new = {k: now[k] - self.reported[k] for k in now if now[k] > self.reported[k]}
+        if new:
+            logger.warning("kvarn: the KV cache stored %s since the last report (kvarn_jax.storage's rule; "
+                           "totals: kvarn_vllm.torch_ops.counters())",
+                           ", ".join(f"{n} {ALTERED_WORDS[k]}" for k, n in new.items()))
+        self.reported = now
 
     def _row_slots(self, cm: CommonAttentionMetadata, fresh: np.ndarray) -> np.ndarray:
         if cm.req_idx is not None:  # model runner V2: a fixed index per request
@@ -113,6 +138,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         ctx = seq_lens - q_lens                      # tokens already in the cache before this step
         num_decodes = int(np.argmax(q_lens != 1)) if np.any(q_lens != 1) else r
         slots = self._row_slots(cm, ctx == 0)
+        self._report_altered()
         return KvarnMetadata(StepPlan.build(
             block_size=self.block_size, max_seqs=self.max_seqs, query_start_loc=qsl, seq_lens=seq_lens,
             seq_ids=slots, block_table=cm.block_table_tensor[:r], slot_mapping=cm.slot_mapping[:n],

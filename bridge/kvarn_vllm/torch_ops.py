@@ -48,8 +48,9 @@ import torch.nn.functional as F
 import kvarn_jax
 from kvarn_jax import schemes
 from kvarn_jax.attention.prefill import dequantize_blocks
-from kvarn_jax.cache.paged import auto_quantizer, completed_blocks, completion_sizes, write_plan
+from kvarn_jax.cache.paged import auto_quantizer, completed_blocks, completion_sizes, saturated_blocks, write_plan
 from kvarn_jax.hadamard import hadamard_matrix_np, rotate, unrotate
+from kvarn_jax.storage import QUANT_MAX, storage_values
 
 from .layout import PageLayout, allocate_hp, carve, to_jax
 from .plan import StepPlan, _bucket
@@ -70,19 +71,49 @@ def count(**kw) -> None:
             _COUNTERS[k] += n
 
 
+# Tokens the writes did not store as given (`kvarn_jax.storage`'s rule), counted on the device of
+# the caches so that counting never waits for it: per device an int64 [3] tensor in ALTERED order.
+ALTERED = ("nonfinite_tokens", "saturated_tokens", "metadata_saturated_tokens")
+_ALTERED: dict = {}
+
+
+def _altered(device: torch.device) -> torch.Tensor:
+    key = str(device)
+    with _LOCK:
+        if key not in _ALTERED:
+            _ALTERED[key] = torch.zeros(len(ALTERED), dtype=torch.int64, device=device)
+        return _ALTERED[key]
+
+
+def altered_tokens() -> dict:
+    """{name: count} of the tokens the writes stored altered since the start (or `reset_counters`):
+    `nonfinite_tokens` had a NaN/Inf in K or V and were stored as zeros, `saturated_tokens` had
+    values the cache cannot hold and were stored clipped, `metadata_saturated_tokens` belong to
+    quantized blocks whose KVarN scales saturated. Reads the device counters (waits for them)."""
+    with _LOCK:
+        tensors = list(_ALTERED.values())
+    total = np.zeros(len(ALTERED), np.int64)
+    for t in tensors:
+        total += t.cpu().numpy()
+    return dict(zip(ALTERED, (int(x) for x in total)))
+
+
 def counters() -> dict:
     """How often the bridge ran (per process): binds, writes, tokens written, blocks quantized,
     attention calls with decode rows / prefill rows and their rows / tokens, blocks dequantized for
-    attention, host seconds in write and attend, and how many sequences started (restarts: a request
-    that started again at position 0, e.g. after vLLM preempted it)."""
+    attention, host seconds in write and attend, how many sequences started (restarts: a request
+    that started again at position 0, e.g. after vLLM preempted it), and `altered_tokens`."""
     with _LOCK:
-        return dict(_COUNTERS)
+        out = dict(_COUNTERS)
+    return {**out, **altered_tokens()}
 
 
 def reset_counters() -> None:
     with _LOCK:
         for k in _COUNTERS:
             _COUNTERS[k] = 0.0 if k.endswith("_s") else 0
+        for t in _ALTERED.values():
+            t.zero_()
 
 
 # ------------------------------------------------------------------------------------- binding
@@ -212,15 +243,48 @@ def _rotate(bound: BoundCache, x: torch.Tensor, src_dtype=None) -> torch.Tensor:
     return torch.matmul(x.to(torch.float32), bound.rotation.get(src_dtype, bound.rotation[None]))
 
 
-def stored_rows(bound: BoundCache, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """The tokens as the cache stores them: [2, tokens, Hk, D] in the storage frame (rotated for
-    KVarN) and dtype - `kvarn_jax`'s `write` computes the same (the rotation may round differently in
-    the last fp32 bit: torch's matmul and XLA's sum in different orders)."""
+def _token_max(x: torch.Tensor) -> torch.Tensor:
+    """[2, tokens, ...] -> [tokens]: the largest magnitude of each token's K and V (NaN if any is)."""
+    return x.abs().amax(dim=tuple(i for i in range(x.dim()) if i != 1))
+
+
+def stored_rows(bound: BoundCache, key: torch.Tensor, value: torch.Tensor):
+    """The tokens as the cache stores them, by `kvarn_jax.storage.storage_values`' rule: a token with
+    a NaN/Inf value stored as zeros; quantized schemes clip to +-QUANT_MAX; the storage frame
+    (rotated in fp32 for KVarN) rounded to the cache dtype with saturation. Returns (rows [2, tokens,
+    Hk, D], nonfinite [tokens] bool, saturated [tokens] bool), equal to the library's (the rotation may
+    round the last fp32 bit differently: torch's matmul and XLA's sum in different orders)."""
     kv = torch.stack((key, value))
-    store = getattr(torch, bound.layout.cfg.dtype if bound.cfg.is_passthrough else bound.layout.dtype)
-    if bound.cfg.rotated:
-        return _rotate(bound, kv, kv.dtype).to(store)
-    return kv.to(store)
+    cfg = bound.cfg
+    store = getattr(torch, cfg.dtype if cfg.is_passthrough else bound.layout.dtype)
+    m = _token_max(kv)
+    nonfinite = ~torch.isfinite(m)
+    saturated = None
+    reach = torch.finfo(kv.dtype).max
+    if not cfg.is_passthrough and reach > QUANT_MAX:
+        saturated = m > QUANT_MAX
+        kv = kv.clamp(-QUANT_MAX, QUANT_MAX)
+        reach = QUANT_MAX
+    kv = kv.masked_fill(nonfinite[None, :, None, None], 0)
+    if cfg.rotated:
+        y = _rotate(bound, kv, kv.dtype)
+        reach *= math.sqrt(bound.layout.head_dim)  # a rotated value is at most sqrt(D) x the largest input
+    else:
+        y = kv if kv.dtype == torch.float32 else kv.to(torch.float32)
+    big = torch.finfo(store).max
+    if reach > big:  # only then can a finite value leave the storage dtype's range
+        over = _token_max(y) > big
+        saturated = over if saturated is None else saturated | over
+        y = y.clamp(-big, big)
+    if saturated is None:
+        saturated = torch.zeros_like(nonfinite)
+    return y.to(store), nonfinite, saturated & ~nonfinite
+
+
+def _count_altered(device, counts: torch.Tensor, first: int = 0) -> None:
+    """Add counts (a device tensor, `ALTERED[first:]` order) to the device's totals without waiting."""
+    acc = _altered(device)
+    acc[first:first + counts.shape[0]] += counts
 
 
 def _check_plan(bound: BoundCache, plan: StepPlan):
@@ -333,9 +397,16 @@ def _completed_pages(cache, rows, ids, *, size: int, quantizer: str):
     ...]}); the first `completing` entries are the completed blocks, in token order."""
     p = write_plan(cache, rows[0], rows[1], ids[0], ids[1], ids[2])
     p = p._replace(xs={"k": rows[0], "v": rows[1]})  # already in the storage frame and dtype
+    return _quantized_completions(cache, p, size, quantizer)
+
+
+def _quantized_completions(cache, p, size, quantizer):
+    """(block ids [size], {leaf key: fields [size, ...]}, [1] int32 tokens of blocks whose metadata
+    saturated) for the blocks of write plan `p` (`completed_blocks`)."""
     c_m, fields = completed_blocks(cache, p, size, quantizer)
+    bad = jnp.sum(saturated_blocks(cache, fields) & (c_m < cache.num_blocks), dtype=jnp.int32) * cache.block_size
     return c_m, {f"pages.{s}.{name}": f.astype(cache.pages[s][name].dtype)
-                 for s in schemes.SIDES for name, f in fields[s].items()}
+                 for s in schemes.SIDES for name, f in fields[s].items()}, bad[None]
 
 
 def _write_ids(plan: StepPlan, nb: int) -> torch.Tensor:
@@ -362,9 +433,11 @@ def _store_completed(bound: BoundCache, rows: torch.Tensor, plan: StepPlan) -> l
     ids = plan.cached(("write_ids", nb), lambda: _write_ids(plan, nb))
     padded = rows if nb == n else torch.cat((rows, rows.new_zeros((2, nb - n) + tuple(rows.shape[2:]))), 1)
     rows_j, ids_j = _to_jax(padded), _to_jax(ids)
-    c_m, fields = _completed_pages(bound.cache, rows_j, ids_j, size=size, quantizer=auto_quantizer(bound.cache))
+    c_m, fields, bad = _completed_pages(bound.cache, rows_j, ids_j, size=size, quantizer=auto_quantizer(bound.cache))
     blocks = _to_torch(c_m)[:c].to(torch.int64)
-    held = [padded, rows_j, ids_j, c_m, fields, blocks]
+    bad_t = _to_torch(bad)
+    _count_altered(blocks.device, bad_t, 2)
+    held = [padded, rows_j, ids_j, c_m, fields, blocks, bad, bad_t]
     for key, f in fields.items():
         vals = _to_torch(f)
         bound.views[key].index_copy_(0, blocks, vals[:c])
@@ -380,7 +453,8 @@ def write(bound: BoundCache, key: torch.Tensor, value: torch.Tensor, plan: StepP
     n = plan.num_tokens
     _check_tokens(bound, key, "key", n, bound.layout.num_kv_heads)
     _check_tokens(bound, value, "value", n, bound.layout.num_kv_heads)
-    rows = stored_rows(bound, key, value)
+    rows, nonfinite, saturated = stored_rows(bound, key, value)
+    _count_altered(rows.device, torch.stack((nonfinite, saturated)).sum(1))
     before = _before(bound, plan)
     held = []
     quantized = not bound.cfg.is_passthrough
@@ -495,11 +569,11 @@ def _decode_served(q, cache, table, entries, info, kv=None, ids=None, *, scale, 
     in position order, whatever else is in the batch. Returns [B, Hq, D] in q's dtype.
 
     With kv ([2, B, Hk, D]: the step's new keys and values, one per row, not yet written) the step's
-    write is done here too: it returns (rows, out, completed) - the rows as the cache stores them
-    ([2, B, Hk, D], `stored_rows`' math in XLA), the attention computed as if they were written
+    write is done here too: it returns (rows, out, completed, altered) - the rows as the cache stores
+    them ([2, B, Hk, D], `kvarn_jax.storage.storage_values`), the attention computed as if they were written
     (each row's new token in its sink, ring or page), and with size > 0 the page fields of the
     blocks the write completes (`_completed_pages`, ids: the write's [3, B] slots, slots' sequences,
-    positions). The caller stores rows and pages afterwards."""
+    positions); altered: int32 [3] counts in `ALTERED` order. The caller stores rows and pages afterwards."""
     b, hq, d = q.shape
     hk, bs = cache.num_kv_heads, cache.block_size
     g = hq // hk
@@ -510,8 +584,10 @@ def _decode_served(q, cache, table, entries, info, kv=None, ids=None, *, scale, 
     rows = completed = None
     if kv is not None:
         store = cache.cfg.dtype if cache.cfg.is_passthrough else cache.dtype
-        rows = rotate(kv, store) if cache.cfg.rotated else kv.astype(store)
+        k_s, v_s, nonfinite, saturated = storage_values(cache.cfg, kv[0], kv[1], store)
+        rows = jnp.stack((k_s, v_s))
         live = info[4] >= 0                                                   # padding rows write nothing
+        altered = jnp.stack([jnp.sum(m & live, dtype=jnp.int32) for m in (nonfinite, saturated)] + [jnp.int32(0)])
     row = entries[0]
     ids_blk = table[jnp.clip(row, 0, table.shape[0] - 1), jnp.clip(entries[1], 0, table.shape[1] - 1)]
     k, v = dequantize_blocks(cache, ids_blk)                              # [Hk, N, bs, D]
@@ -542,9 +618,9 @@ def _decode_served(q, cache, table, entries, info, kv=None, ids=None, *, scale, 
             mx = jnp.maximum(mx, sh.max(-1))
         if rows is not None and size:
             p = write_plan(cache, rows[0], rows[1], ids[0], ids[1], ids[2])._replace(xs={"k": rows[0], "v": rows[1]})
-            c_m, fields = completed_blocks(cache, p, size, quantizer)
-            completed = (c_m, {f"pages.{s_}.{name}": f.astype(cache.pages[s_][name].dtype)
-                               for s_ in schemes.SIDES for name, f in fields[s_].items()})
+            c_m, fields, bad = _quantized_completions(cache, p, size, quantizer)
+            completed = (c_m, fields)
+            altered = altered.at[2].add(bad[0])
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
     p = jnp.exp(s - jnp.concatenate([mx, jnp.zeros((1, hk, g))])[jnp.clip(row, 0, b)][..., None])
     den = jax.ops.segment_sum(p.sum(-1), row, num_segments=b + 1, indices_are_sorted=True)[:b]
@@ -558,7 +634,7 @@ def _decode_served(q, cache, table, entries, info, kv=None, ids=None, *, scale, 
     if cache.cfg.rotated:
         o = unrotate(o)
     o = o.astype(q.dtype)
-    return o if kv is None else (rows, o, completed)
+    return o if kv is None else (rows, o, completed, altered)
 
 
 def _decode_inputs(bound, plan):
@@ -598,9 +674,11 @@ def _decode_step_served(bound, query, key, value, plan, scale, out):
         size = next(m for m in sizes if m >= c)
         ids_j = plan.cached(("decode_write_ids", bb), lambda: _to_jax(_write_ids(plan, bb)))
         quantizer = auto_quantizer(bound.cache)
-    rows_j, res, completed = _decode_served(q_j, bound.cache, t_j, e_j, i_j, kv_j, ids_j, scale=scale, size=size,
-                                            quantizer=quantizer)
-    held = [q, kv, q_j, kv_j, rows_j, res, completed]
+    rows_j, res, completed, altered = _decode_served(q_j, bound.cache, t_j, e_j, i_j, kv_j, ids_j, scale=scale,
+                                                     size=size, quantizer=quantizer)
+    altered_t = _to_torch(altered)
+    _count_altered(q.device, altered_t)
+    held = [q, kv, q_j, kv_j, rows_j, res, completed, altered, altered_t]
     if completed is not None:  # before the rows: the pages came from the ring as it was
         blocks = _to_torch(completed[0])[:c].to(torch.int64)
         for key_, f in completed[1].items():

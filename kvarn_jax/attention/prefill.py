@@ -5,7 +5,7 @@ Semantics - the decode rule, applied to every query: the query at position p see
 - every full block before its own block as the cache serves it (quantized pages), including
   blocks this very chunk completes (quantized exactly as `write` stores them),
 - the positions of its own block up to p in high precision: the stored value of each token (the
-  storage frame - rotated for KVarN - rounded to the cache dtype).
+  storage frame - rotated for KVarN - rounded to the cache dtype, by `kvarn_jax.storage`'s rule).
 So a query's inputs do not depend on how the prompt was cut into chunks, nor on what else is in
 the batch: a token prefilled in one chunk of 2,048 and the same token decoded one at a time see
 the same keys and values. (Passthrough caches store every token exactly: the rule is then plain
@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from .. import schemes
 from ..cache.paged import PagedKVCache, fields_from_pages, gather_dense, write_reference
 from ..hadamard import rotate, unrotate
+from ..storage import storage_values
 from ..validation import check_array, check_finite, check_range, is_concrete
 
 
@@ -146,9 +147,9 @@ def _prefill(q, k, v, cache, block_tables, context_lens, q_lens, seq_ids, scale)
     t = jnp.arange(length)
     rel = t[None, :] - ctx[:, None]                                          # key's index in the chunk
     in_chunk = (rel >= 0) & (rel < ql[:, None])
-    xs = [rotate(x, cache.dtype) if cache.cfg.rotated else x.astype(cache.dtype) for x in (k, v)]
-    xs = [jnp.take_along_axis(x.astype(jnp.float32), jnp.clip(rel, 0, c - 1)[:, :, None, None], axis=1)
-          .transpose(0, 2, 1, 3) for x in xs]                                # [P, Hk, L, D]
+    stored = storage_values(cache.cfg, k.reshape(p * c, hk, d), v.reshape(p * c, hk, d), cache.dtype)[:2]
+    xs = [jnp.take_along_axis(x.reshape(p, c, hk, d).astype(jnp.float32), jnp.clip(rel, 0, c - 1)[:, :, None, None],
+                              axis=1).transpose(0, 2, 1, 3) for x in stored]  # [P, Hk, L, D]
     kh = jnp.where(in_chunk[:, None, :, None], xs[0], kh)
     vh = jnp.where(in_chunk[:, None, :, None], xs[1], vh)
     qf = q.astype(jnp.float32)
