@@ -16,7 +16,9 @@ write (in place: pointers checked again), then time
   bridge decode: `torch_ops.attend` on a decode step's plan (torch q in, torch output);
   write: the step's write of B new tokens, completing no block (most steps) or one per sequence;
   layer: write + decode, what one attention layer costs per decode step;
-  torch SDPA fp16: `scaled_dot_product_attention` of the same queries over dense fp16 K/V [B, Hk, L, D].
+  torch SDPA fp16: `scaled_dot_product_attention` of the same queries over dense fp16 K/V [B, Hk, L, D];
+  chunked prefill (`prefill_profile`): one sequence prefilled chunk by chunk, per chunk the bridge's
+          write and attention against torch's causal SDPA over the same keys.
 
 Each three ways: waited for (call, then synchronize: host + device, serialized), host only (the call
 alone) and pipelined (--layers calls back to back, one wait at the end: how a model's layers run -
@@ -50,6 +52,7 @@ import kvarn_jax  # noqa: E402
 from kvarn_vllm import torch_ops  # noqa: E402
 from kvarn_vllm.layout import PageLayout  # noqa: E402
 from kvarn_vllm.plan import StepPlan  # noqa: E402
+from timing import markdown_table, run_info  # noqa: E402
 
 
 def _sync(device):
@@ -206,6 +209,85 @@ def run_scheme(scheme, a, device, dtype):
             "bridge_vs_reference_max_abs_diff": float(np.max(np.abs(out_b - out_r)))}
 
 
+def prefill_profile(scheme, a, device, dtype):
+    """One sequence of --prefill-len tokens prefilled through the bridge in chunks of --prefill-chunk,
+    as vLLM's chunked prefill runs it: per chunk, the ms of the write and of the attention (every
+    query over the sink, the quantized blocks before its own, its own block in high precision), each
+    waited for, and torch's causal SDPA over the same keys held dense in the model dtype (what an
+    attention that reads an unquantized cache does at least). What grows with the context shows here."""
+    bs, n, chunk = a.block_size, a.prefill_len, a.prefill_chunk
+    lay = PageLayout(scheme, block_size=bs, num_kv_heads=a.kv_heads, head_dim=a.head_dim,
+                     dtype=str(dtype).split(".")[-1], max_seqs=1)
+    num_blocks = -(-n // bs) + 1
+    kv = torch.zeros((num_blocks, 1, bs, lay.vllm_page_bytes(-(-lay.hp_bytes // num_blocks)) // bs),
+                     dtype=torch.uint8, device=device)
+    g = torch.Generator(device=device).manual_seed(1)
+    table = (torch.randperm(num_blocks, generator=g, device=device)[: num_blocks - 1]).to(torch.int32)[None]
+    q, k, v = (torch.randn((n, h, a.head_dim), generator=g, device=device, dtype=dtype)
+               for h in (a.q_heads, a.kv_heads, a.kv_heads))
+    for _ in range(2):  # the first pass compiles every chunk's shapes; the second is timed
+        kv.zero_()
+        bound = torch_ops.bind(kv, lay)
+        rows = _prefill_pass(bound, a, device, table, q, k, v)
+    return {"scheme": scheme, "prefill_len": n, "chunk": chunk, "chunks": rows,
+            "total_ms": sum(r["write_ms"] + r["attend_ms"] for r in rows), "sdpa_total_ms": sum(r["sdpa_ms"] for r in rows)}
+
+
+def _prefill_pass(bound, a, device, table, q, k, v):
+    bs, n, chunk = a.block_size, a.prefill_len, a.prefill_chunk
+    rows = []
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
+        pos = torch.arange(start, end, device=device, dtype=torch.int64)
+        plan = StepPlan.build(block_size=bs, max_seqs=1, query_start_loc=[0, end - start], seq_lens=[end], seq_ids=[0],
+                              block_table=table, slot_mapping=table[0, pos // bs].to(torch.int64) * bs + pos % bs,
+                              num_decodes=0)
+        _sync(device)
+        t0 = time.perf_counter()
+        written = torch_ops.write(bound, k[start:end], v[start:end], plan)
+        _sync(device)
+        t1 = time.perf_counter()
+        torch_ops.attend(bound, q[start:end], plan, written=written)
+        _sync(device)
+        t2 = time.perf_counter()
+        qd = q[start:end].transpose(0, 1)[None]
+        kd, vd = (x[:end].transpose(0, 1)[None] for x in (k, v))
+        mask = torch.ones((end - start, end), dtype=torch.bool, device=device).tril(start)
+        sdpa = _time(lambda: F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, enable_gqa=True),  # noqa: B023
+                     device, 1, 3)
+        rows.append({"context": start, "chunk": end - start, "write_ms": (t1 - t0) * 1e3,
+                     "attend_ms": (t2 - t1) * 1e3, "sdpa_ms": sdpa})
+    return rows
+
+
+COLUMNS = (("kernel", "kernel"), ("decode_direct", "JAX direct"), ("decode_bridge", "bridge decode"),
+           ("write_step", "write, no block done"), ("write_step_completing", "write, B blocks done"),
+           ("layer", "layer: write + decode"), ("sdpa_fp16", "torch SDPA fp16"))
+
+
+def table(rows) -> str:
+    """The closing table: pipelined ms per call (the kernel: device time per call), then the issue's
+    ratios and the checks."""
+    def cell(r, k):
+        key = "kernel_ms" if k == "kernel" else k + "_pipelined_ms"
+        return f"{r[key]:.3f}" if key in r else "-"
+
+    def ratio(r, a, b):
+        return f"{r[a] / r[b]:.2f}" if a in r and b in r else "-"
+
+    body = [[r["scheme"]] + [cell(r, k) for k, _ in COLUMNS]
+            + [ratio(r, "decode_bridge_pipelined_ms", "decode_direct_pipelined_ms"),
+               ratio(r, "layer_pipelined_ms", "kernel_ms"), ratio(r, "layer_pipelined_ms", "sdpa_fp16_pipelined_ms"),
+               f"{r['plan_build_ms']:.2f}", f"{r['bridge_vs_direct_max_abs_diff']:.1e}",
+               f"{r['bridge_vs_reference_max_abs_diff']:.1e}"] for r in rows]
+    header = (["scheme"] + [h for _, h in COLUMNS]
+              + ["bridge / direct", "layer / kernel", "layer / SDPA", "plan build (once a step)",
+                 "max abs bridge - direct", "max abs bridge - reference"])
+    return ("ms per call, pipelined (calls back to back, one wait); targets: bridge / direct <= 1.1, "
+            "layer / kernel <= 1.25 and layer < SDPA, write without a completed block <= 0.05 ms\n"
+            + markdown_table(header, body))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--schemes", default="kvarn_k4v2_g128,int8,fp8,fp16")
@@ -222,42 +304,37 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--layers", type=int, default=32, help="calls back to back in the pipelined timing")
+    p.add_argument("--prefill-len", type=int, default=8192, help="the chunked-prefill profile's sequence length "
+                   "(0: no profile)")
+    p.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per chunk in the prefill profile")
     p.add_argument("--tiny", action="store_true", help="small shapes for a CPU run")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--json", default=None, help="write the rows to this file")
     a = p.parse_args(argv)
     if a.tiny:
         a.batch, a.seq_len, a.q_heads, a.kv_heads, a.head_dim, a.iters, a.chunk, a.layers = 4, 510, 8, 2, 64, 5, 512, 4
+        a.prefill_len, a.prefill_chunk = min(a.prefill_len, 1024), min(a.prefill_chunk, 256)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and jax.default_backend() != "gpu":
         sys.exit("torch sees a GPU but JAX does not: install the CUDA build of jax")
     dtype = getattr(torch, a.dtype)
-    rows = [run_scheme(s.strip(), a, device, dtype) for s in a.schemes.split(",") if s.strip()]
-    print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
-          f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__}")
-    cols = [("decode_bridge", "bridge decode"), ("decode_direct", "JAX direct"), ("write_step", "write (no block done)"),
-            ("write_step_completing", "write (B blocks done)"), ("layer", "layer: write + decode"),
-            ("sdpa_fp16", "torch SDPA fp16")]
-    print("ms per call: waited for / host only / pipelined (per call of --layers back to back); kernel: device "
-          "time per call")
-    print(f"{'scheme':16} {'kernel':>7} " + " ".join(f"{h:>22}" for _, h in cols))
-    for r in rows:
-        cells = [f"{r[k + '_ms']:.3f}/{r[k + '_host_ms']:.3f}/{r[k + '_pipelined_ms']:.3f}" if k + "_ms" in r else "-"
-                 for k, _ in cols]
-        print(f"{r['scheme']:16} {r['kernel_ms']:7.3f} " + " ".join(f"{c:>22}" for c in cells))
-    print("targets (pipelined): bridge decode <= 1.1 x JAX direct; layer <= 1.25 x kernel and < SDPA fp16; "
-          "write without a completed block <= 0.05 ms")
-    for r in rows:
-        print(f"  {r['scheme']}: bridge/direct {r['decode_bridge_pipelined_ms'] / r['decode_direct_pipelined_ms']:.2f}, "
-              f"layer/kernel {r['layer_pipelined_ms'] / r['kernel_ms']:.2f}, layer/SDPA "
-              f"{r['layer_pipelined_ms'] / r['sdpa_fp16_pipelined_ms']:.2f}, write {r['write_step_pipelined_ms']:.3f} ms; "
-              f"plan build {r['plan_build_ms']:.2f} ms, first layer of a step {r['first_layer_of_step_ms']:.2f} ms; "
-              f"max|bridge - direct| {r['bridge_vs_direct_max_abs_diff']:.2e}, "
-              f"max|bridge - reference| {r['bridge_vs_reference_max_abs_diff']:.2e}")
+    schemes = [s.strip() for s in a.schemes.split(",") if s.strip()]
+    rows = [run_scheme(s, a, device, dtype) for s in schemes]
+    prefill = [prefill_profile(s, a, device, dtype) for s in schemes] if a.prefill_len else []
+    info = {**run_info(), "torch": torch.__version__, "torch_device": str(device),
+            "torch_device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    print(f"device: {info['torch_device_name']}, jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device": str(device), "jax": jax.__version__, "torch": torch.__version__, "args": vars(a),
-                       "rows": rows}, f, indent=1)
+            json.dump({**info, "args": vars(a), "rows": rows, "prefill": prefill}, f, indent=1)
+    print(table(rows))
+    if prefill:
+        print(f"\nchunked prefill, one sequence of {a.prefill_len} tokens in chunks of {a.prefill_chunk}: ms per chunk "
+              "(write + attention, each waited for) vs torch SDPA over the same keys (dense, model dtype)")
+        print(markdown_table(["scheme"] + [f"context {c['context']}" for c in prefill[0]["chunks"]] + ["total", "SDPA total"],
+                             [[p["scheme"]] + [f"{c['write_ms']:.1f} + {c['attend_ms']:.1f} vs {c['sdpa_ms']:.1f}"
+                                               for c in p["chunks"]] + [f"{p['total_ms']:.1f}", f"{p['sdpa_total_ms']:.1f}"]
+                              for p in prefill]))
     if not all(r["zero_copy_bind"] and r["in_place_write"] for r in rows):
         sys.exit("a cache was copied or not written in place")
 

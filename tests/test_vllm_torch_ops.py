@@ -313,8 +313,9 @@ def test_bad_values_are_stored_by_the_librarys_rule_and_counted(scheme, dtype, m
         sl = slice(done[0], done[0] + n)
         oracle = write(oracle, jnp.asarray(k[sl]), jnp.asarray(v[sl]), jnp.asarray(plan.slot_mapping.numpy()),
                        jnp.asarray(seq, jnp.int32), jnp.asarray(pos, jnp.int32))
-        outs.append(torch_ops.forward(bound, torch.from_numpy(queries[sl]), torch.from_numpy(k[sl]),
-                                      torch.from_numpy(v[sl]), plan).float().numpy())
+        with torch.inference_mode():  # as vLLM runs its model
+            outs.append(torch_ops.forward(bound, torch.from_numpy(queries[sl]), torch.from_numpy(k[sl]),
+                                          torch.from_numpy(v[sl]), plan).float().numpy())
         done[0] += n
     leaves, lib = _leaves(bound.cache), _leaves(oracle)
     for key in bound.views:
@@ -330,6 +331,8 @@ def test_bad_values_are_stored_by_the_librarys_rule_and_counted(scheme, dtype, m
     assert sum(got.values()) == int(oracle.dropped_tokens), got  # the library counts all three kinds
     assert got["nonfinite_tokens"] == 3 and got["saturated_tokens"] == 1, got  # 6e4 rotated, 1e6 in fp16, 1e20
     assert all(np.all(np.isfinite(o)) for o in outs)
+    torch_ops.reset_counters()  # outside inference mode, as a caller between engine runs
+    assert sum(torch_ops.altered_tokens().values()) == 0
 
 
 def test_a_decode_step_without_completed_blocks_runs_no_jax(rng, monkeypatch):

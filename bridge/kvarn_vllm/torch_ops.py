@@ -81,7 +81,8 @@ def _altered(device: torch.device) -> torch.Tensor:
     key = str(device)
     with _LOCK:
         if key not in _ALTERED:
-            _ALTERED[key] = torch.zeros(len(ALTERED), dtype=torch.int64, device=device)
+            with torch.inference_mode(False):  # vLLM runs the model in inference mode; the totals outlive it
+                _ALTERED[key] = torch.zeros(len(ALTERED), dtype=torch.int64, device=device)
         return _ALTERED[key]
 
 
@@ -112,8 +113,7 @@ def reset_counters() -> None:
     with _LOCK:
         for k in _COUNTERS:
             _COUNTERS[k] = 0.0 if k.endswith("_s") else 0
-        for t in _ALTERED.values():
-            t.zero_()
+        _ALTERED.clear()
 
 
 # ------------------------------------------------------------------------------------- binding
