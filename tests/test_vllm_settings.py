@@ -1,6 +1,7 @@
 """The vLLM bridge's configuration rules and plugin checks, without vLLM: where the scheme comes
 from (additional-config, environment, a registered --kv-cache-dtype), conflicts, the names
-registered on vLLM >= 0.33, and the supported version range."""
+registered on vLLM >= 0.33, the supported version range, and what the config hook refuses before
+any worker starts (`checks.check_config`, on stand-ins for vLLM's config objects)."""
 
 import types
 
@@ -84,7 +85,7 @@ def test_version_range(monkeypatch):
     assert "outside" in plugin.check_version((0, 31)) and "outside" in plugin.check_version((0, 35))
     assert "could not be determined" in plugin.check_version(None)
     # asking for kvarn on an unsupported vLLM fails at start, naming the version
-    monkeypatch.setattr(plugin, "_version", lambda: (0, 29))
+    monkeypatch.setattr(plugin, "installed_version", lambda: (0, 29))
     monkeypatch.setitem(plugin._DONE, "registered", False)
     monkeypatch.setenv("KVARN_KV_CACHE_DTYPE", "int8")
     with pytest.raises(RuntimeError, match="0.29"):
@@ -180,3 +181,74 @@ def test_shared_page_is_the_largest_layers_need():
     assert page == shared_page_bytes_for_budget([big] * 30, budget)
     with pytest.raises(ValueError, match="int8, kvarn_k4v2_g128"):
         shared_page_bytes_for_budget(layers, 2 ** 20)
+
+
+# ------------------------------------------------------------------------------ the config hook's refusals
+def _full_config(additional=None, **change):
+    """A stand-in for a VllmConfig with what `checks.check_config` reads; `change` replaces parts
+    ('cache.enable_prefix_caching': True, 'model.use_mla': True, ...)."""
+    ns = types.SimpleNamespace
+    hf = ns(sliding_window=None, use_sliding_window=True)
+    model = ns(dtype="torch.bfloat16", is_hybrid=False, is_encoder_decoder=False, use_mla=False, hf_text_config=hf,
+               get_head_size=lambda: 64, get_num_kv_heads=lambda par: 3, get_num_layers=lambda par: 30,
+               get_sliding_window=lambda: hf.sliding_window)
+    cfg = ns(additional_config=additional if additional is not None else {"kvarn_kv_cache_dtype": "kvarn_k4v2_g128"},
+             cache_config=ns(cache_dtype="auto", enable_prefix_caching=False, block_size=128, kv_cache_memory_bytes=2 ** 30),
+             model_config=model, speculative_config=None, kv_transfer_config=None,
+             parallel_config=ns(pipeline_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1),
+             scheduler_config=ns(max_num_seqs=8),
+             compilation_config=ns(cudagraph_mode=None, splitting_ops=None, use_inductor_graph_partition=False))
+    for key, value in change.items():
+        obj = cfg
+        parts = key.split(".")
+        for part in parts[:-1]:
+            obj = getattr(obj, {"cache": "cache_config", "model": "model_config", "par": "parallel_config",
+                                "sched": "scheduler_config", "comp": "compilation_config", "hf": "model_config"}.get(part, part))
+            if part == "hf":
+                obj = obj.hf_text_config
+        setattr(obj, parts[-1], value)
+    return cfg
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"cache.enable_prefix_caching": True}, "prefix caching.*--no-enable-prefix-caching"),
+    ({"speculative_config": object()}, "speculative decoding"),
+    ({"model.use_mla": True}, "MLA"),
+    ({"model.is_hybrid": True}, "hybrid"),
+    ({"model.is_encoder_decoder": True}, "encoder-decoder"),
+    ({"par.decode_context_parallel_size": 2}, "context parallelism"),
+    ({"kv_transfer_config": object()}, "KV transfer"),
+    ({"model.dtype": "torch.float64"}, "model dtype"),
+    ({"hf.sliding_window": 4096}, "sliding-window"),
+    ({"hf.attn_logit_softcapping": 50.0}, "soft-capping"),
+    ({"model.get_head_size": lambda: 96}, "head_size=96"),
+    ({"cache.block_size": 48}, "block_size"),
+    ({"sched.max_num_seqs": 512}, "max_num_seqs=512"),
+    ({"comp.cudagraph_mode": types.SimpleNamespace(name="FULL")}, "cudagraph_mode=FULL"),
+    ({"comp.cudagraph_mode": types.SimpleNamespace(name="PIECEWISE"), "comp.splitting_ops": ["vllm::other"]},
+     "splitting_ops"),
+])
+def test_the_config_hook_refuses_what_the_bridge_cannot_serve(change, match):
+    from kvarn_vllm import checks, runtime
+
+    checks.check_config(_full_config())  # the supported case passes
+    cfg = _full_config(**change)
+    with pytest.raises(ValueError, match=match) as err:
+        checks.check_config(cfg)
+    assert str(err.value).startswith("kvarn:")
+    # an engine that did not ask for kvarn is never refused
+    checks.check_config(_full_config({}, **change))
+    assert runtime.settings_for(_full_config({})) is None
+
+
+def test_the_config_hook_refuses_bad_settings_and_versions(monkeypatch, tmp_path):
+    from kvarn_vllm import checks
+
+    with pytest.raises(ValueError, match="kvarn_kv_cache_dtype"):
+        checks.check_config(_full_config({"kvarn_kv_cache_dtype": "kvarn_k3v2_g128"}))
+    (tmp_path / "cal.npz").write_bytes(b"not a calibration")
+    with pytest.raises(ValueError, match="kvarn_calibration .* cannot be loaded"):
+        checks.check_config(_full_config({"kvarn_kv_cache_dtype": "int8_static", "kvarn_calibration": str(tmp_path / "cal.npz")}))
+    monkeypatch.setattr(plugin, "installed_version", lambda: (0, 40))
+    with pytest.raises(ValueError, match="0.40 is outside"):
+        checks.check_config(_full_config())

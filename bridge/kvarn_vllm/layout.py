@@ -274,12 +274,20 @@ def carve(buffer, layout: PageLayout, num_blocks: int, hp_buffers: dict | None =
 
 
 def allocate_hp(layout: PageLayout, device) -> dict:
-    """Separate zeroed sink/tail tensors (used when vLLM's KV budget is found by profiling, which then
-    counts them as non-KV memory because they exist before it measures)."""
+    """Zeroed sink/tail tensors outside vLLM's buffer (used when vLLM's KV budget is found by
+    profiling, which then counts them as non-KV memory because they exist before it measures).
+    They are views of one allocation, back to back in `fields` order, as `regions` places them
+    inside a buffer: the bridge writes them with one indexed copy."""
     import torch
 
-    return {f.key: torch.zeros(f.shape, dtype=getattr(torch, f.dtype), device=device)
-            for f in layout.fields if not f.per_block}
+    hp = [f for f in layout.fields if not f.per_block]
+    sizes = [int(np.prod(f.shape, dtype=np.int64)) for f in hp]
+    flat = torch.zeros(sum(sizes), dtype=getattr(torch, layout.dtype), device=device)
+    out, off = {}, 0
+    for f, n in zip(hp, sizes):
+        out[f.key] = flat[off:off + n].view(f.shape)
+        off += n
+    return out
 
 
 def to_jax(views: dict, layout: PageLayout, num_blocks: int, static: Any = None) -> kvarn_jax.PagedKVCache:
@@ -311,6 +319,3 @@ def to_jax(views: dict, layout: PageLayout, num_blocks: int, static: Any = None)
 
     return jax.tree_util.tree_map_with_path(leaf, abstract)
 
-
-def jax_pointer(x) -> int:
-    return x.unsafe_buffer_pointer()

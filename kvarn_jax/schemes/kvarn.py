@@ -143,6 +143,9 @@ def fields(side: str, bits: int, group: int, head_dim: int, meta=jnp.float16):
 
 def quantize(x: jnp.ndarray, side: str, bits: int, iters: int, ar: Arith = JNP, meta=jnp.float16) -> dict:
     """x: rotated tiles [..., G, D] -> stored fields (see `fields`). ar: see `sinkhorn_log_scales`."""
+    if x.ndim > 3:  # XLA's CPU code runs the Sinkhorn loop on [M, H, 1, G, D] tiles ~14x slower than on [M*H, G, D]
+        out = quantize(x.reshape((-1,) + x.shape[-2:]), side, bits, iters, ar, meta)
+        return {n: f.reshape(x.shape[:-2] + f.shape[1:]) for n, f in out.items()}
     t = x.astype(jnp.float32)
     if side == "k":
         codes, scale_chan, zero_chan, scale_tok = _quantize_matrix(jnp.swapaxes(t, -1, -2), bits, iters, ar, meta)
