@@ -13,7 +13,6 @@ from __future__ import annotations
 import inspect
 
 import numpy as np
-import torch
 
 from . import torch_ops
 from .checks import check_layer_order
