@@ -304,8 +304,8 @@ class AscendPagedKVCache:
         """Values as stored: Hadamard-rotated (in fp32) for KVarN, in the model dtype. A value that
         cannot be stored as given is an error, as an eager kvarn_jax.write raises
         (kvarn_jax.storage): beyond ±QUANT_MAX before quantization, or beyond the dtype's range."""
-        if not self.cfg.is_passthrough and bool((x.abs() > QUANT_MAX).any()):
-            raise ValueError(f"{name} holds values beyond ±{QUANT_MAX:.3g}, which {self.cfg.name} cannot quantize")
+        if bool((x.abs() > QUANT_MAX).any()):
+            raise ValueError(f"{name} holds values beyond ±{QUANT_MAX:.3g}, which {self.cfg.name} cannot store")
         y = kvarn_torch.rotate(x, torch.float32) if self.cfg.rotated else x.float()
         big = torch.finfo(self.dtype).max
         if bool((y.abs() > big).any()):
