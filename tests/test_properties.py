@@ -9,12 +9,15 @@ the public API, complementing test_reliability.py (one sequence, fixed shape) an
    sequence: under jit every other sequence's pages, high-precision blocks, read-back values and
    attention output are bit-identical to a run where the bad sequence's input was clean, the bad
    tokens are counted, and all that attention reads stays finite; eagerly the same write raises.
+3. A hand-built KVQuantConfig is valid exactly when the string grammar has it.
 
 Tolerances (relative L2 of the read-back values against the input, over Gaussian data): the largest
 seen over the schemes, dtypes, head sizes and magnitudes below, with ~1.3-2x headroom - 8-bit codes
 0.6% -> 1.2%; 4-bit 10% -> 15%; 2-bit 50% -> 65%; fp8 (e4m3) 2.7% -> 4%; plus the storage dtype's
 rounding (bf16 2^-8) for every scheme.
 """
+
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -273,3 +276,39 @@ def test_the_bad_tokens_count_matches_the_reasons():
         kj.write(cache, *(jnp.asarray(a, jnp.float16) for a in x), pos, seq_ids=jnp.zeros(70, jnp.int32), positions=pos)
     kd, vd = kj.gather_dense(out, jnp.arange(3, dtype=jnp.int32)[None], jnp.array([70], jnp.int32))
     assert np.isfinite(np.asarray(kd)).all() and np.isfinite(np.asarray(vd)).all()
+
+
+# ----------------------------------------------------------------------------- 3. configs
+def _grammar_strings():
+    """Every string the grammar accepts (canonical spellings), from its published choices."""
+    from kvarn_jax.config import INT_BITS, INT_GROUPS, KIVI_BITS, KIVI_GROUPS, KVARN_BITS, KVARN_GROUPS
+    out = [f"kvarn_k{a}v{b}_g{g}" for a in KVARN_BITS for b in KVARN_BITS for g in KVARN_GROUPS]
+    out += [f"kivi_k{a}v{b}_g{g}" for a in KIVI_BITS for b in KIVI_BITS for g in KIVI_GROUPS]
+    for a in INT_BITS:
+        for b in INT_BITS:
+            base = f"int{a}" if a == b else f"int_k{a}v{b}"
+            out += [base, base + "_static"] + [f"{base}_g{g}" for g in INT_GROUPS]
+    return out + ["fp8", "fp8_static", "fp16", "bf16", "fp32"]
+
+
+PARSED = {kj.parse(s) for s in _grammar_strings()}
+
+
+def test_a_hand_built_config_is_valid_exactly_when_the_grammar_has_it():
+    """KVQuantConfig(...) checks what parse checks: over every combination of these field values
+    (exhaustively: no jax, microseconds each) it is accepted iff some accepted string parses to the
+    same fields, and then its name parses back to it."""
+    fields = {(c.method, c.k_bits, c.v_bits, c.group, c.static, c.dtype) for c in PARSED}
+    accepted = 0
+    for f in itertools.product(["kvarn", "kivi", "int", "fp8", "passthrough", "nf"], [1, 2, 3, 4, 8, 16, 32],
+                               [2, 3, 4, 8, 16, 32], [0, 8, 16, 32, 48, 64, 128, 256, 512], [False, True],
+                               ["", "float16", "bfloat16", "float32"]):
+        method, k_bits, v_bits, group, static, dtype = f
+        try:
+            cfg = kj.KVQuantConfig(method, k_bits, v_bits, group=group, static=static, dtype=dtype)
+        except ValueError:
+            assert f not in fields, f
+        else:
+            assert f in fields and kj.parse(cfg.name) == cfg, f
+            accepted += 1
+    assert accepted == len(fields)
