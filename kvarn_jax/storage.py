@@ -4,8 +4,9 @@ spreads past itself.
 
 - A token with any non-finite value (NaN or Inf) in its K or V is stored as zeros: quantized
   with others of its tile, a NaN would make the whole tile's scales NaN (an Inf, every key of it).
-- Quantized schemes clip values to ±`QUANT_MAX` (2^50) first: the tile arithmetic squares values
-  (KVarN's variances) and must stay finite in fp32. Only bf16/fp32 data can reach it.
+- Values are clipped to ±`QUANT_MAX` (2^50) first: the tile arithmetic squares values (KVarN's
+  variances) and must stay finite in fp32, and attention (fp32 scores q.k) stays finite over any
+  cache for queries within the same bound. Only bf16/fp32 data can reach it; no model's K/V does.
 - KVarN's rotation accumulates in fp32 (`hadamard.rotate`); its result, like every stored value, is
   rounded to the storage dtype with saturation: a token whose rotated values exceed the dtype's
   range (fp16: L2 norm above ~65,504) is stored saturated.
@@ -38,7 +39,7 @@ def storage_values(cfg: KVQuantConfig, k: jnp.ndarray, v: jnp.ndarray, dtype, ro
     out, saturated = [], jnp.zeros(nonfinite.shape, bool)
     for x in (k, v):
         x = jnp.where(nonfinite[:, None, None], jnp.zeros((), x.dtype), x)
-        if not cfg.is_passthrough and float(jnp.finfo(x.dtype).max) > QUANT_MAX:
+        if float(jnp.finfo(x.dtype).max) > QUANT_MAX:
             saturated |= _per_token(jnp.abs(x) > QUANT_MAX)
             x = jnp.clip(x, -QUANT_MAX, QUANT_MAX)
         # in fp32 first (for fp16 input KVarN's rotation keeps the reference's fp16 matrix), then

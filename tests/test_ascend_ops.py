@@ -147,8 +147,10 @@ def test_dynamic_quant_asymmetric_matches_kvarn_jax_int(rng, dtype, scheme):
     yc = to_np(cs.unpack_int4(y) if bits == 4 else y).reshape(40, 3, 64).astype(int)
     half = 2 ** (bits - 1)
     diff = np.abs(yc + half - c)
-    # kvarn_jax picks codes against fp16-rounded scale/zero, the op against float32 ones
-    assert diff.max() <= 1 and (diff > 0).mean() <= 0.05, (diff.max(), (diff > 0).mean())
+    # kvarn_jax picks codes against scale/zero rounded to x's dtype, the op against float32 ones (bf16
+    # roundings move an int8 code by up to ~0.5: 10-25% of them flip)
+    flipped = 0.05 if dtype == torch.float16 else 0.3
+    assert diff.max() <= 1 and (diff > 0).mean() <= flipped, (diff.max(), (diff > 0).mean())
     # the documented formula, evaluated independently
     xf = to_np(x).reshape(-1, 64).astype(np.float32)
     mx, mn = xf.max(-1), xf.min(-1)
@@ -177,9 +179,9 @@ def test_quantize_and_anti_quant_match_kvarn_jax_static(rng, dtype, scheme):
     cal = kj.calibrate([(jx(calib), jx(calib))], scheme)
     q = kj.quantize((jx(x), jx(x)), scheme, calibration=cal)
     c = np.asarray(kj.packing.unpack(q.fields["k"]["codes"], bits)).astype(int)
-    p = cal.params(kj.parse(scheme), hk, d)["k"]
-    s16 = torch.from_numpy(np.array(p["scale"])).float().reshape(-1)
-    z16 = torch.from_numpy(np.array(p["zero"])).float().reshape(-1)
+    p = cal.params(kj.parse(scheme), hk, d, jx(x).dtype)["k"]  # in x's dtype, as kvarn_jax quantizes with them
+    s16 = torch.from_numpy(np.array(p["scale"], np.float32)).reshape(-1)
+    z16 = torch.from_numpy(np.array(p["zero"], np.float32)).reshape(-1)
     half = 2 ** (bits - 1)
     y = cs.npu_quantize(x.reshape(48, hk * d), 1.0 / s16, -z16 / s16 - half,
                         torch.qint8 if bits == 8 else torch.quint4x2, axis=-1, div_mode=False)

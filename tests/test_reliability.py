@@ -97,11 +97,10 @@ def test_finite_in_finite_out_and_bad_tokens_stay_alone(cfg, dtype, exponent, ba
         for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(ref)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
-    # attention over it: finite wherever fp32 attention itself can be (scores below fp32's range)
-    if magnitude <= 2.0 ** 16:
-        q = jnp.asarray(np.random.default_rng(seed + 1).standard_normal((1, 2 * HK, D)), jnp.float32)
-        out = kj.paged_decode_attention(q, got, tables, lens, impl="reference")
-        assert np.isfinite(np.asarray(out)).all()
+    # attention over it: finite at every magnitude (stored values are within ±2^50, so fp32 scores are too)
+    q = jnp.asarray(np.random.default_rng(seed + 1).standard_normal((1, 2 * HK, D)), jnp.float32)
+    out = kj.paged_decode_attention(q, got, tables, lens, impl="reference")
+    assert np.isfinite(np.asarray(out)).all()
 
 
 @settings(max_examples=12)

@@ -33,12 +33,14 @@ import dataclasses
 import math
 from typing import Union
 
+import jax.numpy as jnp
 import numpy as np
 import torch
 
 from kvarn_jax import schemes
 from kvarn_jax.cache.paged import fields_from_pages
 from kvarn_jax.config import KVQuantConfig
+from kvarn_jax.storage import QUANT_MAX
 
 from . import cpu_semantics, kvarn_torch, npu, ops
 
@@ -48,6 +50,7 @@ SCATTER = "npu_scatter_pa_kv_cache"
 SUPPORTED = ("int8", "int4", "int8_static", "int4_static", "fp16", "bf16",
              "kvarn_k{2,4,8}v{2,4,8}_g{32,64,128}", "kivi_k{2,4}v{2,4}_g{32,64,128}")
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_JAX_DTYPES = {t: n for n, t in _TORCH_DTYPES.items()}
 
 
 def scheme_kind(cfg: KVQuantConfig, head_dim: int | None = None) -> str:
@@ -80,10 +83,10 @@ def page_fields(scheme: Union[str, KVQuantConfig], block_size: int, num_kv_heads
     for s in SIDES:
         if kind == "passthrough":
             out[s] = {"values": ((bs, hk, d), dtype)}
-        elif kind == "tiled":
+        elif kind == "tiled":  # kvarn_jax's fields; scales and zero points in the model dtype, as it keeps them
             tpb = bs // cfg.tile_tokens
-            out[s] = {name: ((hk, tpb) + shape, torch.uint8 if np.dtype(dt) == np.uint8 else torch.float16)
-                      for name, (shape, dt) in schemes.side_fields(cfg, s, d).items()}
+            out[s] = {name: ((hk, tpb) + shape, torch.uint8 if np.dtype(dt) == np.uint8 else dtype)
+                      for name, (shape, dt) in schemes.side_fields(cfg, s, d, _JAX_DTYPES[dtype]).items()}
         else:
             out[s] = {"codes": ((bs, hk, d), torch.int8) if cfg.k_bits == 8 else ((bs, hk, d // 8), torch.int32)}
             if kind == "int_dynamic":
@@ -111,7 +114,7 @@ class AscendPagedKVCache:
       each), dynamic ones also "scale", "offset": float32 [blocks, Hk, bs] with `x = (code + offset) * scale`};
       fp16/bf16 {"values": [blocks, bs, Hk, D]}; kvarn/kivi: kvarn_jax's fields [blocks, Hk, tiles, ...].
     hp[side]: high-precision sink and ring blocks (see the module docstring), None for fp16/bf16.
-    static[side]: calibrated {"scale", "zero"} fp16 [Hk, D] (kvarn_jax's), for the static schemes.
+    static[side]: calibrated {"scale", "zero"} [Hk, D] in the model dtype (kvarn_jax's), for the static schemes.
     """
 
     cfg: KVQuantConfig
@@ -213,8 +216,9 @@ class AscendPagedKVCache:
         if cfg.static:
             if calibration is None:
                 raise ValueError(f"calibration is required by {cfg.name}: pass one layer's kvarn_jax.Calibration")
-            static = {s: {n: torch.as_tensor(np.array(a), device=device) for n, a in p.items()}
-                      for s, p in calibration.params(cfg, hk, d).items()}
+            static = {s: {n: torch.as_tensor(np.array(a.astype(jnp.float32)), device=device).to(dtype)
+                          for n, a in p.items()}
+                      for s, p in calibration.params(cfg, hk, d, _JAX_DTYPES[dtype]).items()}
         elif calibration is not None:
             raise ValueError(f"calibration was given but {cfg.name} computes its scales dynamically")
         pages = {s: {name: alloc(s, (nb,) + shape, dt) for name, (shape, dt) in fields.items()}
@@ -254,9 +258,10 @@ class AscendPagedKVCache:
         bits = cache.cfg.k_bits
         for s in SIDES:
             src = cache.pages[s]
-            if out.kind == "tiled":
-                for name in out.pages[s]:
-                    out.pages[s][name].copy_(t(src[name]))
+            if out.kind == "tiled":  # bf16 fields pass through fp32 (torch takes no NumPy bf16), exactly
+                for name, dst in out.pages[s].items():
+                    a = src[name]
+                    dst.copy_(t(a) if a.dtype == jnp.uint8 else t(a.astype(jnp.float32)).to(dst.dtype))
             elif out.kind == "passthrough":
                 out.pages[s]["values"].copy_(t(src["values"].astype(np.float32)).permute(0, 2, 1, 3).to(dt))
             else:
@@ -295,9 +300,20 @@ class AscendPagedKVCache:
     def _sink_block(self, seq: torch.Tensor) -> torch.Tensor:
         return seq * (1 + self.tail_blocks)
 
-    def _storage(self, x: torch.Tensor) -> torch.Tensor:
-        """Values as stored: Hadamard-rotated for KVarN, in the model dtype."""
-        return kvarn_torch.rotate(x, self.dtype) if self.cfg.rotated else x.to(self.dtype)
+    def _storage(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """Values as stored: Hadamard-rotated (in fp32) for KVarN, in the model dtype. A value that
+        cannot be stored as given is an error, as an eager kvarn_jax.write raises
+        (kvarn_jax.storage): beyond ±QUANT_MAX before quantization, or beyond the dtype's range."""
+        if bool((x.abs() > QUANT_MAX).any()):
+            raise ValueError(f"{name} holds values beyond ±{QUANT_MAX:.3g}, which {self.cfg.name} cannot store")
+        y = kvarn_torch.rotate(x, torch.float32) if self.cfg.rotated else x.float()
+        big = torch.finfo(self.dtype).max
+        if bool((y.abs() > big).any()):
+            raise ValueError(
+                f"{name} holds values beyond {self.dtype}'s range"
+                + (" after the Hadamard rotation (a KVarN cache stores rotated values: a token whose L2 norm "
+                   f"exceeds {big:,.0f})" if self.cfg.rotated else "") + "; a bfloat16 cache holds them")
+        return y.to(self.dtype)
 
     def _static_params(self, side: str):
         """(fused-attention scale in the model dtype [1, Hk, 1, D], fold constant 2^(b-1)*scale + zero f32 [Hk, D])."""
@@ -324,14 +340,14 @@ class AscendPagedKVCache:
         dev, bs = self._device, self.block_size
         slot = slot_mapping.to(dev).long()
         live = slot >= 0
+        xs = {"k": self._storage(k, "k"), "v": self._storage(v, "v")}
         if self.kind == "passthrough":
             idx = live.nonzero().squeeze(1)
             if idx.numel():
-                self._call(SCATTER, k[idx].to(self.dtype).contiguous(), v[idx].to(self.dtype).contiguous(),
+                self._call(SCATTER, xs["k"][idx].contiguous(), xs["v"][idx].contiguous(),
                            self.pages["k"]["values"], self.pages["v"]["values"], slot[idx].to(torch.int32),
                            cache_mode="Norm")
             return
-        xs = {"k": self._storage(k), "v": self._storage(v)}
         seq, pos = seq_ids.to(dev).long(), positions.to(dev).long()
         ring = self.ring_len
         rest = live & (pos >= bs)
@@ -372,7 +388,7 @@ class AscendPagedKVCache:
             g = self.cfg.tile_tokens
             for s in SIDES:
                 tiles = bufs[s].float().reshape(m, bs // g, g, hk, d).permute(0, 3, 1, 2, 4)
-                for name, f in kvarn_torch.quantize_tiles(tiles, self.cfg, s).items():
+                for name, f in kvarn_torch.quantize_tiles(tiles, self.cfg, s, self.dtype).items():
                     self.pages[s][name][blocks] = f
             return
         bits = self.cfg.k_bits
@@ -584,8 +600,9 @@ class AscendPagedKVCache:
                 raise ValueError(f"{name} must be [tokens, {self.num_kv_heads}, {self.head_dim}], got {tuple(x.shape)}")
             if x.device != dev:
                 raise ValueError(f"{name} is on {x.device} but the cache is on {dev}")
-        if k.shape != v.shape:
-            raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+        if k.shape != v.shape or k.dtype != v.dtype:
+            raise ValueError(f"k ({tuple(k.shape)} {k.dtype}) and v ({tuple(v.shape)} {v.dtype}) must have the same "
+                             "shape and dtype")
         n = k.shape[0]
         sm = _host_int(slot_mapping, "slot_mapping", n)
         total = self.num_blocks * self.block_size
@@ -673,7 +690,7 @@ class _CalibrationParams:
     def __init__(self, params: dict):
         self._params = params
 
-    def params(self, cfg, num_kv_heads, head_dim):
+    def params(self, cfg, num_kv_heads, head_dim, dtype="float16"):
         return self._params
 
 

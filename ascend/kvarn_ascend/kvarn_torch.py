@@ -3,8 +3,9 @@ codes or Sinkhorn): Hadamard rotation as a matmul, log-domain Sinkhorn, round-to
 
 The math is kvarn_jax's (DESIGN.md §1, `kvarn_jax/schemes/kvarn.py`, `kivi.py`, `rtn.py`,
 `packing.py`, `hadamard.py`), written for torch so it runs on the NPU; fields, shapes and dtypes are
-kvarn_jax's, so pages are interchangeable. Everything is fp32 except the stored fp16 metadata. On an
-NPU keep `torch_npu.npu.matmul.allow_hf32` off (its default), or the rotation loses fp32 precision.
+kvarn_jax's, so pages are interchangeable. Everything is fp32 except the stored metadata, which is in
+the model dtype (fp16 or bf16) as kvarn_jax stores it. On an NPU keep `torch_npu.npu.matmul.allow_hf32`
+off (its default), or the rotation loses fp32 precision.
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ import torch
 from kvarn_jax.hadamard import hadamard_matrix_np
 
 TIE_RTOL = 1e-6  # kvarn_jax's tie rule for Sinkhorn iterates (see kvarn_jax/schemes/kvarn.py)
-FP16_TINY = 2.0 ** -24
+SCALE_FLOOR = 2.0 ** -24
+
+
+def saturate(x: torch.Tensor, dtype) -> torch.Tensor:
+    """x in `dtype`, values beyond its largest finite one clipped to it (kvarn_jax.schemes.arith.saturate)."""
+    big = torch.finfo(dtype).max
+    return x.clamp(-big, big).to(dtype)
 
 
 def hadamard(n: int, dtype=torch.float32, device=None) -> torch.Tensor:
@@ -22,16 +29,17 @@ def hadamard(n: int, dtype=torch.float32, device=None) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, out_dtype=None) -> torch.Tensor:
-    """`x @ H` in fp32, rounded to out_dtype; fp16 inputs use the fp16-rounded H as the KVarN
-    reference does (`fp16(x_fp16 @ fp16(H))`), other dtypes the fp32 H (as kvarn_jax.rotate)."""
+    """`x @ H` in fp32, rounded to out_dtype with saturation; fp16 inputs use the fp16-rounded H as the
+    KVarN reference does (`fp16(x_fp16 @ fp16(H))`), other dtypes the fp32 H (as kvarn_jax.rotate).
+    Callers keep |x| within kvarn_jax.storage.QUANT_MAX, so the fp32 products cannot overflow."""
     h_dtype = torch.float16 if x.dtype == torch.float16 else torch.float32
     h = hadamard(x.shape[-1], h_dtype, x.device).float()
-    return (x.float() @ h).to(out_dtype or x.dtype)
+    return saturate(x.float() @ h, out_dtype or x.dtype)
 
 
 def unrotate(x: torch.Tensor, out_dtype=None) -> torch.Tensor:
     """Inverse of `rotate` (H is symmetric and orthonormal), fp32 with the exact H."""
-    return (x.float() @ hadamard(x.shape[-1], torch.float32, x.device)).to(out_dtype or x.dtype)
+    return saturate(x.float() @ hadamard(x.shape[-1], torch.float32, x.device), out_dtype or x.dtype)
 
 
 # ------------------------------------------------------------------------------------------ packing
@@ -77,11 +85,12 @@ def rtn_codes(x, mn, scale, bits: int) -> torch.Tensor:
     return q.clamp(0, 2 ** bits - 1).to(torch.uint8)
 
 
-def rtn_fp16(x: torch.Tensor, bits: int):
-    """Codes chosen against the fp16-rounded (min, scale) that get stored (kvarn_jax.schemes.rtn.rtn_fp16)."""
-    mn, scale = rtn_params(x, bits, floor=FP16_TINY)
-    s16, z16 = scale.half(), mn.half()
-    return rtn_codes(x, z16.float(), s16.float(), bits), s16, z16
+def rtn_stored(x: torch.Tensor, bits: int, dtype=torch.float16):
+    """Codes chosen against the (min, scale) rounded to `dtype`, as they get stored
+    (kvarn_jax.schemes.rtn.rtn_stored)."""
+    mn, scale = rtn_params(x, bits, floor=SCALE_FLOOR)
+    s_m, z_m = saturate(scale, dtype), saturate(mn, dtype)
+    return rtn_codes(x, z_m.float(), s_m.float(), bits), s_m, z_m
 
 
 def rtn_dequant(codes, scale, zero) -> torch.Tensor:
@@ -145,23 +154,27 @@ def sinkhorn_log_scales(t: torch.Tensor, iters: int):
     return best_lc, best_lr
 
 
-def _balanced_rtn(t: torch.Tensor, bits: int, iters: int):
+def _balanced_rtn(t: torch.Tensor, bits: int, iters: int, meta=torch.float16):
     lc, lr = sinkhorn_log_scales(t, iters)
     s_col, s_row = torch.exp2(lc), torch.exp2(lr)
     bal = t * torch.exp2(-lc)[..., None, :] * torch.exp2(-lr)[..., :, None]
     mn, scale = rtn_params(bal, bits)
-    codes = rtn_codes(bal, mn, scale, bits)
-    return codes, (s_row * scale).half(), (s_row * mn).half(), s_col.half()
+    row_scale, row_zero, col = saturate(s_row * scale, meta), saturate(s_row * mn, meta), saturate(s_col, meta)
+    if meta == torch.float16:  # the reference's order (kvarn_jax.schemes.kvarn._quantize_matrix)
+        codes = rtn_codes(bal, mn, scale, bits)
+    else:  # bf16: codes against the stored scales
+        codes = rtn_codes(t / col.float()[..., None, :], row_zero.float(), row_scale.float(), bits)
+    return codes, row_scale, row_zero, col
 
 
-def kvarn_quantize(x: torch.Tensor, side: str, bits: int, iters: int) -> dict:
-    """Rotated tiles [..., G, D] -> kvarn_jax's stored fields for `side` ("k" or "v")."""
+def kvarn_quantize(x: torch.Tensor, side: str, bits: int, iters: int, meta=torch.float16) -> dict:
+    """Rotated tiles [..., G, D] -> kvarn_jax's stored fields for `side` ("k" or "v"), metadata in `meta`."""
     t = x.float()
     if side == "k":
-        codes, scale_chan, zero_chan, scale_tok = _balanced_rtn(t.transpose(-1, -2), bits, iters)
+        codes, scale_chan, zero_chan, scale_tok = _balanced_rtn(t.transpose(-1, -2), bits, iters, meta)
         return {"codes": store_tiled(codes, bits), "scale_chan": scale_chan, "zero_chan": zero_chan,
                 "scale_tok": scale_tok}
-    codes, scale_tok, zero_tok, scale_chan = _balanced_rtn(t, bits, iters)
+    codes, scale_tok, zero_tok, scale_chan = _balanced_rtn(t, bits, iters, meta)
     return {"codes": store_tiled(codes, bits), "scale_chan": scale_chan, "scale_tok": scale_tok, "zero_tok": zero_tok}
 
 
@@ -176,15 +189,15 @@ def kvarn_dequantize(f: dict, side: str, bits: int) -> torch.Tensor:
         * f["scale_chan"].float()[..., None, :]
 
 
-def kivi_quantize(x: torch.Tensor, side: str, bits: int, group: int) -> dict:
+def kivi_quantize(x: torch.Tensor, side: str, bits: int, group: int, meta=torch.float16) -> dict:
     """Tiles [..., G, D] -> KIVI fields: keys per channel over the tile, values per token in groups."""
     t = x.float()
     if side == "k":
-        codes, scale, zero = rtn_fp16(t.transpose(-1, -2), bits)
+        codes, scale, zero = rtn_stored(t.transpose(-1, -2), bits, meta)
         return {"codes": store_tiled(codes, bits), "scale": scale, "zero": zero}
     d = t.shape[-1]
     cg = min(group, d)
-    codes, scale, zero = rtn_fp16(t.reshape(*t.shape[:-1], d // cg, cg), bits)
+    codes, scale, zero = rtn_stored(t.reshape(*t.shape[:-1], d // cg, cg), bits, meta)
     return {"codes": store_tiled(codes.reshape(t.shape), bits), "scale": scale, "zero": zero}
 
 
@@ -198,12 +211,13 @@ def kivi_dequantize(f: dict, side: str, bits: int, group: int) -> torch.Tensor:
     return rtn_dequant(rows, f["scale"], f["zero"]).reshape(c.shape)
 
 
-def quantize_tiles(x: torch.Tensor, cfg, side: str) -> dict:
-    """Tiles [..., G, D] (storage frame) -> fields of `cfg` (a kvarn or kivi KVQuantConfig)."""
+def quantize_tiles(x: torch.Tensor, cfg, side: str, meta=torch.float16) -> dict:
+    """Tiles [..., G, D] (storage frame) -> fields of `cfg` (a kvarn or kivi KVQuantConfig), scales and
+    zero points in `meta` (the model dtype, as kvarn_jax stores them)."""
     b = cfg.bits(side)
     if cfg.method == "kvarn":
-        return kvarn_quantize(x, side, b, cfg.sinkhorn_iters)
-    return kivi_quantize(x, side, b, cfg.group)
+        return kvarn_quantize(x, side, b, cfg.sinkhorn_iters, meta)
+    return kivi_quantize(x, side, b, cfg.group, meta)
 
 
 def dequantize_tiles(f: dict, cfg, side: str) -> torch.Tensor:

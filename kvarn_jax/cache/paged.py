@@ -553,8 +553,8 @@ def _describe_counts(cache: PagedKVCache, counts) -> str:
     why = {
         "invalid": "token(s) with an invalid slot, sequence id or position",
         "nonfinite": "token(s) with a NaN or Inf value in k or v",
-        "saturated": (f"token(s) with values the cache cannot hold: beyond ±{2.0 ** 50:.3g} (quantized schemes "
-                      f"clip there) or, after {'the Hadamard rotation, ' if cache.cfg.rotated else ''}beyond "
+        "saturated": (f"token(s) with values the cache cannot hold: beyond ±{2.0 ** 50:.3g} (every cache clips "
+                      f"there) or, after {'the Hadamard rotation, ' if cache.cfg.rotated else ''}beyond "
                       f"{dt}'s range ({'a KVarN cache stores rotated values: a token whose L2 norm exceeds ' if cache.cfg.rotated else ''}"
                       f"{float(jnp.finfo(jnp.dtype(dt)).max):,.0f}); a bfloat16 or float32 cache holds them"),
         "beyond_bound": "token(s) of blocks completed beyond the write's static bound",
