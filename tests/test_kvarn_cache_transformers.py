@@ -47,8 +47,10 @@ def _feed(layer, k_all, v_all, chunks):
         keys, values = layer.update(k_new, v_new)
         k_exp, v_exp = _expected(k_all, v_all, layer.cfg.name, pos)
         assert keys.shape == (k_all.shape[0], k_all.shape[1], pos + n, k_all.shape[3])
-        torch.testing.assert_close(keys[:, :, :pos], k_exp, atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(values[:, :, :pos], v_exp, atol=1e-6, rtol=1e-6)
+        # float32 data keeps float32 scales: their sums run in a shape-dependent order, so the
+        # round trip agrees to float32 rounding (a code that differed would be off by a quantization step)
+        torch.testing.assert_close(keys[:, :, :pos], k_exp, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(values[:, :, :pos], v_exp, atol=1e-5, rtol=1e-5)
         # this step's own tokens come back exactly as given
         assert torch.equal(keys[:, :, pos:], k_new) and torch.equal(values[:, :, pos:], v_new)
         pos += n
@@ -78,7 +80,7 @@ def test_layer_round_trip_kvarn_and_bytes(rng):
     nb = layer.nbytes()
     # 4 quantized blocks in a buffer of capacity 4; 32 sink + 9 tail tokens in fp32
     assert layer.num_quantized_blocks == 4 and layer.capacity_blocks == 4
-    assert nb["quantized_bytes"] == 4 * BS * 2 * 2 * kj.bytes_per_token("kvarn_k4v2_g32", 32)
+    assert nb["quantized_bytes"] == 4 * BS * 2 * 2 * kj.bytes_per_token("kvarn_k4v2_g32", 32, "float32")  # scales in float32
     assert nb["high_precision_bytes"] == (BS + stored - 5 * BS) * 2 * 2 * 32 * 2 * 4
 
 
