@@ -34,7 +34,7 @@ def test_save_load_round_trip(tmp_path, rng):
     assert back.tokens == cal.tokens
     bad = tmp_path / "other.npz"
     np.savez(bad, x=np.zeros(3))
-    with pytest.raises(ValueError, match="not a kvarn_jax calibration file"):
+    with pytest.raises(ValueError, match="not a readable kvarn_jax calibration: it holds no calibration metadata"):
         kj.Calibration.load(bad)
 
 
