@@ -228,7 +228,7 @@ def test_one_sequences_bad_tokens_never_reach_another(scheme, dtype, dim, heads,
             b = want.pages[side][name]
             for blk in range(nb):
                 if blk not in mine:
-                    np.testing.assert_array_equal(np.asarray(a[blk]), np.asarray(b[blk]), err_msg=f"{side} {name} {blk}")
+                    np.testing.assert_array_equal(np.asarray(a[blk]), np.asarray(b[blk]), err_msg=f"{side} {name}")
         for hp in ("sink", "tail"):
             if getattr(got, hp) is not None:
                 for i in range(len(lens)):
@@ -272,7 +272,8 @@ def test_the_bad_tokens_count_matches_the_reasons():
         kj.write(cache, k, v, pos, seq_ids=jnp.zeros(70, jnp.int32), positions=pos)
     assert "non-finite" in str(e.value)
     x[0, 40], x[1, 50] = 0.0, 0.0
-    with pytest.raises(ValueError, match=r"write: 1 token\(s\) with values the cache cannot hold.*L2 norm exceeds 65,504"):
+    why = r"write: 1 token\(s\) with values the cache cannot hold.*L2 norm exceeds 65,504"
+    with pytest.raises(ValueError, match=why):
         kj.write(cache, *(jnp.asarray(a, jnp.float16) for a in x), pos, seq_ids=jnp.zeros(70, jnp.int32), positions=pos)
     kd, vd = kj.gather_dense(out, jnp.arange(3, dtype=jnp.int32)[None], jnp.array([70], jnp.int32))
     assert np.isfinite(np.asarray(kd)).all() and np.isfinite(np.asarray(vd)).all()
