@@ -1,7 +1,7 @@
 """KVarN and KIVI tile quantization in torch ops, for the NPU store path (no CANN op does 2-bit
 codes or Sinkhorn): Hadamard rotation as a matmul, log-domain Sinkhorn, round-to-nearest, packing.
 
-The math is kvarn_jax's (DESIGN.md §1, `kvarn_jax/schemes/kvarn.py`, `kivi.py`, `rtn.py`,
+The math is kvarn_jax's (docs/design.md §1, `kvarn_jax/schemes/kvarn.py`, `kivi.py`, `rtn.py`,
 `packing.py`, `hadamard.py`), written for torch so it runs on the NPU; fields, shapes and dtypes are
 kvarn_jax's, so pages are interchangeable. Everything is fp32 except the stored metadata, which is in
 the model dtype (fp16 or bf16) as kvarn_jax stores it. On an NPU keep `torch_npu.npu.matmul.allow_hf32`

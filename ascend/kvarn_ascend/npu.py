@@ -2,7 +2,7 @@
 
 Installing `torch_npu` without CANN breaks `import torch` through PyTorch's device-backend autoload
 (set `TORCH_DEVICE_BACKEND_AUTOLOAD=0` there), and `import torch_npu` then fails on the missing CANN
-libraries (DESIGN.md §6). So nothing here imports it eagerly: without it the package imports,
+libraries (docs/design.md §6). So nothing here imports it eagerly: without it the package imports,
 reports the NPU as unavailable (with the reason) and runs its CPU semantics.
 """
 
