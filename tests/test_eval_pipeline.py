@@ -113,9 +113,10 @@ def test_accumulator_matches_numpy(rng, rows, monkeypatch):
     ref = rng.standard_normal((50, 11)) * 2
     got = ref + rng.standard_normal((50, 11)) * 0.5
     tgt = rng.integers(0, 11, 50)
-    acc = _Accumulator()
+    acc = _Accumulator((1, 20, 37, 51))
     ref_lp = torch.log_softmax(torch.tensor(ref, dtype=torch.float32), -1)
-    acc.add(torch.tensor(got, dtype=torch.float32), torch.tensor(tgt), ref_lp, ref_lp.argmax(-1))
+    pos = torch.tensor(rng.permutation(np.arange(1, 51)))     # predicted positions, in any order
+    acc.add(torch.tensor(got, dtype=torch.float32), torch.tensor(tgt), ref_lp, ref_lp.argmax(-1), pos)
     r = acc.result("x")
 
     def logsm(x):
@@ -123,11 +124,19 @@ def test_accumulator_matches_numpy(rng, rows, monkeypatch):
         return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
     lp, lq = logsm(ref), logsm(got)
-    assert r.nll == pytest.approx(-lq[np.arange(50), tgt].mean(), rel=1e-5)
+    nll, kl = -lq[np.arange(50), tgt], (np.exp(lp) * (lp - lq)).sum(-1)
+    agree = ref.argmax(-1) == got.argmax(-1)
+    assert r.nll == pytest.approx(nll.mean(), rel=1e-5)
     assert r.ppl == pytest.approx(math.exp(r.nll))
-    assert r.kl_mean == pytest.approx((np.exp(lp) * (lp - lq)).sum(-1).mean(), rel=1e-4)
-    assert r.top1_agreement == pytest.approx((ref.argmax(-1) == got.argmax(-1)).mean())
+    assert r.kl_mean == pytest.approx(kl.mean(), rel=1e-4)
+    assert r.top1_agreement == pytest.approx(agree.mean())
     assert r.tokens == 50
+    assert [(b.start, b.end, b.tokens) for b in r.buckets] == [(1, 20, 19), (20, 37, 17), (37, 51, 14)]
+    for b in r.buckets:
+        sel = ((pos >= b.start) & (pos < b.end)).numpy()
+        assert b.nll == pytest.approx(nll[sel].mean(), rel=1e-5)
+        assert b.kl_mean == pytest.approx(kl[sel].mean(), rel=1e-4)
+        assert b.top1_agreement == pytest.approx(agree[sel].mean())
 
 
 def test_windows_and_text():
