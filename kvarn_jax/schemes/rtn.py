@@ -44,12 +44,13 @@ def clip_ratios(bits: int) -> tuple[float, ...]:
     return tuple(1.0 - k * CLIP_STEP[bits] for k in range(CLIP_CANDIDATES))
 
 
-def clip_search(x: jnp.ndarray, bits: int, floor: float = 1e-10, ar: Arith = JNP, weights=None):
+def clip_search(x: jnp.ndarray, bits: int, floor: float = 1e-10, ar: Arith = JNP, weights=None, stored=None):
     """(lo, scale) per row of `x` (fp32) over the last axis: of the ranges `clip_ratios(bits)` x
     (max - min) about the row's midpoint, the one whose RTN codes have the least squared error,
     sum(weights * (codes * scale + lo - x)^2) (weights broadcast against x; None: 1). Ratio 1 is
     exactly `rtn_params`, and a smaller ratio must do strictly better to be chosen, so a row that
-    clipping cannot help keeps its min..max.
+    clipping cannot help keeps its min..max. stored: the dtype lo and scale are stored in, if the
+    codes are chosen against the stored values (`rtn_stored`): candidates are ranked as stored.
     Values beyond the chosen range get the end codes (`rtn_codes` clips)."""
     mn = jnp.min(x, axis=-1)
     mx = jnp.max(x, axis=-1)
@@ -63,6 +64,8 @@ def clip_search(x: jnp.ndarray, bits: int, floor: float = 1e-10, ar: Arith = JNP
         else:
             lo = mid - half * r
             scale = jnp.maximum(ar.div(half * (2.0 * r), levels), floor)
+        if stored is not None:
+            lo, scale = saturate(lo, stored).astype(jnp.float32), saturate(scale, stored).astype(jnp.float32)
         # the search ranks candidates by a reciprocal product (one division per row, not per
         # value); the stored codes are then computed by `rtn_codes`, exactly as without a search
         inv = ar.div(jnp.ones_like(scale), scale)
@@ -93,7 +96,10 @@ def rtn_stored(x: jnp.ndarray, bits: int, dtype=jnp.float16, ar: Arith = JNP, cl
     self-consistent (strictly lower error than rounding scales after choosing codes).
     Returns codes [..., n] uint8, scale [...] and zero [...] in `dtype` (saturated to its range).
     """
-    mn, scale = (clip_search if clip else rtn_params)(x, bits, floor=SCALE_FLOOR, ar=ar)
+    if clip:
+        mn, scale = clip_search(x, bits, floor=SCALE_FLOOR, ar=ar, stored=dtype)
+    else:
+        mn, scale = rtn_params(x, bits, floor=SCALE_FLOOR, ar=ar)
     scale_s = saturate(scale, dtype)
     zero_s = saturate(mn, dtype)
     codes = rtn_codes(x, zero_s.astype(jnp.float32), scale_s.astype(jnp.float32), bits, ar)
