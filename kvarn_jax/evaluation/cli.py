@@ -270,7 +270,7 @@ def _cmd_eval(args) -> int:
     geo = model_geometry(model)
     n_cfg = len(schemes) + 1
     params = sum(p.numel() for p in model.parameters())
-    scored = args.greedy_prompts * (args.prompt_tokens + args.new_tokens) if greedy and not args.no_continuation_nll else 0
+    scored = args.greedy_prompts * (args.prompt_tokens + args.new_tokens) if greedy and args.continuation_nll else 0
     estimate = estimate_eval_seconds(args.tokens, n_cfg, args.greedy_prompts if greedy else 0,
                                      args.new_tokens if greedy else 0, params, scored)
     print(f"eval: {windows.shape[0]} window(s) x {args.window} tokens under {n_cfg} configurations (the "
@@ -287,7 +287,7 @@ def _cmd_eval(args) -> int:
     if prompts is not None:
         agree = evaluate_agreement(model, prompts, schemes, args.new_tokens, reference=greedy_ref,
                                    block_size=args.block_size, progress=progress,
-                                   score=not args.no_continuation_nll)
+                                   score=args.continuation_nll)
     ref = ppl[REFERENCE]
     d = geo["head_dim"]
     fp16_bpt = 4 * d * geo["num_kv_heads"] * geo["num_layers"]
@@ -668,9 +668,9 @@ def register(subparsers) -> None:
     p.add_argument("--new-tokens", type=A.nonneg_int, metavar="N", default=512, help="greedy continuation length (0: skip)")
     p.add_argument("--greedy-reference", default="fp16", metavar="SCHEME",
                    help="cache scheme the greedy continuations are compared with")
-    p.add_argument("--no-continuation-nll", action="store_true",
-                   help="skip scoring every greedy continuation with the unquantized model (one teacher-forced "
-                        "pass over prompts + continuations per configuration)")
+    p.add_argument("--continuation-nll", action="store_true",
+                   help="also score every greedy continuation with the unquantized model: its mean NLL per token "
+                        "(one teacher-forced pass over prompts + continuations per configuration)")
     p.add_argument("--position-buckets", default="auto", metavar="POSITIONS",
                    help="split KL and PPL by predicted position: comma-separated boundaries (e.g. 1024,4096), "
                         "'auto' (256, 512, ... below --window) or 'none'")
