@@ -68,10 +68,11 @@ def _rtn_dequant_matrix(t, lc, lr, bits, clip, weighted=True):
     bal = t * jnp.exp2(-lc)[..., None, :] * jnp.exp2(-lr)[..., :, None]
     if clip:
         w = jnp.exp2(2.0 * lc)[..., None, :] if weighted else None
-        mn, scale = clip_search(bal, bits, weights=w)
+        q, mn, scale = clip_search(bal, bits, weights=w)
     else:
         mn, scale = rtn_params(bal, bits)
-    q = rtn_codes(bal, mn, scale, bits).astype(jnp.float32)
+        q = rtn_codes(bal, mn, scale, bits)
+    q = q.astype(jnp.float32)
     return (q * scale[..., None] + mn[..., None]) * jnp.exp2(lc)[..., None, :] * jnp.exp2(lr)[..., :, None]
 
 

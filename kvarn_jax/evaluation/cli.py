@@ -266,7 +266,7 @@ def _cmd_eval(args) -> int:
                              f"prompt per --window) need {need} tokens of text, it has {len(ids)}")
         prompts = torch.tensor([ids[i * args.window:i * args.window + args.prompt_tokens]
                                 for i in range(args.greedy_prompts)], dtype=torch.long)
-    model, tok, folder = load_model_and_tokenizer(args.model, tokenizer=tok)
+    model, tok, folder = load_model_and_tokenizer(args.model, args.model_dtype, tokenizer=tok)
     geo = model_geometry(model)
     n_cfg = len(schemes) + 1
     params = sum(p.numel() for p in model.parameters())
@@ -660,6 +660,9 @@ def register(subparsers) -> None:
                         + A.list_default(EVAL_SCHEMES))
     _model_args(p)
     p.add_argument("--tokens", type=A.positive_int, metavar="N", default=4096, help="tokens evaluated (a multiple of --window)")
+    p.add_argument("--model-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="dtype of the model's weights and activations, so of the K/V the schemes quantize (bfloat16 "
+                        "halves the memory of a large model; the reference runs in the same dtype)")
     p.add_argument("--quantize-own-full-block", action="store_true",
                    help="ablation: the query at a block's last slot reads its own block quantized (serving never does)")
     p.add_argument("--greedy-prompts", type=A.nonneg_int, metavar="N", default=4,

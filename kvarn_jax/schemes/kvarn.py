@@ -105,15 +105,16 @@ def sinkhorn_log_scales(t: jnp.ndarray, iters: int, ar: Arith = JNP):
 def _quantize_matrix(t: jnp.ndarray, bits: int, iters: int, ar: Arith = JNP, meta=jnp.float16, clip: bool = False):
     """Balance `t` [..., R, C], RTN per row. Returns codes [..., R, C], row scale/zero (folded), col scale
     (in `meta`, saturated to its range: a folded fp16 zero point can exceed the data's own range).
-    clip: each row's range from `rtn.clip_search`, minimizing the squared error of `t` itself (the
-    balanced row's error weighted by the column scales squared; the row scale is common to the row)."""
+    clip: each row's codes, zero and scale from `rtn.clip_search`, minimizing the squared error of `t`
+    itself (the balanced row's error weighted by the column scales squared; the row scale is common
+    to the row)."""
     lc, lr = sinkhorn_log_scales(t, iters, ar)
     s_col, s_row = jnp.exp2(lc), jnp.exp2(lr)
     bal = t * jnp.exp2(-lc)[..., None, :] * jnp.exp2(-lr)[..., :, None]
     if clip:
-        mn, scale = clip_search(bal, bits, ar=ar, weights=jnp.exp2(2.0 * lc)[..., None, :])
-    else:
-        mn, scale = rtn_params(bal, bits, ar=ar)
+        codes, mn, scale = clip_search(bal, bits, ar=ar, weights=jnp.exp2(2.0 * lc)[..., None, :])
+        return (codes, saturate(s_row * scale, meta), saturate(s_row * mn, meta), saturate(s_col, meta))
+    mn, scale = rtn_params(bal, bits, ar=ar)
     row_scale, row_zero, col = saturate(s_row * scale, meta), saturate(s_row * mn, meta), saturate(s_col, meta)
     if jnp.dtype(meta) == jnp.dtype(jnp.float16):
         # the reference's order: codes of the unrounded scales, which are rounded to fp16 after

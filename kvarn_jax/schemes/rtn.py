@@ -44,43 +44,65 @@ def clip_ratios(bits: int) -> tuple[float, ...]:
     return tuple(1.0 - k * CLIP_STEP[bits] for k in range(CLIP_CANDIDATES))
 
 
+def _unbiased_fit(x, c, w):
+    """(zero, scale) making the error c * scale + zero - x of a row orthogonal to x and to 1 (weighted
+    by w): the dequantized row then neither shrinks nor shifts the row, so its error does not add up
+    coherently over the tokens an attention output averages. The least-squares fit (or an MSE-optimal
+    clipped range) instead shrinks it: at 2 bits on Gaussian rows x_hat ~ 0.87 x. Returns also
+    whether the fit exists (codes that vary with x)."""
+    n = jnp.sum(jnp.broadcast_to(w, x.shape), axis=-1) if w is not None else x.shape[-1]
+    wx, wc = (x, c) if w is None else (x * w, c * w)
+    sx, sc = jnp.sum(wx, -1), jnp.sum(wc, -1)
+    mx, mc = sx / n, sc / n
+    cov = jnp.sum(wx * c, -1) - sx * mc
+    var = jnp.sum(wx * x, -1) - sx * mx
+    ok = (cov > 0.0) & (var > 0.0)
+    scale = jnp.where(ok, var / jnp.where(ok, cov, 1.0), 1.0)
+    return mx - scale * mc, scale, ok
+
+
 def clip_search(x: jnp.ndarray, bits: int, floor: float = 1e-10, ar: Arith = JNP, weights=None, stored=None):
-    """(lo, scale) per row of `x` (fp32) over the last axis: of the ranges `clip_ratios(bits)` x
-    (max - min) about the row's midpoint, the one whose RTN codes have the least squared error,
-    sum(weights * (codes * scale + lo - x)^2) (weights broadcast against x; None: 1). Ratio 1 is
-    exactly `rtn_params`, and a smaller ratio must do strictly better to be chosen, so a row that
-    clipping cannot help keeps its min..max. stored: the dtype lo and scale are stored in, if the
-    codes are chosen against the stored values (`rtn_stored`): candidates are ranked as stored.
-    Values beyond the chosen range get the end codes (`rtn_codes` clips)."""
+    """(codes, zero, scale) per row of `x` (fp32) over the last axis, dequantized as codes * scale + zero.
+
+    Candidates: RTN over min..max (`rtn_params`), and for each ratio of `clip_ratios(bits)`, RTN over
+    that fraction of the range about the row's midpoint followed by the unbiased refit of zero and
+    scale (`_unbiased_fit`). The candidate with the least squared error sum(weights * err^2)
+    (weights broadcast against x; None: 1) wins; min..max is first and keeps ties, so no row does
+    worse than without the search. stored: the dtype zero and scale are stored in (rounded to it
+    before ranking). The codes are the winning candidate's: a refit grid is not re-rounded."""
     mn = jnp.min(x, axis=-1)
     mx = jnp.max(x, axis=-1)
     levels = jnp.asarray(2 ** bits - 1, mx.dtype)
     half = (mx - mn) * 0.5
     mid = mn + half
-    best_lo = best_scale = best_err = None
-    for r in clip_ratios(bits):
-        if r == 1.0:
+
+    def as_stored(a):
+        return a if stored is None else saturate(a, stored).astype(jnp.float32)
+
+    best = None
+    for k, r in enumerate((1.0,) + clip_ratios(bits)):
+        if k == 0:   # min..max, as without the search
             lo, scale = mn, jnp.maximum(ar.div(mx - mn, levels), floor)
         else:
             lo = mid - half * r
             scale = jnp.maximum(ar.div(half * (2.0 * r), levels), floor)
-        if stored is not None:
-            lo, scale = saturate(lo, stored).astype(jnp.float32), saturate(scale, stored).astype(jnp.float32)
-        # the search ranks candidates by a reciprocal product (one division per row, not per
-        # value); the stored codes are then computed by `rtn_codes`, exactly as without a search
+        # one division per row, not per value
         inv = ar.div(jnp.ones_like(scale), scale)
-        q = jnp.clip(round_half_even((x - lo[..., None]) * inv[..., None]), 0, 2 ** bits - 1)
-        e = q * scale[..., None] + lo[..., None] - x
-        e2 = e * e if weights is None else e * e * weights
-        err = jnp.sum(e2, axis=-1)
-        if best_err is None:
-            best_lo, best_scale, best_err = lo, scale, err
+        codes = jnp.clip(round_half_even((x - lo[..., None]) * inv[..., None]), 0, 2 ** bits - 1)
+        if k:
+            zero, fit, ok = _unbiased_fit(x, codes, weights)
+            lo = jnp.where(ok, zero, lo)
+            scale = jnp.where(ok, jnp.maximum(fit, floor), scale)
+        lo, scale = as_stored(lo), as_stored(scale)
+        e = codes * scale[..., None] + lo[..., None] - x
+        err = jnp.sum(e * e if weights is None else e * e * weights, axis=-1)
+        if best is None:
+            best = (codes, lo, scale, err)
         else:
-            better = err < best_err
-            best_lo = jnp.where(better, lo, best_lo)
-            best_scale = jnp.where(better, scale, best_scale)
-            best_err = jnp.where(better, err, best_err)
-    return best_lo, best_scale
+            better = err < best[3]
+            best = (jnp.where(better[..., None], codes, best[0]), jnp.where(better, lo, best[1]),
+                    jnp.where(better, scale, best[2]), jnp.where(better, err, best[3]))
+    return best[0].astype(jnp.uint8), best[1], best[2]
 
 
 def rtn_codes(x: jnp.ndarray, mn: jnp.ndarray, scale: jnp.ndarray, bits: int, ar: Arith = JNP) -> jnp.ndarray:
@@ -97,9 +119,9 @@ def rtn_stored(x: jnp.ndarray, bits: int, dtype=jnp.float16, ar: Arith = JNP, cl
     Returns codes [..., n] uint8, scale [...] and zero [...] in `dtype` (saturated to its range).
     """
     if clip:
-        mn, scale = clip_search(x, bits, floor=SCALE_FLOOR, ar=ar, stored=dtype)
-    else:
-        mn, scale = rtn_params(x, bits, floor=SCALE_FLOOR, ar=ar)
+        codes, mn, scale = clip_search(x, bits, floor=SCALE_FLOOR, ar=ar, stored=dtype)
+        return codes, saturate(scale, dtype), saturate(mn, dtype)
+    mn, scale = rtn_params(x, bits, floor=SCALE_FLOOR, ar=ar)
     scale_s = saturate(scale, dtype)
     zero_s = saturate(mn, dtype)
     codes = rtn_codes(x, zero_s.astype(jnp.float32), scale_s.astype(jnp.float32), bits, ar)
