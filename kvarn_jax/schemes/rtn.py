@@ -68,8 +68,8 @@ def clip_search(x: jnp.ndarray, bits: int, floor: float = 1e-10, ar: Arith = JNP
     that fraction of the range about the row's midpoint followed by the unbiased refit of zero and
     scale (`_unbiased_fit`). The candidate with the least squared error sum(weights * err^2)
     (weights broadcast against x; None: 1) wins; min..max is first and keeps ties, so no row does
-    worse than without the search. stored: the dtype zero and scale are stored in (rounded to it
-    before ranking). The codes are the winning candidate's: a refit grid is not re-rounded."""
+    worse than without the search. stored: the dtype zero and scale are stored in (the grid is rounded
+    to it before its codes are chosen, the refit before ranking). The codes are the winning candidate's: a refit grid is not re-rounded."""
     mn = jnp.min(x, axis=-1)
     mx = jnp.max(x, axis=-1)
     levels = jnp.asarray(2 ** bits - 1, mx.dtype)
@@ -86,6 +86,7 @@ def clip_search(x: jnp.ndarray, bits: int, floor: float = 1e-10, ar: Arith = JNP
         else:
             lo = mid - half * r
             scale = jnp.maximum(ar.div(half * (2.0 * r), levels), floor)
+        lo, scale = as_stored(lo), as_stored(scale)   # codes against the grid as stored (`rtn_stored`)
         # one division per row, not per value
         inv = ar.div(jnp.ones_like(scale), scale)
         codes = jnp.clip(round_half_even((x - lo[..., None]) * inv[..., None]), 0, 2 ** bits - 1)
