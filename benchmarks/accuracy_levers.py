@@ -7,6 +7,7 @@ by quantize-then-dequantize in jnp with the lever applied (codes and scales comp
 would, only not packed), and the result is reported under the lever's name with its bits per
 element computed for fp16 scales. Levers:
 
+  k4v2              kvarn_k4v2_g128 as the cache stores it (the anchor of a run)
   k4v2_clip_vonly   clip search on the values only (keys over min..max): does key clipping pay?
   k4v2_clip_ef      error-feedback Sinkhorn: of the Sinkhorn iterates (the all-ones start
                     included) keep the one whose clipped RTN has the least squared error of the
@@ -122,6 +123,7 @@ def kvarn_bits(k_bits, v_bits, d):
 
 
 LEVERS = {
+    "k4v2": (4, 2, False, False, "imbalance", True),   # kvarn_k4v2_g128 itself: the anchor
     "k4v2_clip_vonly": (4, 2, False, True, "imbalance", True),
     "k4v2_clip_ef": (4, 2, True, True, "error", True),
     "k3v2_clip": (3, 2, True, True, "imbalance", True),
@@ -141,6 +143,7 @@ def main(argv=None):
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--levers", default=",".join(LEVERS))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--model-dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -151,7 +154,7 @@ def main(argv=None):
     if len(levers) > len(CARRIERS):
         raise SystemExit(f"--levers: at most {len(CARRIERS)} at once")
     t0 = time.perf_counter()
-    model, tok, folder = load_model_and_tokenizer(args.model)
+    model, tok, folder = load_model_and_tokenizer(args.model, args.model_dtype)
     geo = model_geometry(model)
     from kvarn_jax.data import load_text
     ids = text_token_ids(tok, load_text("persuasion"), 5000)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -635,8 +636,9 @@ def _cmd_pareto(args) -> int:
             raise ValueError(f"{path} is not an `eval --json` file ({type(e).__name__}: {e})") from None
         if not rows:
             raise ValueError(f"{path} has no scheme rows")
-        name = f"{Path(model).stem if str(model).endswith('.gguf') else Path(model).name} (head_dim {geo['head_dim']}; " \
-               f"{doc['windows']} x {doc['window']} tokens, PPL {doc['reference']['ppl']:.2f})"
+        # the checkpoint's name without its file's quantization and cache suffixes (e.g. ".Q4_1-float32-...")
+        stem = re.sub(r"\.(Q\d|F16|F32|BF16).*$", "", Path(model).stem if str(model).endswith(".gguf") else Path(model).name)
+        name = f"{stem} (head_dim {geo['head_dim']}; {doc['windows']} x {doc['window']} tokens, PPL {doc['reference']['ppl']:.2f})"
         if name in panels:
             raise ValueError(f"EVAL.json: two files describe {name}; give one per model and setting")
         panels[name] = rows

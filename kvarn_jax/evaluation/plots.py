@@ -170,7 +170,8 @@ def plot_pareto(panels: Mapping[str, Sequence[Mapping]], path: Union[str, os.Pat
                 floor: float = 1e-6) -> None:
     """KL (top row, log) and perplexity increase (bottom row) against bits per element, one column
     per model: {model name: eval rows ({"scheme", "bits_per_element", "kl_mean", "ppl_increase"})}.
-    Clipped-range schemes (`_clip`) are filled, the others hollow; each panel joins its KL Pareto front."""
+    Clipped-range schemes (`_clip`) are filled, the others hollow; circles are on the KL Pareto
+    front, which the KL panel joins."""
     plt = _pyplot()
     n = len(panels)
     fig, axes = plt.subplots(2, n, figsize=(7.5 * n, 9), squeeze=False)
@@ -186,8 +187,9 @@ def plot_pareto(panels: Mapping[str, Sequence[Mapping]], path: Union[str, os.Pat
                 clipped = p["scheme"].endswith("_clip")
                 ax.scatter(p["bits_per_element"], val(p), s=36, zorder=3, marker="o" if p["scheme"] in front else "s",
                            facecolors="C3" if clipped else "none", edgecolors="C3" if clipped else "C0")
-            fr = [p for p in pts if p["scheme"] in front]
-            ax.plot([p["bits_per_element"] for p in fr], [val(p) for p in fr], "--", lw=1, color="gray", zorder=2)
+            if log:   # the front is KL's; the perplexity panel marks its members only
+                fr = [p for p in pts if p["scheme"] in front]
+                ax.plot([p["bits_per_element"] for p in fr], [val(p) for p in fr], "--", lw=1, color="gray", zorder=2)
             if log:
                 ax.set_yscale("log")
             else:
