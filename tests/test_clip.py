@@ -29,11 +29,13 @@ def _rtn_err(x, lo, scale, bits, w=None):
 
 @pytest.mark.parametrize("text,name", [("kvarn_k4v2_g128_clip", "kvarn_k4v2_g128_clip"), ("KVARN_CLIP", "kvarn_k4v2_g128_clip"),
                                        ("kivi_k2v2_g32_clip", "kivi_k2v2_g32_clip"), ("int4_clip", "int4_clip"),
-                                       ("int2_g32_clip", "int2_g32_clip"), ("int_k8v4_g64_clip", "int_k8v4_g64_clip")])
+                                       ("int2_g32_clip", "int2_g32_clip"), ("int_k8v4_g64_clip", "int_k8v4_g64_clip"),
+                                       ("kvarn_k4v2_g128_clipv", "kvarn_k4v2_g128_clipv"), ("int4_clipv", "int4_clipv")])
 def test_grammar_round_trip(text, name):
     cfg = kj.parse(text)
     assert cfg.clip and cfg.name == name and kj.parse(cfg.name) == cfg
-    base = kj.parse(name[:-len("_clip")])
+    assert cfg.clip_keys == name.endswith("_clip")
+    base = kj.parse(name.rsplit("_clip", 1)[0])
     assert cfg != base and hash(cfg) != hash(base)
     # same stored fields, so the same bytes per token
     for side in ("k", "v"):
@@ -42,7 +44,7 @@ def test_grammar_round_trip(text, name):
 
 
 @pytest.mark.parametrize("text", ["int8_static_clip", "fp8_clip", "fp8_static_clip", "fp16_clip", "kvarn_k4v2_g128_clip_clip",
-                                  "clip", "kvarn_k3v2_g128_clip"])
+                                  "clip", "kvarn_k3v2_g128_clip", "fp8_clipv", "int4_clipv_clip", "kvarn_clip_clipv"])
 def test_grammar_refuses(text):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         kj.parse(text)
@@ -55,6 +57,18 @@ def test_hand_built_config_refuses_clip_where_it_does_not_apply():
         kj.KVQuantConfig("int", 8, 8, static=True, clip=True)
     with pytest.raises(ValueError, match="clip must be a bool"):
         kj.KVQuantConfig("int", 8, 8, clip=1)
+    with pytest.raises(ValueError, match="clip_keys"):
+        kj.KVQuantConfig("int", 8, 8, clip_keys=False)
+
+
+def test_values_only_clip_leaves_keys_as_without(rng):
+    k, v = (jnp.asarray(rng.standard_normal((256, 2, 64)), jnp.float16) for _ in range(2))
+    for scheme in ("kvarn_k4v2_g128", "kivi_k2v2_g32", "int4"):
+        base, v_only, both = (kj.quantize((k, v), scheme + s) for s in ("", "_clipv", "_clip"))
+        for a, b in zip(jax.tree_util.tree_leaves(base.fields["k"]), jax.tree_util.tree_leaves(v_only.fields["k"])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(jax.tree_util.tree_leaves(both.fields["v"]), jax.tree_util.tree_leaves(v_only.fields["v"])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_ratios_start_at_one_and_decrease():

@@ -64,7 +64,7 @@ def _assert_fp16_within_an_ulp(what, a, b, blocks):
 
 @pytest.mark.parametrize("cfg", ["kvarn_k4v2_g32", "kvarn_k2v8_g64", "kivi_k2v4_g32", "int4", "int8_g16",
                                  "int_k8v2", "fp8", "int8_static", "fp8_static",
-                                 "kvarn_k4v2_g32_clip", "kivi_k2v4_g32_clip", "int2_g16_clip"])
+                                 "kvarn_k4v2_g32_clip", "kivi_k2v4_g32_clip", "int2_g16_clip", "kvarn_k2v4_g32_clipv"])
 def test_kernel_write_equals_reference_write(cfg, rng):
     c = kj.parse(cfg)
     bs = max(c.tile_tokens, 32)

@@ -54,7 +54,7 @@ def scheme_kind(cfg: KVQuantConfig, head_dim: int | None = None) -> str:
     """'int_dynamic', 'int_static', 'passthrough' or 'tiled'; ValueError for schemes the NPU cannot hold."""
     if cfg.clip:
         raise ValueError(f"kv_cache_dtype {cfg.name!r} cannot be held by the Ascend cache: its torch quantizer has no "
-                         f"clipped-range search; use {cfg.name[:-len('_clip')]!r}")
+                         f"clipped-range search; use {cfg.name.rsplit('_clip', 1)[0]!r}")
     if cfg.method == "passthrough" and cfg.dtype in _TORCH_DTYPES:
         return "passthrough"
     if cfg.method in ("kvarn", "kivi"):
