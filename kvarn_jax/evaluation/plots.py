@@ -170,7 +170,7 @@ def plot_pareto(panels: Mapping[str, Sequence[Mapping]], path: Union[str, os.Pat
                 floor: float = 1e-6) -> None:
     """KL (top row, log) and perplexity increase (bottom row) against bits per element, one column
     per model: {model name: eval rows ({"scheme", "bits_per_element", "kl_mean", "ppl_increase"})}.
-    Clipped-range schemes (`_clip`) are filled, the others hollow; circles are on the KL Pareto
+    Clipped-range schemes (`_clip`, `_clipv`) are filled, the others hollow; circles are on the KL Pareto
     front, which the KL panel joins."""
     plt = _pyplot()
     n = len(panels)
@@ -184,7 +184,7 @@ def plot_pareto(panels: Mapping[str, Sequence[Mapping]], path: Union[str, os.Pat
             ax = axes[row][col]
             val = (lambda p: max(p["kl_mean"], floor)) if log else (lambda p: 100 * p["ppl_increase"])
             for p in pts:
-                clipped = p["scheme"].endswith("_clip")
+                clipped = p["scheme"].endswith(("_clip", "_clipv"))
                 ax.scatter(p["bits_per_element"], val(p), s=36, zorder=3, marker="o" if p["scheme"] in front else "s",
                            facecolors="C3" if clipped else "none", edgecolors="C3" if clipped else "C0")
             if log:   # the front is KL's; the perplexity panel marks its members only
@@ -210,7 +210,7 @@ def plot_pareto(panels: Mapping[str, Sequence[Mapping]], path: Union[str, os.Pat
     from matplotlib.lines import Line2D
     fig.legend([Line2D([], [], ls="", marker="o", color="C3"), Line2D([], [], ls="", marker="o", mfc="none", color="C0"),
                 Line2D([], [], ls="--", color="gray")],
-               ["clipped range (_clip)", "min..max range", "Pareto front of KL (circles; squares: off it)"],
+               ["clipped range (_clip, _clipv)", "min..max range", "Pareto front of KL (circles; squares: off it)"],
                loc="upper right", fontsize=8, ncol=3, frameon=False)
     if title:
         fig.suptitle(title, fontsize=11, x=0.4)
