@@ -26,8 +26,15 @@ GRAMMAR = (
     "kvarn_k{2,4,8}v{2,4,8}_g{32,64,128} (presets: " + ", ".join(PRESETS) + "); "
     "kivi_k{2,4}v{2,4}_g{32,64,128}; "
     "int{2,4,8}[_g{8,16,32,64,128,256}] or int_k{2,4,8}v{2,4,8}[_g...], and int{2,4,8}_static / int_k..v.._static; "
-    "fp8 (alias fp8_e4m3), fp8_static; fp16, bf16, fp32 (passthrough)"
+    "fp8 (alias fp8_e4m3), fp8_static; fp16, bf16, fp32 (passthrough); "
+    "suffix _clip (keys and values) or _clipv (values only) on a dynamic kvarn, kivi or int scheme "
+    "(e.g. kvarn_k4v2_g128_clip): clipped-range RTN"
 )
+# Clipped range search (`schemes.rtn.clip_search`): same stored format, a per-row range that
+# minimizes squared error instead of min..max.
+CLIP_SUFFIX = "_clip"
+CLIP_VALUES_SUFFIX = "_clipv"
+CLIP_METHODS = ("kvarn", "kivi", "int")
 
 _METHODS = ("kvarn", "kivi", "int", "fp8", "passthrough")
 
@@ -67,6 +74,13 @@ def _check_fields(cfg: "KVQuantConfig") -> None:
             raise ValueError(f"{name}: {field} must be an int, got {getattr(cfg, field)!r}")
     if not isinstance(cfg.static, bool):
         raise ValueError(f"{name}: static must be a bool, got {cfg.static!r}")
+    if not isinstance(cfg.clip, bool):
+        raise ValueError(f"{name}: clip must be a bool, got {cfg.clip!r}")
+    if cfg.clip and (cfg.method not in CLIP_METHODS or cfg.static):
+        raise ValueError(f"{name}: clip (the {CLIP_SUFFIX} suffix) applies to dynamic kvarn, kivi and int schemes only")
+    if not isinstance(cfg.clip_keys, bool) or (not cfg.clip_keys and not cfg.clip):
+        raise ValueError(f"{name}: clip_keys must be a bool, and False only with clip=True (the {CLIP_VALUES_SUFFIX} "
+                         f"suffix), got {cfg.clip_keys!r}")
     if cfg.method == "kvarn":
         if not 0 <= cfg.sinkhorn_iters <= MAX_SINKHORN_ITERS:
             raise ValueError(f"{name}: sinkhorn_iters must be in [0, {MAX_SINKHORN_ITERS}], got {cfg.sinkhorn_iters}")
@@ -112,6 +126,9 @@ class KVQuantConfig:
     static: scales come from a `Calibration` instead of being computed at write time (int, fp8).
     dtype: storage dtype name of passthrough configs.
     sinkhorn_iters: KVarN variance-normalization iterations (docs/design.md §1.2).
+    clip: RTN over the per-row range that minimizes squared error among a few clip ratios
+      (suffix `_clip`; docs/schemes.md) instead of the row's min..max. Same stored fields.
+    clip_keys: with clip, whether keys are clipped too (False: suffix `_clipv`, values only).
     """
 
     method: str
@@ -121,6 +138,8 @@ class KVQuantConfig:
     static: bool = False
     dtype: str = ""
     sinkhorn_iters: int = 8
+    clip: bool = False
+    clip_keys: bool = True
 
     def __post_init__(self):
         _check_fields(self)  # hand-built configs obey the grammar's rules too
@@ -134,6 +153,13 @@ class KVQuantConfig:
         if not isinstance(spec, str):
             raise ValueError(f"kv_cache_dtype must be a string or KVQuantConfig, got {type(spec).__name__}")
         text = spec.strip().lower()
+        for suffix, keys in ((CLIP_SUFFIX, True), (CLIP_VALUES_SUFFIX, False)):
+            if text.endswith(suffix):
+                base = cls.parse(text[:-len(suffix)])
+                if base.method not in CLIP_METHODS or base.static or base.clip:
+                    raise ValueError(f"kv_cache_dtype {spec!r}: the {suffix} suffix applies to dynamic kvarn, kivi and "
+                                     f"int schemes only (e.g. kvarn_k4v2_g128{suffix}). Accepted strings: {GRAMMAR}")
+                return dataclasses.replace(base, clip=True, clip_keys=keys)
         if text in PASSTHROUGH:
             bits = {"float16": 16, "bfloat16": 16, "float32": 32}[PASSTHROUGH[text]]
             return cls("passthrough", bits, bits, dtype=PASSTHROUGH[text])
@@ -170,6 +196,9 @@ class KVQuantConfig:
     @property
     def name(self) -> str:
         """Canonical string; `KVQuantConfig.parse(cfg.name) == cfg`."""
+        if self.clip:
+            return (dataclasses.replace(self, clip=False, clip_keys=True).name
+                    + (CLIP_SUFFIX if self.clip_keys else CLIP_VALUES_SUFFIX))
         if self.method == "passthrough":
             return {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[self.dtype]
         if self.method == "fp8":

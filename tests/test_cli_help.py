@@ -16,7 +16,7 @@ def _subparsers():
 
 
 def test_every_subcommand_is_listed():
-    assert set(_subparsers()) == {"schemes", "generate", "eval", "report-errors", "capacity", "tune"}
+    assert set(_subparsers()) == {"schemes", "generate", "eval", "report-errors", "capacity", "tune", "pareto"}
 
 
 @pytest.mark.parametrize("command", sorted(_subparsers()))

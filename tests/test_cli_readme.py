@@ -63,6 +63,7 @@ def _tiny(argv, model):
         "report-errors": small + ["--tokens", "384"],
         "tune": small + ["--tokens", "384", "--calib-tokens", "384"],
         "capacity": [],
+        "pareto": [],
         "schemes": ["--tokens", "128"] + ([] if "--kv-cache-dtype" in argv else ["--kv-cache-dtype", "fp16,int8"]),
     }[cmd]
     return argv + extra

@@ -54,10 +54,12 @@ def test_eval_end_to_end(folder, tmp_path, capsys):
     out, png = tmp_path / "eval.json", tmp_path / "pareto.png"
     rc = main(["eval", "--model", str(folder), "--tokens", "384", "--window", "192", "--block-size", "32",
                "--kv-cache-dtype", f"int8,int2_g32,fp16,{layers}", "--greedy-prompts", "2", "--prompt-tokens", "40",
-               "--new-tokens", "24", "--json", str(out), "--plot", str(png), "--no-progress"])
+               "--new-tokens", "24", "--json", str(out), "--plot", str(png), "--no-progress", "--continuation-nll",
+               "--position-buckets", "64,128"])
     assert rc == 0
     text = capsys.readouterr().out
     assert "int2_g32" in text and "KL (nats)" in text and "front" in text and "Expect about" in text
+    assert "by position in the window" in text and "64-127" in text and "cont. NLL" in text
     doc = json.loads(out.read_text())
     ref = doc["reference"]
     assert ref["tokens"] == 2 * 191
@@ -77,7 +79,22 @@ def test_eval_end_to_end(folder, tmp_path, capsys):
     mixed_bits = (bits_per_element("int8", 32) + bits_per_element("int4", 32)) / 2
     assert rows["mixed"]["bits_per_element"] == pytest.approx(mixed_bits)
     assert rows["fp16"]["first_divergence"] == [24, 24] and rows["fp16"]["identical_fraction"] == 1.0
+    assert rows["fp16"]["median_first_divergence"] == 24
     assert 0 <= rows["int2_g32"]["identical_fraction"] <= 1
+    # by position: buckets [1, 64), [64, 128), [128, 192) whose tokens add up to the whole
+    assert [(b["start"], b["end"]) for b in ref["buckets"]] == [(1, 64), (64, 128), (128, 192)]
+    for r in rows.values():
+        assert sum(b["tokens"] for b in r["buckets"]) == r["tokens"]
+        assert sum(b["kl_mean"] * b["tokens"] for b in r["buckets"]) / r["tokens"] == pytest.approx(r["kl_mean"], rel=1e-6, abs=1e-12)
+    # an fp16 cache continues exactly as the reference: the same NLL under the unquantized model
+    assert rows["fp16"]["mean_continuation_nll"] == pytest.approx(rows["fp16"]["reference_continuation_nll"], rel=1e-6)
+    assert all(r["reference_continuation_nll"] == rows["fp16"]["reference_continuation_nll"] for r in rows.values())
+    assert all(len(r["continuation_nll"]) == 2 and r["mean_continuation_nll"] > 0 for r in rows.values())
+    pareto = tmp_path / "both.png"
+    assert main(["pareto", str(out), "--out", str(pareto)]) == 0
+    assert pareto.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and pareto.stat().st_size > 5000
+    assert main(["pareto", str(layers), "--out", str(pareto)]) == 2
+    assert "is not an `eval --json` file" in capsys.readouterr().err
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     for name, r in rows.items():   # the Pareto front of bits vs KL, computed independently
         assert r["kl_mean"] >= 0
@@ -98,6 +115,8 @@ def test_eval_rejects_bad_arguments(folder, capsys):
     assert "int8_static needs a calibration" in capsys.readouterr().err
     assert main(["eval", "--model", str(folder), "--text", str(folder / "none.txt")]) == 2
     assert "--text" in capsys.readouterr().err
+    assert main(["eval", "--model", str(folder), "--window", "192", "--tokens", "192", "--position-buckets", "500"]) == 2
+    assert "--position-buckets" in capsys.readouterr().err
     three = folder.parent / "three.json"
     write_layer_config(three, ["int8"] * 3, block_size=32)
     assert main(["eval", "--model", str(folder), "--kv-cache-dtype", str(three), "--block-size", "32", "--tokens",
@@ -113,9 +132,10 @@ def test_accumulator_matches_numpy(rng, rows, monkeypatch):
     ref = rng.standard_normal((50, 11)) * 2
     got = ref + rng.standard_normal((50, 11)) * 0.5
     tgt = rng.integers(0, 11, 50)
-    acc = _Accumulator()
+    acc = _Accumulator((1, 20, 37, 51))
     ref_lp = torch.log_softmax(torch.tensor(ref, dtype=torch.float32), -1)
-    acc.add(torch.tensor(got, dtype=torch.float32), torch.tensor(tgt), ref_lp, ref_lp.argmax(-1))
+    pos = torch.tensor(rng.permutation(np.arange(1, 51)))     # predicted positions, in any order
+    acc.add(torch.tensor(got, dtype=torch.float32), torch.tensor(tgt), ref_lp, ref_lp.argmax(-1), pos)
     r = acc.result("x")
 
     def logsm(x):
@@ -123,11 +143,19 @@ def test_accumulator_matches_numpy(rng, rows, monkeypatch):
         return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
     lp, lq = logsm(ref), logsm(got)
-    assert r.nll == pytest.approx(-lq[np.arange(50), tgt].mean(), rel=1e-5)
+    nll, kl = -lq[np.arange(50), tgt], (np.exp(lp) * (lp - lq)).sum(-1)
+    agree = ref.argmax(-1) == got.argmax(-1)
+    assert r.nll == pytest.approx(nll.mean(), rel=1e-5)
     assert r.ppl == pytest.approx(math.exp(r.nll))
-    assert r.kl_mean == pytest.approx((np.exp(lp) * (lp - lq)).sum(-1).mean(), rel=1e-4)
-    assert r.top1_agreement == pytest.approx((ref.argmax(-1) == got.argmax(-1)).mean())
+    assert r.kl_mean == pytest.approx(kl.mean(), rel=1e-4)
+    assert r.top1_agreement == pytest.approx(agree.mean())
     assert r.tokens == 50
+    assert [(b.start, b.end, b.tokens) for b in r.buckets] == [(1, 20, 19), (20, 37, 17), (37, 51, 14)]
+    for b in r.buckets:
+        sel = ((pos >= b.start) & (pos < b.end)).numpy()
+        assert b.nll == pytest.approx(nll[sel].mean(), rel=1e-5)
+        assert b.kl_mean == pytest.approx(kl[sel].mean(), rel=1e-4)
+        assert b.top1_agreement == pytest.approx(agree[sel].mean())
 
 
 def test_windows_and_text():
@@ -340,3 +368,20 @@ def test_tune_no_verify_says_what_was_not_checked(folder, tmp_path, capsys):
     assert json.loads(out.read_text())["chosen"] == "per-layer (not checked)"
     assert main(["tune", "--model", str(folder), "--budget-bits", "4", "--no-verify", "--max-ppl-increase", "1%"]) == 2
     assert "drop --no-verify" in capsys.readouterr().err
+
+
+def test_continuation_nll_matches_full_forward(folder):
+    """`continuation_nll` against log-probs of one plain forward over prompt + continuation."""
+    from transformers import AutoModelForCausalLM
+
+    from kvarn_jax.evaluation.agreement import continuation_nll
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(3)
+    vocab = model.config.vocab_size
+    prompts, cont = torch.randint(0, vocab, (3, 11), generator=g), torch.randint(0, vocab, (3, 300), generator=g)
+    got = continuation_nll(model, prompts, cont, max_batch_tokens=500)   # 1 row per forward, 2 head chunks
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.cat([prompts, cont], 1)).logits.double(), -1)
+    want = -lp[:, 10:-1].gather(2, cont[..., None])[..., 0].mean(1)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5)

@@ -5,7 +5,8 @@ interpreted. Pages are poisoned first, so a field the kernel failed to write can
 Tolerance: everything bit for bit, except the pages of KVarN tiles, whose Sinkhorn sums are
 reduced in a shape-dependent order (one tile in the kernel, a batch of tiles in XLA): there, as in
 the golden tests, codes may flip at near-ties (<= 16 per 128 tokens of a tile) and the fp16 scales
-may differ in their last bits (<= 1e-3 relative).
+may differ in their last bits (<= 1e-3 relative), and of `_clip` schemes, whose refit scales and
+zeros come from sums too (an fp16 step, as a compiled kernel's).
 """
 
 import jax
@@ -63,7 +64,8 @@ def _assert_fp16_within_an_ulp(what, a, b, blocks):
 
 
 @pytest.mark.parametrize("cfg", ["kvarn_k4v2_g32", "kvarn_k2v8_g64", "kivi_k2v4_g32", "int4", "int8_g16",
-                                 "int_k8v2", "fp8", "int8_static", "fp8_static"])
+                                 "int_k8v2", "fp8", "int8_static", "fp8_static",
+                                 "kvarn_k4v2_g32_clip", "kivi_k2v4_g32_clip", "int2_g16_clip", "kvarn_k2v4_g32_clipv"])
 def test_kernel_write_equals_reference_write(cfg, rng):
     c = kj.parse(cfg)
     bs = max(c.tile_tokens, 32)
@@ -85,8 +87,10 @@ def test_kernel_write_equals_reference_write(cfg, rng):
     for side in ("k", "v"):
         for name in ref_pages[side]:
             a, b = np.asarray(ref_pages[side][name]), np.asarray(ker_pages[side][name])
-            if c.method != "kvarn" and INTERPRET:
+            if c.method != "kvarn" and INTERPRET and not c.clip:
                 np.testing.assert_array_equal(a, b, err_msg=f"{side}/{name}")
+            # `_clip` refits scale and zero from row sums, reduced in a shape-dependent order (one
+            # program's tokens in the kernel, a batch in XLA): the metadata may move by an fp16 step
             elif c.method != "kvarn" and name == "codes":  # compiled on a GPU
                 _assert_codes_within_a_step(c, side, a, b, written)
             elif c.method != "kvarn":

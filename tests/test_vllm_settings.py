@@ -67,7 +67,7 @@ def test_registered_names_cover_the_grammar_without_taking_vllms():
     assert len(names) == len(set(names))
     assert not set(names) & set(builtin)
     assert {"kvarn_k4v2_g128", "kvarn_k2v8_g32", "kivi_k2v4_g64", "int4", "int_k8v4_g64", "int8_static",
-            "kvarn_fp8", "fp8_static", "fp16", "bf16"} <= set(names)
+            "kvarn_fp8", "fp8_static", "fp16", "bf16", "kvarn_k4v2_g128_clip", "int4_clip", "kvarn_k4v2_g128_clipv"} <= set(names)
     for n in names:  # every registered name maps back to the scheme it stands for
         cfg = scheme_from_vllm_name(n)
         assert cfg is not None and kj.parse(cfg.name) == cfg

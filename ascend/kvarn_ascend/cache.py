@@ -55,6 +55,9 @@ _JAX_DTYPES = {t: n for n, t in _TORCH_DTYPES.items()}
 
 def scheme_kind(cfg: KVQuantConfig, head_dim: int | None = None) -> str:
     """'int_dynamic', 'int_static', 'passthrough' or 'tiled'; ValueError for schemes the NPU cannot hold."""
+    if cfg.clip:
+        raise ValueError(f"kv_cache_dtype {cfg.name!r} cannot be held by the Ascend cache: its torch quantizer has no "
+                         f"clipped-range search; use {cfg.name.rsplit('_clip', 1)[0]!r}")
     if cfg.method == "passthrough" and cfg.dtype in _TORCH_DTYPES:
         return "passthrough"
     if cfg.method in ("kvarn", "kivi"):

@@ -96,7 +96,8 @@ def scheme_from_vllm_name(name: str) -> KVQuantConfig | None:
 def vllm_names(builtin: tuple | list) -> list[str]:
     """Every scheme string to register as a vLLM `--kv-cache-dtype` value: each canonical scheme of
     the grammar, prefixed with `kvarn_` where vLLM already owns the name."""
-    from kvarn_jax.config import INT_BITS, INT_GROUPS, KIVI_BITS, KIVI_GROUPS, KVARN_BITS, KVARN_GROUPS
+    from kvarn_jax.config import (CLIP_SUFFIX, CLIP_VALUES_SUFFIX, INT_BITS, INT_GROUPS, KIVI_BITS, KIVI_GROUPS, KVARN_BITS,
+                                  KVARN_GROUPS)
 
     names = [f"kvarn_k{k}v{v}_g{g}" for k in KVARN_BITS for v in KVARN_BITS for g in KVARN_GROUPS]
     names += [f"kivi_k{k}v{v}_g{g}" for k in KIVI_BITS for v in KIVI_BITS for g in KIVI_GROUPS]
@@ -104,6 +105,7 @@ def vllm_names(builtin: tuple | list) -> list[str]:
         for v in INT_BITS:
             base = f"int{k}" if k == v else f"int_k{k}v{v}"
             names += [base, base + "_static"] + [f"{base}_g{g}" for g in INT_GROUPS]
+    names += [n + s for s in (CLIP_SUFFIX, CLIP_VALUES_SUFFIX) for n in names if not n.endswith("_static")]
     names += ["kvarn", "fp8", "fp8_static", "fp16", "bf16", "fp32"]
     out = []
     for n in names:

@@ -4,7 +4,10 @@ Each prompt is prefilled, then continued greedily (argmax, no EOS stop) for `new
 serving semantics: the sink and the block being written are read exactly, every other full block as
 the scheme stores it (quantized once the block is full). The reference is the same loop with the
 reference scheme (default fp16). Reported per scheme: the first position where the continuation
-differs (new_tokens if never) and the fraction of identical tokens, position by position.
+differs (new_tokens if never) and the fraction of identical tokens, position by position. With
+`score=True`, also the unquantized model's mean NLL of each prompt's continuation (teacher-forced,
+exact attention): once two continuations differ, identical tokens stop meaning much, but a scheme
+whose text the unquantized model finds as likely as its own has not drifted into worse text.
 
 `evaluate_agreement` runs every scheme at once: the prompts are prefilled once (a prefill reads its
 own tokens exactly, so it is the same for every scheme), the cache is copied once per scheme, and
@@ -17,6 +20,7 @@ transformers cache that stores quantized codes (the tests check both give the sa
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from typing import Mapping, Optional, Sequence, Union
 
 import torch
@@ -30,16 +34,32 @@ from kvarn_jax.integrations.transformers import KVarNCache, cache_kwargs
 @dataclasses.dataclass(frozen=True)
 class AgreementResult:
     """first_divergence: per prompt, index of the first differing new token (new_tokens = none differ);
-    identical_fraction: identical tokens / all new tokens, over all prompts."""
+    identical_fraction: identical tokens / all new tokens, over all prompts; continuation_nll /
+    reference_nll: per prompt, the unquantized model's mean NLL (nats per token) of this scheme's
+    continuation and of the reference's (`evaluate_agreement(score=True)`, else empty)."""
 
     name: str
     new_tokens: int
     first_divergence: tuple[int, ...]
     identical_fraction: float
+    continuation_nll: tuple[float, ...] = ()
+    reference_nll: tuple[float, ...] = ()
 
     @property
     def mean_first_divergence(self) -> float:
         return sum(self.first_divergence) / len(self.first_divergence)
+
+    @property
+    def median_first_divergence(self) -> float:
+        return statistics.median(self.first_divergence)
+
+    @property
+    def mean_continuation_nll(self) -> Optional[float]:
+        return statistics.fmean(self.continuation_nll) if self.continuation_nll else None
+
+    @property
+    def mean_reference_nll(self) -> Optional[float]:
+        return statistics.fmean(self.reference_nll) if self.reference_nll else None
 
 
 def greedy_continuation(model, prompts: torch.Tensor, scheme: Union[str, Sequence[str]], new_tokens: int, *,
@@ -198,10 +218,35 @@ def greedy_continuations(model, prompts: torch.Tensor, schemes: Sequence, new_to
     return [tokens[i * n:(i + 1) * n] for i in range(g)]
 
 
+def continuation_nll(model, prompts: torch.Tensor, tokens: torch.Tensor, *, max_batch_tokens: int = 4096
+                     ) -> torch.Tensor:
+    """[N] mean NLL (nats per token) the model, attention exact and no cache, gives `tokens` [N, M]
+    after `prompts` [N, P]: teacher-forced, the output head applied to the M predicting positions only."""
+    from .perplexity import _decoder_and_head
+
+    if prompts.shape[0] != tokens.shape[0]:
+        raise ValueError(f"prompts {tuple(prompts.shape)} and tokens {tuple(tokens.shape)} differ in rows")
+    decoder, head = _decoder_and_head(model)
+    seq = torch.cat([prompts, tokens], dim=1)
+    p, m = prompts.shape[1], tokens.shape[1]
+    rows = max(1, max_batch_tokens // seq.shape[1])
+    out = []
+    with torch.no_grad():
+        for a in range(0, seq.shape[0], rows):
+            h = decoder(input_ids=seq[a:a + rows, :-1], use_cache=False).last_hidden_state[:, p - 1:]
+            nll = torch.zeros(h.shape[0], dtype=torch.float64)
+            for c in range(0, m, 256):  # [rows, 256, vocab] logits at a time
+                lp = torch.log_softmax(head(h[:, c:c + 256]).float(), dim=-1)
+                nll -= lp.gather(2, tokens[a:a + rows, c:c + 256, None])[..., 0].double().sum(1)
+            out.append(nll / m)
+    return torch.cat(out)
+
+
 def evaluate_agreement(model, prompts: torch.Tensor, schemes: Mapping[str, Union[str, Sequence[str]]],
                        new_tokens: int = 512, *, reference: str = "fp16", block_size: int = 128,
-                       progress: bool = True) -> dict[str, AgreementResult]:
-    """{name: AgreementResult} of every scheme against greedy decoding with the `reference` scheme."""
+                       progress: bool = True, score: bool = False) -> dict[str, AgreementResult]:
+    """{name: AgreementResult} of every scheme against greedy decoding with the `reference` scheme;
+    score: also the unquantized model's NLL of every continuation (`continuation_nll`)."""
     from tqdm.auto import tqdm
 
     bar = tqdm(total=new_tokens, desc=f"greedy ({len(schemes) + 1} configs x {prompts.shape[0]} prompts)",
@@ -209,4 +254,11 @@ def evaluate_agreement(model, prompts: torch.Tensor, schemes: Mapping[str, Union
     ref, *got = greedy_continuations(model, prompts, [reference, *schemes.values()], new_tokens,
                                      block_size=block_size, progress=bar)
     bar.close()
-    return {name: compare_continuations(name, toks, ref) for name, toks in zip(schemes, got)}
+    res = {name: compare_continuations(name, toks, ref) for name, toks in zip(schemes, got)}
+    if not score:
+        return res
+    ref_nll = tuple(continuation_nll(model, prompts, ref).tolist())
+    for name, toks in zip(schemes, got):
+        nll = tuple(continuation_nll(model, prompts, toks).tolist())
+        res[name] = dataclasses.replace(res[name], continuation_nll=nll, reference_nll=ref_nll)
+    return res

@@ -5,6 +5,7 @@
     kvarn-jax report-errors [--kv-cache-dtype ...] [--model PATH] [--json F] [--plot F]
     kvarn-jax capacity (--preset llama3-8b,qwen3-32b | --model PATH) --gpu-mem 141GiB [--context 32768]
     kvarn-jax tune --budget-bits 3.5 [--max-ppl-increase 1%] [--out kvarn_layers.json]
+    kvarn-jax pareto EVAL.json [EVAL.json ...] --out pareto.png
 
 Standalone: python -m kvarn_jax.evaluation.cli <subcommand> ...
 Scheme lists accept layer-scheme files (a path ending in .json, from `tune`) wherever a scheme goes.
@@ -14,7 +15,9 @@ Every error a user can cause is reported before the model loads where it can be 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -24,7 +27,7 @@ from . import arguments as A
 EVAL_SCHEMES = "kvarn_k4v2_g128,kvarn_k4v4_g128,kivi_k2v2_g32,int4,int8,fp16"
 ERROR_SCHEMES = "kvarn_k4v2_g128,kivi_k2v2_g32,int4"
 CAPACITY_SCHEMES = "fp16,fp8,int8,int4,kivi_k2v2_g32,kvarn_k4v4_g128,kvarn_k4v2_g128"
-COMMANDS = ("eval", "report-errors", "capacity", "tune")
+COMMANDS = ("eval", "report-errors", "capacity", "tune", "pareto")
 FRONT_MARK = "*"
 
 # How long `eval` runs: SmolLM2-135M in fp32 on this project's 2-core machine with other jobs
@@ -35,9 +38,11 @@ _ESTIMATE_PARAMS = 135e6
 
 
 def estimate_eval_seconds(tokens: int, configs: int, prompts: int, new_tokens: int, params: float = _ESTIMATE_PARAMS,
-                          ) -> float:
-    """Expected wall time of `eval` on 2 CPU cores, scaled linearly by the model's parameter count."""
-    work = tokens / 1000 * configs * _PER_KTOK_S + new_tokens * (_STEP_S + _STEP_ROW_S * prompts * configs)
+                          scored_tokens: int = 0) -> float:
+    """Expected wall time of `eval` on 2 CPU cores, scaled linearly by the model's parameter count
+    (scored_tokens: teacher-forced tokens per configuration of the continuations' NLL)."""
+    work = ((tokens + scored_tokens) / 1000 * configs * _PER_KTOK_S
+            + new_tokens * (_STEP_S + _STEP_ROW_S * prompts * configs))
     return _FIXED_S + work * params / _ESTIMATE_PARAMS
 
 
@@ -196,6 +201,29 @@ def _model_args(p, window: int = 1024):
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def _position_buckets(text: str, window: int) -> tuple[int, ...]:
+    """--position-buckets: 'auto' (256, 512, ... below the window), 'none', or comma-separated ints."""
+    text = text.strip().lower()
+    if text == "none":
+        return ()
+    if text == "auto":
+        out, b = [], 256
+        while b < window:
+            out.append(b)
+            b *= 2
+        return tuple(out)
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--position-buckets {text!r}: give 'auto', 'none' or comma-separated token positions") from None
+    from .perplexity import bucket_edges
+    try:
+        bucket_edges(window, vals)
+    except ValueError as e:
+        raise ValueError(f"--position-buckets: {e}") from None
+    return vals
+
+
 def _windows(args, tokenizer, tokens, offset_windows=0):
     from .perplexity import text_token_ids, token_windows
 
@@ -225,6 +253,7 @@ def _cmd_eval(args) -> int:
     _check_schemes({**schemes, greedy_ref: greedy_ref}, args.block_size)
     _check_inputs(args, "--json", "--plot")
     greedy = args.new_tokens > 0 and args.greedy_prompts > 0
+    buckets = _position_buckets(args.position_buckets, args.window)
     _setup_torch(args.threads)
     t0 = time.perf_counter()
     tok = load_tokenizer(args.model)
@@ -238,12 +267,13 @@ def _cmd_eval(args) -> int:
                              f"prompt per --window) need {need} tokens of text, it has {len(ids)}")
         prompts = torch.tensor([ids[i * args.window:i * args.window + args.prompt_tokens]
                                 for i in range(args.greedy_prompts)], dtype=torch.long)
-    model, tok, folder = load_model_and_tokenizer(args.model, tokenizer=tok)
+    model, tok, folder = load_model_and_tokenizer(args.model, args.model_dtype, tokenizer=tok)
     geo = model_geometry(model)
     n_cfg = len(schemes) + 1
     params = sum(p.numel() for p in model.parameters())
+    scored = args.greedy_prompts * (args.prompt_tokens + args.new_tokens) if greedy and args.continuation_nll else 0
     estimate = estimate_eval_seconds(args.tokens, n_cfg, args.greedy_prompts if greedy else 0,
-                                     args.new_tokens if greedy else 0, params)
+                                     args.new_tokens if greedy else 0, params, scored)
     print(f"eval: {windows.shape[0]} window(s) x {args.window} tokens under {n_cfg} configurations (the "
           f"unquantized reference and {len(schemes)} scheme(s))" +
           (f"; greedy: {args.greedy_prompts} prompt(s) x {args.prompt_tokens} tokens, {args.new_tokens} steps of "
@@ -252,11 +282,13 @@ def _cmd_eval(args) -> int:
     _check_schemes(schemes, args.block_size, geo)
     progress = not args.no_progress
     ppl = evaluate_perplexity(model, windows, schemes, block_size=args.block_size,
-                              quantize_own_full_block=args.quantize_own_full_block, progress=progress)
+                              quantize_own_full_block=args.quantize_own_full_block, progress=progress,
+                              position_buckets=buckets)
     agree = {}
     if prompts is not None:
         agree = evaluate_agreement(model, prompts, schemes, args.new_tokens, reference=greedy_ref,
-                                   block_size=args.block_size, progress=progress)
+                                   block_size=args.block_size, progress=progress,
+                                   score=args.continuation_nll)
     ref = ppl[REFERENCE]
     d = geo["head_dim"]
     fp16_bpt = 4 * d * geo["num_kv_heads"] * geo["num_layers"]
@@ -267,11 +299,16 @@ def _cmd_eval(args) -> int:
         row = {"scheme": name, "layers": scheme if isinstance(scheme, list) else None,
                "bits_per_element": _mean_bits(scheme, d), "kv_bytes_per_token": bpt,
                "capacity_vs_fp16": fp16_bpt / bpt, "ppl": r.ppl, "ppl_increase": r.ppl / ref.ppl - 1,
-               "nll": r.nll, "kl_mean": max(r.kl_mean, 0.0), "top1_agreement": r.top1_agreement, "tokens": r.tokens}
+               "nll": r.nll, "kl_mean": max(r.kl_mean, 0.0), "top1_agreement": r.top1_agreement, "tokens": r.tokens,
+               "buckets": [dict(dataclasses.asdict(b), kl_mean=max(b.kl_mean, 0.0), ppl_increase=b.ppl / rb.ppl - 1)
+                           for b, rb in zip(r.buckets, ref.buckets)]}
         if name in agree:
             a = agree[name]
             row.update(first_divergence=list(a.first_divergence), mean_first_divergence=a.mean_first_divergence,
-                       identical_fraction=a.identical_fraction)
+                       median_first_divergence=a.median_first_divergence, identical_fraction=a.identical_fraction)
+            if a.continuation_nll:
+                row.update(continuation_nll=list(a.continuation_nll), mean_continuation_nll=a.mean_continuation_nll,
+                           reference_continuation_nll=a.mean_reference_nll)
         rows.append(row)
     front = _front_names(rows, "kl_mean")
     for row in rows:
@@ -280,8 +317,9 @@ def _cmd_eval(args) -> int:
              f"{args.start_char}, block {args.block_size}; unquantized KV (model "
              f"{str(next(model.parameters()).dtype)[6:]}): PPL {ref.ppl:.3f}")
     cols = ["scheme", "bits/elem", "KV B/token", "x fp16", "PPL", "ΔPPL", "KL (nats)", "top-1"]
+    scored = any("mean_continuation_nll" in r for r in rows)
     if agree:
-        cols += [f"1st div (/{args.new_tokens})", "identical"]
+        cols += [f"1st div median (/{args.new_tokens})", "identical"] + (["cont. NLL"] if scored else [])
     cols.append("front")
     table = []
     for r in sorted(rows, key=lambda r: (r["bits_per_element"], r["kl_mean"])):
@@ -289,23 +327,32 @@ def _cmd_eval(args) -> int:
                 f"{r['capacity_vs_fp16']:.2f}", f"{r['ppl']:.3f}", _pct(r["ppl_increase"]),
                 _fmt_small(r["kl_mean"]), f"{100 * r['top1_agreement']:.1f}%"]
         if agree:
-            line += [f"{r['mean_first_divergence']:.0f}", f"{100 * r['identical_fraction']:.1f}%"]
+            line += [f"{r['median_first_divergence']:.0f}", f"{100 * r['identical_fraction']:.1f}%"]
+            if scored:
+                line.append(f"{r['mean_continuation_nll']:.3f} ({r['mean_continuation_nll'] - r['reference_continuation_nll']:+.3f})")
         line.append(FRONT_MARK if r["pareto_front"] else "")
         table.append(line)
     _table(title, cols, table)
     print("bits/elem: stored bits per K/V element, scales and zero points included; KL: mean KL(unquantized || "
           "scheme) per predicted token, in nats; top-1: argmax agreement with the unquantized model; front "
           f"{FRONT_MARK}: no scheme with fewer or equal bits has a lower KL")
+    if ref.buckets:
+        _table("by position in the window: KL (nats) / ΔPPL", ["scheme"] + [f"{b.start}-{b.end - 1}" for b in ref.buckets],
+               [[r["scheme"]] + [f"{_fmt_small(b['kl_mean'])} / {_pct(b['ppl_increase'])}" for b in r["buckets"]]
+                for r in sorted(rows, key=lambda r: (r["bits_per_element"], r["kl_mean"]))])
     if agree:
         print(f"greedy: {args.greedy_prompts} prompt(s) x {args.prompt_tokens} tokens, {args.new_tokens} new tokens "
-              f"compared with the {greedy_ref} cache; 1st div = mean first differing position, identical = "
-              "identical tokens position by position")
+              f"compared with the {greedy_ref} cache; 1st div median = median over prompts of the first differing "
+              "position, identical = identical tokens position by position" +
+              (f"; cont. NLL = the unquantized model's mean NLL (nats/token) of the scheme's continuations "
+               f"(in brackets: minus that of the {greedy_ref} cache's)" if scored else ""))
     print(f"{time.perf_counter() - t0:.0f} s")
     doc = {"argv": sys.argv, "model": str(folder), "model_dtype": str(next(model.parameters()).dtype), "geometry": geo,
            "text": text_source, "start_char": args.start_char, "window": args.window,
            "windows": int(windows.shape[0]), "block_size": args.block_size,
            "quantize_own_full_block": args.quantize_own_full_block,
-           "reference": {"ppl": ref.ppl, "nll": ref.nll, "tokens": ref.tokens},
+           "reference": {"ppl": ref.ppl, "nll": ref.nll, "tokens": ref.tokens,
+                         "buckets": [dataclasses.asdict(b) for b in ref.buckets]},
            "greedy": ({"prompts": args.greedy_prompts, "prompt_tokens": args.prompt_tokens,
                        "new_tokens": args.new_tokens, "reference": greedy_ref} if agree else None),
            "rows": rows, "seconds": time.perf_counter() - t0}
@@ -571,6 +618,35 @@ def _cmd_tune(args) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------ pareto
+def _cmd_pareto(args) -> int:
+    from .plots import plot_pareto
+
+    A.writable_path(args.out, "--out")
+    A.check_plot_backend(args.out)
+    panels = {}
+    for path in args.results:
+        A.existing_file(path, "EVAL.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = json.load(f)
+            rows, model = doc["rows"], doc["model"]
+            geo = doc["geometry"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path} is not an `eval --json` file ({type(e).__name__}: {e})") from None
+        if not rows:
+            raise ValueError(f"{path} has no scheme rows")
+        # the checkpoint's name without its file's quantization and cache suffixes (e.g. ".Q4_1-float32-...")
+        stem = re.sub(r"\.(Q\d|F16|F32|BF16).*$", "", Path(model).stem if str(model).endswith(".gguf") else Path(model).name)
+        name = f"{stem} (head_dim {geo['head_dim']}; {doc['windows']} x {doc['window']} tokens, PPL {doc['reference']['ppl']:.2f})"
+        if name in panels:
+            raise ValueError(f"EVAL.json: two files describe {name}; give one per model and setting")
+        panels[name] = rows
+    plot_pareto(panels, args.out, title=args.title or "KV-cache schemes: accuracy against bits per element")
+    print(f"wrote {args.out} ({len(panels)} model(s), {sum(len(r) for r in panels.values())} points)")
+    return 0
+
+
 # ------------------------------------------------------------------------------------------ wiring
 def register(subparsers) -> None:
     """Add COMMANDS to an argparse subparsers object; run a parsed namespace of one of them with
@@ -586,6 +662,9 @@ def register(subparsers) -> None:
                         + A.list_default(EVAL_SCHEMES))
     _model_args(p)
     p.add_argument("--tokens", type=A.positive_int, metavar="N", default=4096, help="tokens evaluated (a multiple of --window)")
+    p.add_argument("--model-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="dtype of the model's weights and activations, so of the K/V the schemes quantize (bfloat16 "
+                        "halves the memory of a large model; the reference runs in the same dtype)")
     p.add_argument("--quantize-own-full-block", action="store_true",
                    help="ablation: the query at a block's last slot reads its own block quantized (serving never does)")
     p.add_argument("--greedy-prompts", type=A.nonneg_int, metavar="N", default=4,
@@ -594,6 +673,12 @@ def register(subparsers) -> None:
     p.add_argument("--new-tokens", type=A.nonneg_int, metavar="N", default=512, help="greedy continuation length (0: skip)")
     p.add_argument("--greedy-reference", default="fp16", metavar="SCHEME",
                    help="cache scheme the greedy continuations are compared with")
+    p.add_argument("--continuation-nll", action="store_true",
+                   help="also score every greedy continuation with the unquantized model: its mean NLL per token "
+                        "(one teacher-forced pass over prompts + continuations per configuration)")
+    p.add_argument("--position-buckets", default="auto", metavar="POSITIONS",
+                   help="split KL and PPL by predicted position: comma-separated boundaries (e.g. 1024,4096), "
+                        "'auto' (256, 512, ... below --window) or 'none'")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--plot", default=None, metavar="FILE",
                    help="also draw KL against bits per element, Pareto front marked (PNG)")
@@ -665,6 +750,15 @@ def register(subparsers) -> None:
                    help="skip the perplexity check (and so the comparison with uniform schemes)")
     p.add_argument("--out", default="kvarn_layers.json", metavar="FILE", help="layer-scheme file to write")
     p.set_defaults(func=_cmd_tune, eval_command="tune")
+
+    p = subparsers.add_parser(
+        "pareto", help="plot KL and perplexity increase against bits per element from eval JSON files",
+        **A.parser_kwargs("KL (log) and perplexity increase against bits per element, one column per `eval --json` "
+                          "file (e.g. one per model), clipped-range schemes filled, the Pareto front of KL dashed."))
+    p.add_argument("results", nargs="+", metavar="EVAL.json", help="files written by `kvarn-jax eval --json`")
+    p.add_argument("--out", required=True, metavar="FILE", help="PNG to write")
+    p.add_argument("--title", default=None, help="figure title")
+    p.set_defaults(func=_cmd_pareto, eval_command="pareto")
 
 
 def run(args) -> int:

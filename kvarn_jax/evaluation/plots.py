@@ -164,3 +164,55 @@ def plot_layer_errors(report: Mapping, path: Union[str, os.PathLike], *, title: 
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_pareto(panels: Mapping[str, Sequence[Mapping]], path: Union[str, os.PathLike], *, title: str = "",
+                floor: float = 1e-6) -> None:
+    """KL (top row, log) and perplexity increase (bottom row) against bits per element, one column
+    per model: {model name: eval rows ({"scheme", "bits_per_element", "kl_mean", "ppl_increase"})}.
+    Clipped-range schemes (`_clip`, `_clipv`) are filled, the others hollow; circles are on the KL Pareto
+    front, which the KL panel joins."""
+    plt = _pyplot()
+    n = len(panels)
+    fig, axes = plt.subplots(2, n, figsize=(7.5 * n, 9), squeeze=False)
+    fig.subplots_adjust(left=0.07, right=0.98, top=0.92 if title else 0.95, bottom=0.06, hspace=0.22, wspace=0.15)
+    for col, (model, rows) in enumerate(panels.items()):
+        pts = sorted(rows, key=lambda p: (p["bits_per_element"], p["kl_mean"]))
+        front = {p["scheme"] for p in pareto_front([{**p, "kl_mean": max(p["kl_mean"], floor)} for p in pts])}
+        for row, (key, label, log) in enumerate((("kl_mean", "KL(unquantized || scheme), nats/token", True),
+                                                 ("ppl_increase", "perplexity increase (%)", False))):
+            ax = axes[row][col]
+            val = (lambda p: max(p["kl_mean"], floor)) if log else (lambda p: 100 * p["ppl_increase"])
+            for p in pts:
+                clipped = p["scheme"].endswith(("_clip", "_clipv"))
+                ax.scatter(p["bits_per_element"], val(p), s=36, zorder=3, marker="o" if p["scheme"] in front else "s",
+                           facecolors="C3" if clipped else "none", edgecolors="C3" if clipped else "C0")
+            if log:   # the front is KL's; the perplexity panel marks its members only
+                fr = [p for p in pts if p["scheme"] in front]
+                ax.plot([p["bits_per_element"] for p in fr], [val(p) for p in fr], "--", lw=1, color="gray", zorder=2)
+            if log:
+                ax.set_yscale("log")
+            else:
+                ax.set_yscale("symlog", linthresh=1.0)
+            xs, ys = [p["bits_per_element"] for p in pts], [val(p) for p in pts]
+            span = max(xs) - min(xs) or 1.0
+            ax.set_xlim(min(xs) - 0.1 * span - 0.3, max(xs) + 0.35 * span + 0.3)
+            if log:
+                ax.set_ylim(min(ys) / 4, max(ys) * 6)
+            else:
+                ax.set_ylim(min(min(ys) * 1.5, -0.5), max(ys) * 3 + 1)
+            ax.grid(alpha=0.3, which="both")
+            ax.set_ylabel(label, fontsize=9)
+            ax.set_xlabel("bits per K/V element (scales and zero points included)", fontsize=9)
+            if row == 0:
+                ax.set_title(model, fontsize=10)
+            place_labels(ax, [(p["bits_per_element"], val(p)) for p in pts], [p["scheme"] for p in pts], fontsize=7)
+    from matplotlib.lines import Line2D
+    fig.legend([Line2D([], [], ls="", marker="o", color="C3"), Line2D([], [], ls="", marker="o", mfc="none", color="C0"),
+                Line2D([], [], ls="--", color="gray")],
+               ["clipped range (_clip, _clipv)", "min..max range", "Pareto front of KL (circles; squares: off it)"],
+               loc="upper right", fontsize=8, ncol=3, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=11, x=0.4)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

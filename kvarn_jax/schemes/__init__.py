@@ -66,14 +66,15 @@ def quantize_side(x: jnp.ndarray, cfg: KVQuantConfig, side: str, static: dict | 
     ar: the log2 and division the math uses (`arith.Arith`; a kernel may pass its own)."""
     b = cfg.bits(side)
     meta = meta_dtype(dtype)
+    clip = cfg.clip and (side == "v" or cfg.clip_keys)
     if cfg.method == "kvarn":
-        return kvarn.quantize(x, side, b, cfg.sinkhorn_iters, ar, meta)
+        return kvarn.quantize(x, side, b, cfg.sinkhorn_iters, ar, meta, clip)
     if cfg.method == "kivi":
-        return kivi.quantize(x, side, b, cfg.group, ar, meta)
+        return kivi.quantize(x, side, b, cfg.group, ar, meta, clip)
     if cfg.method == "int":
         if cfg.static:
             return per_token.int_static_quantize(x, b, static["scale"], static["zero"], ar)
-        return per_token.int_quantize(x, b, cfg.channel_group(side, x.shape[-1]), ar, meta)
+        return per_token.int_quantize(x, b, cfg.channel_group(side, x.shape[-1]), ar, meta, clip)
     if cfg.method == "fp8":
         return per_token.fp8_quantize(x, static["scale"] if cfg.static else None, ar, meta)
     return {"values": saturate(x, cfg.dtype)}

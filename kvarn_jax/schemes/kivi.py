@@ -22,16 +22,17 @@ def fields(side: str, bits: int, group: int, head_dim: int, meta=jnp.float16):
     return {"codes": ((d * bits // 8, g), jnp.uint8), "scale": ((g, d // cg), meta), "zero": ((g, d // cg), meta)}
 
 
-def quantize(x: jnp.ndarray, side: str, bits: int, group: int, ar: Arith = JNP, meta=jnp.float16) -> dict:
-    """x: tiles [..., G, D] -> fields (scales and zeros in `meta`)."""
+def quantize(x: jnp.ndarray, side: str, bits: int, group: int, ar: Arith = JNP, meta=jnp.float16,
+             clip: bool = False) -> dict:
+    """x: tiles [..., G, D] -> fields (scales and zeros in `meta`; clip: `rtn.clip_search` ranges)."""
     t = x.astype(jnp.float32)
     if side == "k":
-        codes, scale, zero = rtn_stored(jnp.swapaxes(t, -1, -2), bits, meta, ar)  # rows = channels
+        codes, scale, zero = rtn_stored(jnp.swapaxes(t, -1, -2), bits, meta, ar, clip)  # rows = channels
         return {"codes": store_tiled(codes, bits), "scale": scale, "zero": zero}
     d = t.shape[-1]
     cg = min(group, d)
     rows = t.reshape(*t.shape[:-1], d // cg, cg)
-    codes, scale, zero = rtn_stored(rows, bits, meta, ar)
+    codes, scale, zero = rtn_stored(rows, bits, meta, ar, clip)
     return {"codes": store_tiled(codes.reshape(t.shape), bits), "scale": scale, "zero": zero}
 
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from ..packing import load_tiled, store_tiled
 from .arith import JNP, Arith, saturate
-from .rtn import rtn_codes, rtn_params
+from .rtn import clip_search, rtn_codes, rtn_params
 
 
 TIE_RTOL = 1e-6
@@ -113,12 +113,18 @@ def sinkhorn_log_scales(t: jnp.ndarray, iters: int, ar: Arith = JNP):
     return best_lc, best_lr
 
 
-def _quantize_matrix(t: jnp.ndarray, bits: int, iters: int, ar: Arith = JNP, meta=jnp.float16):
+def _quantize_matrix(t: jnp.ndarray, bits: int, iters: int, ar: Arith = JNP, meta=jnp.float16, clip: bool = False):
     """Balance `t` [..., R, C], RTN per row. Returns codes [..., R, C], row scale/zero (folded), col scale
-    (in `meta`, saturated to its range: a folded fp16 zero point can exceed the data's own range)."""
+    (in `meta`, saturated to its range: a folded fp16 zero point can exceed the data's own range).
+    clip: each row's codes, zero and scale from `rtn.clip_search`, minimizing the squared error of `t`
+    itself (the balanced row's error weighted by the column scales squared; the row scale is common
+    to the row)."""
     lc, lr = sinkhorn_log_scales(t, iters, ar)
     s_col, s_row = jnp.exp2(lc), jnp.exp2(lr)
     bal = t * jnp.exp2(-lc)[..., None, :] * jnp.exp2(-lr)[..., :, None]
+    if clip:
+        codes, mn, scale = clip_search(bal, bits, ar=ar, weights=jnp.exp2(2.0 * lc)[..., None, :])
+        return (codes, saturate(s_row * scale, meta), saturate(s_row * mn, meta), saturate(s_col, meta))
     mn, scale = rtn_params(bal, bits, ar=ar)
     row_scale, row_zero, col = saturate(s_row * scale, meta), saturate(s_row * mn, meta), saturate(s_col, meta)
     if jnp.dtype(meta) == jnp.dtype(jnp.float16):
@@ -141,17 +147,19 @@ def fields(side: str, bits: int, group: int, head_dim: int, meta=jnp.float16):
             "scale_tok": ((g,), meta), "zero_tok": ((g,), meta)}
 
 
-def quantize(x: jnp.ndarray, side: str, bits: int, iters: int, ar: Arith = JNP, meta=jnp.float16) -> dict:
-    """x: rotated tiles [..., G, D] -> stored fields (see `fields`). ar: see `sinkhorn_log_scales`."""
+def quantize(x: jnp.ndarray, side: str, bits: int, iters: int, ar: Arith = JNP, meta=jnp.float16,
+             clip: bool = False) -> dict:
+    """x: rotated tiles [..., G, D] -> stored fields (see `fields`). ar: see `sinkhorn_log_scales`;
+    clip: see `_quantize_matrix`."""
     if x.ndim > 3:  # XLA's CPU code runs the Sinkhorn loop on [M, H, 1, G, D] tiles ~14x slower than on [M*H, G, D]
-        out = quantize(x.reshape((-1,) + x.shape[-2:]), side, bits, iters, ar, meta)
+        out = quantize(x.reshape((-1,) + x.shape[-2:]), side, bits, iters, ar, meta, clip)
         return {n: f.reshape(x.shape[:-2] + f.shape[1:]) for n, f in out.items()}
     t = x.astype(jnp.float32)
     if side == "k":
-        codes, scale_chan, zero_chan, scale_tok = _quantize_matrix(jnp.swapaxes(t, -1, -2), bits, iters, ar, meta)
+        codes, scale_chan, zero_chan, scale_tok = _quantize_matrix(jnp.swapaxes(t, -1, -2), bits, iters, ar, meta, clip)
         return {"codes": store_tiled(codes, bits), "scale_chan": scale_chan, "zero_chan": zero_chan,
                 "scale_tok": scale_tok}
-    codes, scale_tok, zero_tok, scale_chan = _quantize_matrix(t, bits, iters, ar, meta)
+    codes, scale_tok, zero_tok, scale_chan = _quantize_matrix(t, bits, iters, ar, meta, clip)
     return {"codes": store_tiled(codes, bits), "scale_chan": scale_chan, "scale_tok": scale_tok,
             "zero_tok": zero_tok}
 

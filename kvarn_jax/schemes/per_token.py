@@ -24,11 +24,12 @@ def int_fields(bits: int, channel_group: int, head_dim: int, meta=jnp.float16):
     return {"codes": ((head_dim * bits // 8,), jnp.uint8), "scale": ((n,), meta), "zero": ((n,), meta)}
 
 
-def int_quantize(x: jnp.ndarray, bits: int, channel_group: int, ar: Arith = JNP, meta=jnp.float16) -> dict:
+def int_quantize(x: jnp.ndarray, bits: int, channel_group: int, ar: Arith = JNP, meta=jnp.float16,
+                 clip: bool = False) -> dict:
     t = x.astype(jnp.float32)
     d = t.shape[-1]
     rows = t.reshape(*t.shape[:-1], d // channel_group, channel_group)
-    codes, scale, zero = rtn_stored(rows, bits, meta, ar)
+    codes, scale, zero = rtn_stored(rows, bits, meta, ar, clip)
     return {"codes": pack(codes.reshape(t.shape), bits), "scale": scale, "zero": zero}
 
 

@@ -31,19 +31,97 @@ def rtn_params(x: jnp.ndarray, bits: int, floor: float = 1e-10, ar: Arith = JNP)
     return mn, scale
 
 
+# Clip search: CLIP_CANDIDATES ratios r = 1, 1 - s, 1 - 2s, ... of a row's range, shrunk about its
+# midpoint, with the step s per code width. On Gaussian and heavier-tailed rows of 128 values these
+# 8 candidates get within 1-2% of the best ratio on a fine grid (whose median is ~0.6 at 2 bits,
+# ~0.8 at 3, ~0.93 at 4 and 1.0 at 8).
+CLIP_CANDIDATES = 8
+CLIP_STEP = {2: 0.07, 3: 0.045, 4: 0.02, 8: 0.002}
+
+
+def clip_ratios(bits: int) -> tuple[float, ...]:
+    """The fractions of a row's min..max range `clip_search` tries, largest (1: no clipping) first."""
+    return tuple(1.0 - k * CLIP_STEP[bits] for k in range(CLIP_CANDIDATES))
+
+
+def _unbiased_fit(x, c, w):
+    """(zero, scale) making the error c * scale + zero - x of a row orthogonal to x and to 1 (weighted
+    by w): the dequantized row then neither shrinks nor shifts the row, so its error does not add up
+    coherently over the tokens an attention output averages. The least-squares fit (or an MSE-optimal
+    clipped range) instead shrinks it: at 2 bits on Gaussian rows x_hat ~ 0.87 x. Returns also
+    whether the fit exists (codes that vary with x)."""
+    n = jnp.sum(jnp.broadcast_to(w, x.shape), axis=-1) if w is not None else x.shape[-1]
+    wx, wc = (x, c) if w is None else (x * w, c * w)
+    sx, sc = jnp.sum(wx, -1), jnp.sum(wc, -1)
+    mx, mc = sx / n, sc / n
+    cov = jnp.sum(wx * c, -1) - sx * mc
+    var = jnp.sum(wx * x, -1) - sx * mx
+    ok = (cov > 0.0) & (var > 0.0)
+    scale = jnp.where(ok, var / jnp.where(ok, cov, 1.0), 1.0)
+    return mx - scale * mc, scale, ok
+
+
+def clip_search(x: jnp.ndarray, bits: int, floor: float = 1e-10, ar: Arith = JNP, weights=None, stored=None):
+    """(codes, zero, scale) per row of `x` (fp32) over the last axis, dequantized as codes * scale + zero.
+
+    Candidates: RTN over min..max (`rtn_params`), and for each ratio of `clip_ratios(bits)`, RTN over
+    that fraction of the range about the row's midpoint followed by the unbiased refit of zero and
+    scale (`_unbiased_fit`). The candidate with the least squared error sum(weights * err^2)
+    (weights broadcast against x; None: 1) wins; min..max is first and keeps ties, so no row does
+    worse than without the search. stored: the dtype zero and scale are stored in (the grid is rounded
+    to it before its codes are chosen, the refit before ranking). The codes are the winning candidate's: a refit grid is not re-rounded."""
+    mn = jnp.min(x, axis=-1)
+    mx = jnp.max(x, axis=-1)
+    levels = jnp.asarray(2 ** bits - 1, mx.dtype)
+    half = (mx - mn) * 0.5
+    mid = mn + half
+
+    def as_stored(a):
+        return a if stored is None else saturate(a, stored).astype(jnp.float32)
+
+    best = None
+    for k, r in enumerate((1.0,) + clip_ratios(bits)):
+        if k == 0:   # min..max, as without the search
+            lo, scale = mn, jnp.maximum(ar.div(mx - mn, levels), floor)
+        else:
+            lo = mid - half * r
+            scale = jnp.maximum(ar.div(half * (2.0 * r), levels), floor)
+        lo, scale = as_stored(lo), as_stored(scale)   # codes against the grid as stored (`rtn_stored`)
+        # one division per row, not per value
+        inv = ar.div(jnp.ones_like(scale), scale)
+        codes = jnp.clip(round_half_even((x - lo[..., None]) * inv[..., None]), 0, 2 ** bits - 1)
+        if k:
+            zero, fit, ok = _unbiased_fit(x, codes, weights)
+            lo = jnp.where(ok, zero, lo)
+            scale = jnp.where(ok, jnp.maximum(fit, floor), scale)
+        lo, scale = as_stored(lo), as_stored(scale)
+        e = codes * scale[..., None] + lo[..., None] - x
+        err = jnp.sum(e * e if weights is None else e * e * weights, axis=-1)
+        if best is None:
+            best = (codes, lo, scale, err)
+        else:
+            better = err < best[3]
+            best = (jnp.where(better[..., None], codes, best[0]), jnp.where(better, lo, best[1]),
+                    jnp.where(better, scale, best[2]), jnp.where(better, err, best[3]))
+    return best[0].astype(jnp.uint8), best[1], best[2]
+
+
 def rtn_codes(x: jnp.ndarray, mn: jnp.ndarray, scale: jnp.ndarray, bits: int, ar: Arith = JNP) -> jnp.ndarray:
     """`clip(round_half_even((x - mn) / scale), 0, 2^b - 1)` with mn/scale broadcast over the last axis."""
     q = round_half_even(ar.div(x - mn[..., None], scale[..., None]))
     return jnp.clip(q, 0, 2 ** bits - 1).astype(jnp.uint8)
 
 
-def rtn_stored(x: jnp.ndarray, bits: int, dtype=jnp.float16, ar: Arith = JNP):
-    """RTN whose codes are computed against the (min, scale) rounded to `dtype`, as they get stored.
+def rtn_stored(x: jnp.ndarray, bits: int, dtype=jnp.float16, ar: Arith = JNP, clip: bool = False):
+    """RTN (over the `clip_search` range if `clip`) whose codes are computed against the (min, scale) rounded to `dtype`, as they get stored.
 
     Rounding the metadata first and then choosing codes against it makes the stored triple
     self-consistent (strictly lower error than rounding scales after choosing codes).
     Returns codes [..., n] uint8, scale [...] and zero [...] in `dtype` (saturated to its range).
     """
+    if clip:
+        codes, mn, scale = clip_search(x, bits, floor=SCALE_FLOOR, ar=ar, stored=dtype)
+        return codes, saturate(scale, dtype), saturate(mn, dtype)
     mn, scale = rtn_params(x, bits, floor=SCALE_FLOOR, ar=ar)
     scale_s = saturate(scale, dtype)
     zero_s = saturate(mn, dtype)
