@@ -329,6 +329,13 @@ def _split_hp(cache: PagedKVCache, part: str, new: dict) -> dict:
     return {part: main, part + "_meta": meta if meta["k"] else None}
 
 
+def _page_input(cache: PagedKVCache, blocks: jnp.ndarray) -> jnp.ndarray:
+    """Blocks as the high-precision storage gives them (float32) -> what `_quantize_blocks` takes:
+    rounded to the stored values' dtype (exact for float storage; int8 codes times their scale
+    rounded once more), in the cache's dtype."""
+    return blocks.astype(cache.value_dtype).astype(cache.dtype)
+
+
 def _ring_blocks(cache: PagedKVCache, side: str, seqs: jnp.ndarray, first_positions: jnp.ndarray) -> jnp.ndarray:
     """The ring's tokens of blocks starting at `first_positions` [M] of sequences `seqs` [M], as
     float32 [M, bs, Hk, D]."""
@@ -442,7 +449,7 @@ def completed_blocks(cache: PagedKVCache, p: WritePlan, size: int, quantizer: st
         ring = _ring_blocks(cache, s, s_m, start)              # [size, bs, Hk, D]
         buf = jnp.where(from_write, hp_storage.roundtrip(cache.cfg, p.xs[s][src], cache.dtype), ring)
         buf = hp_storage.exclude_sink(cache.cfg, buf.transpose(0, 2, 1, 3), start)
-        fields[s] = pages_from_fields(cache.cfg, s, _quantize_blocks(cache, s, buf, quantizer))
+        fields[s] = pages_from_fields(cache.cfg, s, _quantize_blocks(cache, s, _page_input(cache, buf), quantizer))
     return c_m, fields
 
 
@@ -490,7 +497,7 @@ def commit_blocks(cache: PagedKVCache, block_ids: jnp.ndarray, seq_ids: jnp.ndar
     pages, fields = {}, {}
     for s in schemes.SIDES:
         buf = hp_storage.exclude_sink(cache.cfg, _ring_blocks(cache, s, s_m, start).transpose(0, 2, 1, 3), start)
-        fields[s] = pages_from_fields(cache.cfg, s, _quantize_blocks(cache, s, buf, quantizer))
+        fields[s] = pages_from_fields(cache.cfg, s, _quantize_blocks(cache, s, _page_input(cache, buf), quantizer))
         pages[s] = {name: cache.pages[s][name].at[c_m].set(f.astype(cache.pages[s][name].dtype), mode="drop")
                     for name, f in fields[s].items()}
     dropped = jnp.sum(~ok & (blk != -1) & (blk != NO_PAGE), dtype=jnp.int32) * bs
