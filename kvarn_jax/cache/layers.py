@@ -148,7 +148,7 @@ class LayerCaches:
         a NaN or Inf (those the cache writes count: a slot and a sequence slot in range)."""
         bad = jnp.any(~jnp.isfinite(k), axis=(-1, -2)) | jnp.any(~jnp.isfinite(v), axis=(-1, -2))
         bad = bad.reshape(-1, bad.shape[-1]).sum(0, dtype=jnp.int32)           # per token, over layers
-        ok = ((slot_mapping >= 0) | (slot_mapping == paged.NO_PAGE)) & (seq_ids >= 0) & (seq_ids < self.max_seqs)
+        ok = paged.carries_token(slot_mapping) & (seq_ids >= 0) & (seq_ids < self.max_seqs)
         return self.nonfinite.at[jnp.where(ok, seq_ids, self.max_seqs)].add(bad, mode="drop")
 
     # ---------------------------------------------------------------- one layer
@@ -261,9 +261,16 @@ class LayerCaches:
 
     @property
     def paged_from(self) -> int:
-        """The first position whose block some layer stores in a page (`PagedKVCache.paged_from`):
-        one page table serves every layer, so a block needs a page if any layer reads it from one."""
+        """The first position whose block some layer stores in a page (`PagedKVCache.paged_from`; 0
+        with a passthrough layer, which pages every block): one page table serves every layer, so a
+        block needs a page if any layer reads it from one."""
         return min(c.paged_from for c in self.groups)
+
+    @property
+    def hp_only_blocks(self) -> bool:
+        """Whether blocks served only from high precision may go without a page (`paged.NO_PAGE`):
+        every layer is quantized (a passthrough layer stores every token in its page)."""
+        return all(c.has_hp for c in self.groups)
 
     def memory_report(self, *, hp_only_blocks: bool = False) -> dict:
         """`kvarn_jax.memory_report` summed over layers, counted per layer (tokens and max_seqs of one
@@ -280,7 +287,9 @@ class LayerCaches:
                     "total_bytes"):
             out[key] = sum(r[key] for r in reps)
         hp = any(c.has_hp for c in self.groups)
-        held = self.max_seqs * (1 + (self.paged_from > 0)) * self.block_size if hp_only_blocks and hp else 0
+        held = 0
+        if hp_only_blocks and self.hp_only_blocks:
+            held = self.max_seqs * (1 + (self.paged_from > 0)) * self.block_size
         hk, d = self.groups[0].num_kv_heads, self.groups[0].head_dim
         out["layers"] = self.num_layers
         out["tokens"] = self.num_blocks * self.block_size + held

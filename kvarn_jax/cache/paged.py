@@ -54,6 +54,11 @@ from .quantize_pallas import quantize_blocks_pallas, supports as pallas_quantize
 NO_PAGE = -2
 
 
+def carries_token(slot_mapping):
+    """Which slot_mapping entries carry a token (not padding): a slot, or `NO_PAGE`."""
+    return (slot_mapping >= 0) | (slot_mapping == NO_PAGE)
+
+
 def tokens_last(cfg: KVQuantConfig, side: str, name: str) -> bool:
     """Whether the page field is stored with the block's token axis last (swapped with the field's
     own axis): per-token int and fp8 value codes, [.., D*b/8, block_size] instead of
@@ -480,10 +485,10 @@ def commit_blocks(cache: PagedKVCache, block_ids: jnp.ndarray, seq_ids: jnp.ndar
     """The second half of a decode-step write: quantize whole blocks from the ring into their pages.
 
     block_ids, seq_ids, first_positions: [M] int - the physical block, the sequence slot whose ring
-    holds its tokens, and the block's first position (a multiple of block_size, from `paged_from`
-    on: past a whole-block sink). Entries with block_id -1 are padding (a fixed M serves any number
-    of completions), `NO_PAGE` a block kept only in high precision (nothing to do); other invalid
-    entries are dropped and counted (block_size tokens each). quantizer: as in
+    holds its tokens, and the block's first position (a multiple of block_size). Entries with
+    block_id -1 are padding (a fixed M serves any number of completions); `NO_PAGE`, and blocks
+    before `paged_from` (a whole-block sink), are kept only in high precision (nothing to do); other
+    invalid entries are dropped and counted (block_size tokens each). quantizer: as in
     `write_reference` ("reference", "pallas" or "pallas_interpret"); `auto_quantizer` picks one.
     The pages equal those `write` stores for the same tokens.
     """
@@ -491,7 +496,11 @@ def commit_blocks(cache: PagedKVCache, block_ids: jnp.ndarray, seq_ids: jnp.ndar
         return cache
     nb, bs, ns = cache.num_blocks, cache.block_size, cache.max_seqs
     blk, seq, start = (a.astype(jnp.int32) for a in (block_ids, seq_ids, first_positions))
-    ok = (blk >= 0) & (blk < nb) & (seq >= 0) & (seq < ns) & (start >= cache.paged_from) & (start % bs == 0)
+    ok = (blk >= 0) & (blk < nb) & (seq >= 0) & (seq < ns) & (start >= 0) & (start % bs == 0)
+    # a block before `paged_from` (a whole-block sink) stays in high precision: nothing to do (per-layer
+    # schemes commit one list of blocks for every layer, and other layers may page it)
+    skip = ok & (start < cache.paged_from)
+    ok &= ~skip
     c_m = jnp.where(ok, blk, nb)
     s_m = jnp.clip(seq, 0, ns - 1)
     pages, fields = {}, {}
@@ -500,7 +509,7 @@ def commit_blocks(cache: PagedKVCache, block_ids: jnp.ndarray, seq_ids: jnp.ndar
         fields[s] = pages_from_fields(cache.cfg, s, _quantize_blocks(cache, s, _page_input(cache, buf), quantizer))
         pages[s] = {name: cache.pages[s][name].at[c_m].set(f.astype(cache.pages[s][name].dtype), mode="drop")
                     for name, f in fields[s].items()}
-    dropped = jnp.sum(~ok & (blk != -1) & (blk != NO_PAGE), dtype=jnp.int32) * bs
+    dropped = jnp.sum(~ok & ~skip & (blk != -1) & (blk != NO_PAGE), dtype=jnp.int32) * bs
     dropped += jnp.sum(ok & saturated_blocks(cache, fields), dtype=jnp.int32) * bs
     return dataclasses.replace(cache, pages=pages, dropped_tokens=cache.dropped_tokens + dropped)
 
