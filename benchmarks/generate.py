@@ -138,8 +138,9 @@ def run_one(model, scheme: str, prompts, args):
     cfg = model.config
     row = {"scheme": kj.parse(scheme).name, "batch": b, "prompt_len": len(prompts[0]), "new_tokens": new}
     try:
-        engine = Engine(model, kv_cache_dtype=scheme, block_size=args.block_size, max_seqs=b,
-                        max_model_len=max_len, num_blocks=b * -(-max_len // args.block_size),
+        # the pool the engine sizes for b sequences of max_len tokens (blocks held only in high precision
+        # take no page)
+        engine = Engine(model, kv_cache_dtype=scheme, block_size=args.block_size, max_seqs=b, max_model_len=max_len,
                         prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch or b, impl=args.impl,
                         decode_loop=args.decode_loop, tensor_parallel=args.tensor_parallel)
     except ValueError as e:  # e.g. the pool does not fit on the device: refused at engine start
