@@ -98,8 +98,8 @@ def expected_kv(cfg, seq_k, seq_v, block_size, dtype):
     if cfg.hp == "int8":  # the int8 scheme's per-token rows, scales in the 16-bit dtype, read in fp32
         q = kj.quantize((out[0], out[1]), "int8")
         out = list(kj.dequantize(dataclasses.replace(q, dtype="float32")))
-    # pages quantize the stored values rounded to the storage dtype, in the cache's dtype
-    paged = [np.asarray(x.astype(store).astype(dtype).astype(jnp.float32)).astype(np.float64) for x in out]
+    # pages quantize the stored values in the cache's dtype
+    paged = [np.asarray(x.astype(dtype).astype(jnp.float32)).astype(np.float64) for x in out]
     out = [np.asarray(x.astype(jnp.float32)).astype(np.float64) for x in out]
     if cfg.is_passthrough:
         return out

@@ -136,6 +136,8 @@ def served(cfg: KVQuantConfig, k: jnp.ndarray, v: jnp.ndarray, dtype) -> tuple[j
     from ..hadamard import unrotate
     from ..storage import storage_values
 
+    if cfg.is_passthrough:  # no high-precision storage: every token is in its page
+        return k.astype(jnp.float32), v.astype(jnp.float32)
     ks, vs, _, _ = storage_values(cfg, k, v, value_dtype(cfg, dtype))
     out = [roundtrip(cfg, x, dtype) for x in (ks, vs)]
     return tuple(unrotate(x, jnp.float32) if cfg.rotated else x for x in out)

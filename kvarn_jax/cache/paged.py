@@ -336,9 +336,9 @@ def _split_hp(cache: PagedKVCache, part: str, new: dict) -> dict:
 
 def _page_input(cache: PagedKVCache, blocks: jnp.ndarray) -> jnp.ndarray:
     """Blocks as the high-precision storage gives them (float32) -> what `_quantize_blocks` takes:
-    rounded to the stored values' dtype (exact for float storage; int8 codes times their scale
-    rounded once more), in the cache's dtype."""
-    return blocks.astype(cache.value_dtype).astype(cache.dtype)
+    in the cache's dtype (exact for the float formats, which are never wider; int8 codes times
+    their scale rounded to it)."""
+    return blocks.astype(cache.dtype)
 
 
 def _ring_blocks(cache: PagedKVCache, side: str, seqs: jnp.ndarray, first_positions: jnp.ndarray) -> jnp.ndarray:

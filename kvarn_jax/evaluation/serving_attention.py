@@ -41,7 +41,7 @@ import torch.nn.functional as F
 import kvarn_jax as kj
 from kvarn_jax.config import KVQuantConfig
 from kvarn_jax.cache import hp as hp_storage
-from kvarn_jax.integrations.dlpack import bhtd_to_tokens, check_bhtd, roundtrip_bhtd, to_jax, to_torch, tokens_to_bhtd
+from kvarn_jax.integrations.dlpack import check_bhtd, roundtrip_bhtd, served_bhtd
 
 ATTN_IMPLEMENTATION = "kvarn_serving"
 
@@ -87,15 +87,6 @@ def serving_masks(seq_len: int, block_size: int, quantize_own_full_block: bool =
     read_quantized = (i >= max(start, sink_tokens))[None, :] & ((j_block + 1)[None, :] * block_size <= limit[:, None])
     exact = (i[None, :] <= i[:, None]) & ~read_quantized
     return exact, quant
-
-
-def served_bhtd(key: torch.Tensor, value: torch.Tensor, cfg: KVQuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, Hk, T, D] keys and values as the cache's high-precision sink and ring give them back
-    (`kvarn_jax.cache.hp.served`, for a cache of the tensors' dtype), in their dtype."""
-    dtype = str(key.dtype).split(".")[-1]
-    k, v = hp_storage.served(cfg, to_jax(bhtd_to_tokens(key)), to_jax(bhtd_to_tokens(value)), dtype)
-    return (tokens_to_bhtd(to_torch(k), key.shape[0]).to(key.dtype),
-            tokens_to_bhtd(to_torch(v), key.shape[0]).to(value.dtype))
 
 
 def serving_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cfg: Scheme, *,
