@@ -40,7 +40,6 @@ import torch.nn.functional as F
 
 import kvarn_jax as kj
 from kvarn_jax.config import KVQuantConfig
-from kvarn_jax.cache import hp as hp_storage
 from kvarn_jax.integrations.dlpack import check_bhtd, roundtrip_bhtd, served_bhtd
 
 ATTN_IMPLEMENTATION = "kvarn_serving"
@@ -121,7 +120,7 @@ def serving_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     n_quant = quant_mask.shape[1]
     if cfg is not None:
         key, value = keys, values = served_bhtd(key, value, cfg)
-    start = hp_storage.paged_from(cfg, block_size) if cfg is not None else block_size
+    start = 0 if sink else block_size   # the first quantized key position (as `serving_masks`)
     if cfg is not None and n_quant:
         k_reg, v_reg = key[:, :, start:start + n_quant].clone(), value[:, :, start:start + n_quant].clone()
         if sink:  # block 0's sink positions are served from the sink: kept out of its scales (hp.exclude_sink)
