@@ -73,8 +73,8 @@ def serve_writes(cache, tables, seqs, rng, seq_ids=None, max_chunk=None, write=k
 
 def hp_value_dtype(cfg, dtype):
     """The dtype a cache of model `dtype` keeps its sink and tail in (or, for int8, their scales):
-    the hp format if it is a float, else the model dtype if 16-bit, else bfloat16."""
-    sixteen = jnp.dtype(dtype) if jnp.dtype(dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)) else jnp.bfloat16
+    the hp format if it is a float, else the model dtype if 16-bit, else float16."""
+    sixteen = jnp.dtype(dtype) if jnp.dtype(dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)) else jnp.float16
     return {"fp16": jnp.float16, "bf16": jnp.bfloat16, "fp32": jnp.float32}.get(cfg.hp, sixteen)
 
 

@@ -52,13 +52,13 @@ def _roundtrip_block(k, v, scheme):
 
 def _served(x, cfg):
     """[B, Hk, T, D] float32 values as a float32 model's cache keeps its sink and tail: in the storage
-    frame (rotated for KVarN), rounded to bfloat16 (float32 with _hpfp32), and for _hpint8 the int8
+    frame (rotated for KVarN), rounded to float16 (float32 with _hpfp32), and for _hpint8 the int8
     scheme's round trip of each token read in float32; back in the model's frame, float64."""
     h = hadamard_matrix_np(x.shape[-1]) if cfg.rotated else None
     y = np.asarray(x, np.float32) @ h.astype(np.float32) if cfg.rotated else np.asarray(x, np.float32)
-    y = np.asarray(jnp.asarray(y).astype(jnp.float32 if cfg.hp == "fp32" else jnp.bfloat16).astype(jnp.float32))
+    y = np.asarray(jnp.asarray(y).astype(jnp.float32 if cfg.hp == "fp32" else jnp.float16).astype(jnp.float32))
     if cfg.hp == "int8":
-        t = jnp.asarray(y.reshape(-1, 1, y.shape[-1])).astype(jnp.bfloat16)
+        t = jnp.asarray(y.reshape(-1, 1, y.shape[-1])).astype(jnp.float16)
         q = dataclasses.replace(kj.quantize((t, t), "int8"), dtype="float32")
         y = np.asarray(kj.dequantize(q)[0]).reshape(y.shape)
     y = y.astype(np.float64)

@@ -61,9 +61,9 @@ def _check_run(scheme, rc, text, js):
     assert (name, int(tokens.replace(",", "")), int(layers), int(seqs)) == (scheme, cached, LAYERS, hp_seqs)
     fp16_bytes = 128 * len(PROMPTS) * HEADS * D * 2 * 2 * LAYERS
     page_bytes = kj.bytes_per_token(scheme, D, "float32") * 128 * int(pool_pages) * HEADS * LAYERS
-    # quantized schemes keep each sequence's sink block and tail block in 16 bits (bfloat16 for a float32 model)
+    # quantized schemes keep each sequence's sink block and tail block in 16 bits (float16 for a float32 model)
     hp_bytes = 0 if scheme == "fp16" else len(PROMPTS) * 2 * 128 * HEADS * D * 2 * 2 * LAYERS
-    assert fmt == (None if scheme == "fp16" else "bfloat16")
+    assert fmt == (None if scheme == "fp16" else "float16")
     assert float(fp16) == pytest.approx(fp16_bytes / MIB, abs=0.006)
     assert float(pages) == pytest.approx(page_bytes / MIB, abs=0.006)
     assert float(hp) == pytest.approx(hp_bytes / MIB, abs=0.006)

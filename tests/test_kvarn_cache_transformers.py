@@ -51,7 +51,7 @@ def _feed(layer, k_all, v_all, chunks):
         assert keys.shape == (k_all.shape[0], k_all.shape[1], pos + n, k_all.shape[3])
         torch.testing.assert_close(keys[:, :, :pos], k_exp, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(values[:, :, :pos], v_exp, atol=1e-6, rtol=1e-6)
-        # this step's own tokens come back as the high-precision storage keeps them (bfloat16 here)
+        # this step's own tokens come back as the high-precision storage keeps them (float16 here)
         k_hp, v_hp = served_bhtd(k_new, v_new, layer.cfg)
         assert torch.equal(keys[:, :, pos:], k_hp) and torch.equal(values[:, :, pos:], v_hp)
         assert not torch.equal(k_hp, k_new)
@@ -81,7 +81,7 @@ def test_layer_round_trip_kvarn_and_bytes(rng):
     stored = _feed(layer, k_all, v_all, [40, 1, 1, 30, 50, 47])
     nb = layer.nbytes()
     # 4 quantized blocks in a buffer of capacity 4; 32 sink + 9 tail tokens, held in the model's fp32
-    # tensors (their values rounded to bfloat16)
+    # tensors (their values rounded to float16)
     assert layer.num_quantized_blocks == 4 and layer.capacity_blocks == 4
     assert nb["quantized_bytes"] == 4 * BS * 2 * 2 * kj.bytes_per_token("kvarn_k4v2_g32", 32)
     assert nb["high_precision_bytes"] == (BS + stored - 5 * BS) * 2 * 2 * 32 * 2 * 4
@@ -126,7 +126,7 @@ def test_decode_equals_teacher_forced_serving():
     model = tiny_llama(num_layers=2, init=0.02)
     x = torch.randint(0, 97, (2, 4 * BS + 11), generator=torch.Generator().manual_seed(3))
     # float32 sink and tail: the default 16-bit ones turn the float rounding differences between the two
-    # paths into differences of a bfloat16 step (tested above, `_feed`, and in test_eval_serving.py)
+    # paths into differences of a float16 step (tested above, `_feed`, and in test_eval_serving.py)
     for scheme in ("kvarn_k4v2_g32_hpfp32", "int2_g32_hpfp32"):
         with torch.no_grad():
             with serving_semantics(model, scheme, block_size=BS):

@@ -413,7 +413,7 @@ def test_high_precision_formats_and_short_sinks_match_the_oracle(cfg, dtype, len
 
 
 @pytest.mark.parametrize("cfg, dtype, fmt", [
-    ("kvarn_k4v2_g128", jnp.float32, "bfloat16"),     # never wider than 16 bits unless asked
+    ("kvarn_k4v2_g128", jnp.float32, "float16"),      # never wider than 16 bits unless asked
     ("kvarn_k4v2_g128_hpfp32", jnp.float32, "float32"),
     ("int4", jnp.bfloat16, "bfloat16"), ("int4", jnp.float16, "float16"),
     ("kvarn_k4v2_g128_hpint8", jnp.float32, "int8"), ("kvarn_k4v2_g128_hpfp16", jnp.bfloat16, "float16")])
@@ -421,7 +421,7 @@ def test_high_precision_storage_dtype(cfg, dtype, fmt):
     cache = make_cache(cfg, num_blocks=2, block_size=128, heads=1, dim=128, max_seqs=2, dtype=dtype)
     assert cache.hp_format == fmt
     if fmt == "int8":
-        assert cache.sink["k"].dtype == jnp.uint8 and cache.sink_meta["k"]["scale"].dtype == jnp.bfloat16
+        assert cache.sink["k"].dtype == jnp.uint8 and cache.sink_meta["k"]["scale"].dtype == jnp.float16
         assert cache.tail_meta["v"]["zero"].shape == (2, 1, 128)
     else:
         assert cache.sink["k"].dtype == jnp.dtype(fmt) and cache.sink_meta is None

@@ -113,7 +113,7 @@ def test_sharded_decode_logits_match_one_device(model, rng):
     """One decode step through the model with and without a mesh: logits within float32 rounding
     (the sharded projections sum partial products across devices in another order)."""
     # float32 sink and tail: 16-bit ones (the default) turn the float rounding differences of the
-    # sharded projections into differences of a bfloat16 step in the stored keys and values
+    # sharded projections into differences of a float16 step in the stored keys and values
     prompts = [rng.integers(4, CFG.vocab_size, 50).tolist() for _ in range(2)]
     one, _ = _run(model, "kvarn_k4v2_g32_hpfp32", prompts, 1)
     eng, _ = _run(model, "kvarn_k4v2_g32_hpfp32", prompts, 4)

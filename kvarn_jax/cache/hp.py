@@ -8,12 +8,18 @@ their format:
 - a float dtype ("fp16", "bf16", "fp32"): the storage-frame values rounded to it;
 - "int8": per token and head, the int8 scheme's asymmetric row (8-bit codes, a 16-bit scale and
   zero point per D channels: 8.25 bits per element at D = 128 instead of 16);
-- "auto": `AUTO_HP` (see `hp_format`).
+- "auto" (the default): the model dtype if it is 16-bit, else float16 (`float_dtype`). int8 and a
+  shorter sink raised the KL to the unquantized model too much to be the default
+  (benchmarks/results/2026-12-05_hp_storage.md); they are options for memory-bound serving.
 
-Never wider than 16 bits unless asked: a float32 model keeps its sink and tail in bfloat16 (the
-range of float32; float16 would saturate values beyond 65,504), as KVarN's own code keeps them in
-16 bits. A page is always the quantization of its tokens as this storage holds them, whether they
-reach it through the ring (decode) or straight from a write (prefill), so both give the same page.
+Never wider than 16 bits unless asked: a float32 model keeps its sink and tail in float16, as
+KVarN's own code keeps them in 16 bits; against float32 it moved the KL to the unquantized model
+less than bfloat16 did (benchmarks/results/2026-12-05_hp_storage.md). Its price is the range: a
+stored (for KVarN: rotated) value beyond 65,504 saturates, counted like any value a cache cannot
+hold (`_hpbf16` keeps float32's range, `_hpfp32` everything).
+
+A page is always the quantization of its tokens as this storage holds them, whether they reach it
+through the ring (decode) or straight from a write (prefill), so both give the same page.
 
 A sink shorter than a block leaves the rest of the first block to the pages: that block is
 quantized like any other once full, with its sink positions replaced by the mean of its other
@@ -28,16 +34,14 @@ import jax.numpy as jnp
 from ..config import KVQuantConfig
 from ..schemes import per_token
 
-# What "auto" stands for (chosen by measurement: docs/design.md, high-precision storage).
-AUTO_HP = "float"
 FLOAT_FORMATS = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
 def float_dtype(dtype) -> str:
     """The 16-bit float a model dtype's high-precision tokens (or their int8 scales) are kept in:
-    the model dtype if it is 16-bit, else bfloat16 (the range of float32)."""
+    the model dtype if it is 16-bit, else float16 (see the module docstring)."""
     name = jnp.dtype(dtype).name
-    return name if name in ("float16", "bfloat16") else "bfloat16"
+    return name if name in ("float16", "bfloat16") else "float16"
 
 
 def hp_format(cfg: KVQuantConfig, dtype) -> str:
@@ -45,10 +49,9 @@ def hp_format(cfg: KVQuantConfig, dtype) -> str:
     ("" for passthrough schemes, which have none)."""
     if cfg.is_passthrough:
         return ""
-    hp = cfg.hp if cfg.hp != "auto" else AUTO_HP
-    if hp == "int8":
+    if cfg.hp == "int8":
         return "int8"
-    return FLOAT_FORMATS[hp] if hp in FLOAT_FORMATS else float_dtype(dtype)
+    return FLOAT_FORMATS.get(cfg.hp) or float_dtype(dtype)
 
 
 def value_dtype(cfg: KVQuantConfig, dtype) -> str:

@@ -644,14 +644,16 @@ _write_eager = jax.jit(_write, static_argnums=(6, 7))
 
 def _describe_counts(cache: PagedKVCache, counts) -> str:
     """The reasons of a `_write`'s counts, for an eager caller's error."""
-    dt = cache.dtype
+    dt, vt = cache.dtype, cache.value_dtype
+    wider = ("a bfloat16 or float32 cache holds them" if vt == dt else
+             f"the cache keeps its sink and tail in {vt} ({cache.cfg.name}): the suffix _hpbf16 or _hpfp32 holds them")
     why = {
         "invalid": "token(s) with an invalid slot, sequence id or position",
         "nonfinite": "token(s) with a NaN or Inf value in k or v",
         "saturated": (f"token(s) with values the cache cannot hold: beyond ±{2.0 ** 50:.3g} (quantized schemes "
                       f"clip there) or, after {'the Hadamard rotation, ' if cache.cfg.rotated else ''}beyond "
-                      f"{dt}'s range ({'a KVarN cache stores rotated values: a token whose L2 norm exceeds ' if cache.cfg.rotated else ''}"
-                      f"{float(jnp.finfo(jnp.dtype(dt)).max):,.0f}); a bfloat16 or float32 cache holds them"),
+                      f"{vt}'s range ({'a KVarN cache stores rotated values: a token whose L2 norm exceeds ' if cache.cfg.rotated else ''}"
+                      f"{float(jnp.finfo(jnp.dtype(vt)).max):,.0f}); {wider}"),
         "beyond_bound": "token(s) of blocks completed beyond the write's static bound",
         "metadata_saturated": (f"token(s) of blocks whose KVarN scales or zero points exceed {dt}'s range "
                                "(values near its maximum with a column scale below 1); a bfloat16 or float32 "

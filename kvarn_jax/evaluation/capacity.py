@@ -212,7 +212,7 @@ def plan_capacity(spec: ModelSpec, scheme, *, gpu_mem: Union[str, int], context:
     """Capacity of `spec` with `scheme` (see the module docstring for every term).
 
     kv_dtype: the model dtype (the high-precision sink/tail are kept as the scheme's `_hp` option says,
-    by default in it if 16-bit, else in bf16); weight_dtype: bytes per weight.
+    by default in it if 16-bit, else in fp16); weight_dtype: bytes per weight.
     """
     if not isinstance(spec, ModelSpec):
         raise ValueError(f"spec must be a ModelSpec (see model_spec), got {type(spec).__name__}")
