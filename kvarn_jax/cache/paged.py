@@ -668,9 +668,10 @@ def gather_dense(cache: PagedKVCache, block_tables: jnp.ndarray, seq_lens: jnp.n
     """Dense fp32 K and V of each sequence as attention sees them: ([B, Hk, L, D], [B, Hk, L, D]).
 
     L = max_blocks * block_size; positions >= seq_lens hold garbage and must be masked. Values are in
-    the storage frame (rotated for KVarN). Full non-sink blocks before the one holding position
-    seq_len - 1 come from the quantized pages; the sink and the last (partial or just-completed)
-    block from high precision.
+    the storage frame (rotated for KVarN). Full blocks before the one holding position seq_len - 1
+    come from the quantized pages (`read_from_page`), except a whole-block sink; the sink and the
+    last (partial or just-completed) block from high precision. Block table entries of blocks read
+    only from high precision may be `NO_PAGE`.
     """
     check_read_args(cache, block_tables, seq_lens, seq_ids)
     nbt, mb = block_tables.shape
