@@ -143,8 +143,9 @@ def run_one(model, scheme: str, prompts, args):
     if why is not None and row["decode_attention"] == "reference":
         row["kernel_refused"] = why
     try:
-        engine = Engine(model, kv_cache_dtype=scheme, block_size=args.block_size, max_seqs=b,
-                        max_model_len=max_len, num_blocks=b * -(-max_len // args.block_size),
+        # the pool the engine sizes for b sequences of max_len tokens (blocks held only in high precision
+        # take no page)
+        engine = Engine(model, kv_cache_dtype=scheme, block_size=args.block_size, max_seqs=b, max_model_len=max_len,
                         prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch or b, impl=args.impl,
                         decode_loop=args.decode_loop, tensor_parallel=args.tensor_parallel)
     except ValueError as e:  # e.g. the pool does not fit on the device: refused at engine start

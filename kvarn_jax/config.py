@@ -28,7 +28,8 @@ GRAMMAR = (
     "int{2,4,8}[_g{8,16,32,64,128,256}] or int_k{2,4,8}v{2,4,8}[_g...], and int{2,4,8}_static / int_k..v.._static; "
     "fp8 (alias fp8_e4m3), fp8_static; fp16, bf16, fp32 (passthrough); "
     "suffix _clip (keys and values) or _clipv (values only) on a dynamic kvarn, kivi or int scheme "
-    "(e.g. kvarn_k4v2_g128_clip): clipped-range RTN"
+    "(e.g. kvarn_k4v2_g128_clip): clipped-range RTN; "
+    "quantized schemes take the high-precision storage suffixes _hp{int8,fp16,bf16,fp32} and _sink{1,2,4,...,512}"
 )
 # Clipped range search (`schemes.rtn.clip_search`): same stored format, a per-row range that
 # minimizes squared error instead of min..max.
@@ -64,6 +65,44 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+# ---------------------------------------------------------------- high-precision storage options
+# How a quantized cache keeps the tokens it serves exactly (each sequence's attention sink and the
+# block it is filling): "auto" (`kvarn_jax.cache.hp.hp_format` decides from the model dtype), a
+# float dtype, or "int8" (per-token int8 codes with a 16-bit scale and zero point). sink_tokens: 0
+# keeps the sequence's whole first block; S keeps its first S tokens and quantizes the rest of that
+# block like any other. Both are suffixes of the scheme string (`_hpint8`, `_sink16`), in any order.
+HP_FORMATS = ("auto", "int8", "fp16", "bf16", "fp32")
+MAX_SINK_TOKENS = 512
+_HP_SUFFIX_RE = re.compile(r"_(?:hp([a-z0-9]+)|sink(\d+))(?=_|$)")
+
+
+def _split_hp_suffixes(text: str, spec: str) -> tuple[str, dict]:
+    """(the string without its high-precision suffixes, {field: value} they set)."""
+    opts = {}
+    for m in _HP_SUFFIX_RE.finditer(text):
+        key, value = ("hp", m.group(1)) if m.group(1) is not None else ("sink_tokens", int(m.group(2)))
+        if key in opts:
+            raise ValueError(f"kv_cache_dtype {spec!r}: the {'_hp' if key == 'hp' else '_sink'} suffix is given twice")
+        opts[key] = value
+    return _HP_SUFFIX_RE.sub("", text), opts
+
+
+def _hp_suffix(cfg: "KVQuantConfig") -> str:
+    return (f"_hp{cfg.hp}" if cfg.hp != "auto" else "") + (f"_sink{cfg.sink_tokens}" if cfg.sink_tokens else "")
+
+
+def _check_hp_fields(cfg: "KVQuantConfig", name: str) -> None:
+    if cfg.hp not in HP_FORMATS:
+        raise ValueError(f"{name}: hp (high-precision storage) must be one of {list(HP_FORMATS)}, got {cfg.hp!r}")
+    s = cfg.sink_tokens
+    if not _is_int(s) or s < 0 or s > MAX_SINK_TOKENS or (s and s & (s - 1)):
+        raise ValueError(f"{name}: sink_tokens must be 0 (the whole first block) or a power of two up to "
+                         f"{MAX_SINK_TOKENS}, got {s!r}")
+    if cfg.method == "passthrough" and (cfg.hp != "auto" or s):
+        raise ValueError(f"{name}: passthrough {cfg.dtype} stores every token as it is: it has no high-precision "
+                         "sink or tail to configure (hp and sink_tokens apply to quantized schemes)")
+
+
 def _check_fields(cfg: "KVQuantConfig") -> None:
     """The rules `parse` applies to a string, applied to the fields (ValueError naming the field)."""
     name = f"KVQuantConfig(method={cfg.method!r}, k_bits={cfg.k_bits!r}, v_bits={cfg.v_bits!r}, group={cfg.group!r}, ...)"
@@ -81,6 +120,7 @@ def _check_fields(cfg: "KVQuantConfig") -> None:
     if not isinstance(cfg.clip_keys, bool) or (not cfg.clip_keys and not cfg.clip):
         raise ValueError(f"{name}: clip_keys must be a bool, and False only with clip=True (the {CLIP_VALUES_SUFFIX} "
                          f"suffix), got {cfg.clip_keys!r}")
+    _check_hp_fields(cfg, name)
     if cfg.method == "kvarn":
         if not 0 <= cfg.sinkhorn_iters <= MAX_SINKHORN_ITERS:
             raise ValueError(f"{name}: sinkhorn_iters must be in [0, {MAX_SINKHORN_ITERS}], got {cfg.sinkhorn_iters}")
@@ -129,6 +169,9 @@ class KVQuantConfig:
     clip: RTN over the per-row range that minimizes squared error among a few clip ratios
       (suffix `_clip`; docs/schemes.md) instead of the row's min..max. Same stored fields.
     clip_keys: with clip, whether keys are clipped too (False: suffix `_clipv`, values only).
+    hp: how the cache keeps each sequence's sink and the block it is filling: "auto", "int8",
+      "fp16", "bf16" or "fp32" (`kvarn_jax.cache.hp`). sink_tokens: tokens of the attention sink
+      kept that way; 0 = the whole first block.
     """
 
     method: str
@@ -140,6 +183,8 @@ class KVQuantConfig:
     sinkhorn_iters: int = 8
     clip: bool = False
     clip_keys: bool = True
+    hp: str = "auto"
+    sink_tokens: int = 0
 
     def __post_init__(self):
         _check_fields(self)  # hand-built configs obey the grammar's rules too
@@ -152,10 +197,21 @@ class KVQuantConfig:
             return spec
         if not isinstance(spec, str):
             raise ValueError(f"kv_cache_dtype must be a string or KVQuantConfig, got {type(spec).__name__}")
-        text = spec.strip().lower()
+        text, hp_opts = _split_hp_suffixes(spec.strip().lower(), spec)
+        cfg = cls._parse_base(text, spec)
+        if not hp_opts:
+            return cfg
+        try:
+            return dataclasses.replace(cfg, **hp_opts)
+        except ValueError as e:
+            raise ValueError(f"kv_cache_dtype {spec!r}: {str(e).split(': ', 1)[-1]}. Accepted strings: {GRAMMAR}") from None
+
+    @classmethod
+    def _parse_base(cls, text: str, spec: str) -> "KVQuantConfig":
+        """A scheme string without high-precision suffixes (lower case, stripped)."""
         for suffix, keys in ((CLIP_SUFFIX, True), (CLIP_VALUES_SUFFIX, False)):
             if text.endswith(suffix):
-                base = cls.parse(text[:-len(suffix)])
+                base = cls._parse_base(text[:-len(suffix)], spec)
                 if base.method not in CLIP_METHODS or base.static or base.clip:
                     raise ValueError(f"kv_cache_dtype {spec!r}: the {suffix} suffix applies to dynamic kvarn, kivi and "
                                      f"int schemes only (e.g. kvarn_k4v2_g128{suffix}). Accepted strings: {GRAMMAR}")
@@ -196,8 +252,11 @@ class KVQuantConfig:
     @property
     def name(self) -> str:
         """Canonical string; `KVQuantConfig.parse(cfg.name) == cfg`."""
+        return self._base_name() + _hp_suffix(self)
+
+    def _base_name(self) -> str:
         if self.clip:
-            return (dataclasses.replace(self, clip=False, clip_keys=True).name
+            return (dataclasses.replace(self, clip=False, clip_keys=True)._base_name()
                     + (CLIP_SUFFIX if self.clip_keys else CLIP_VALUES_SUFFIX))
         if self.method == "passthrough":
             return {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[self.dtype]
@@ -261,13 +320,18 @@ class KVQuantConfig:
                     f"whole bytes (accepted head_dims: multiples of {8 // b})")
 
     def check_block_size(self, block_size: int, arg: str = "block_size") -> None:
-        """A cache block holds whole tiles; block sizes from 1 to 1024 tokens are accepted."""
+        """A cache block holds whole tiles; block sizes from 1 to 1024 tokens are accepted. A sink
+        of `sink_tokens` must be shorter than a block (the rest of the block is quantized)."""
         t = self.tile_tokens
         if not isinstance(block_size, int) or block_size <= 0 or block_size > 1024 or block_size % t:
             raise ValueError(
                 f"{arg}={block_size!r} cannot be used with {self.name}: it must be a multiple of the "
                 f"scheme's tile of {t} token(s) and at most 1024 (e.g. "
                 f"{', '.join([str(m) for m in (16, 64, 128, 256, 512, 1024) if m % t == 0 and m >= t][:3])})")
+        if self.sink_tokens >= block_size:
+            raise ValueError(
+                f"{arg}={block_size} cannot be used with {self.name}: a sink of {self.sink_tokens} tokens must be "
+                f"shorter than a block (without the _sink suffix the whole first block is the sink)")
 
 
 def parse(spec: Union[str, KVQuantConfig]) -> KVQuantConfig:

@@ -71,30 +71,53 @@ def serve_writes(cache, tables, seqs, rng, seq_ids=None, max_chunk=None, write=k
     return cache
 
 
+def hp_value_dtype(cfg, dtype):
+    """The dtype a cache of model `dtype` keeps its sink and tail in (or, for int8, their scales):
+    the hp format if it is a float, else the model dtype if 16-bit, else float16."""
+    sixteen = jnp.dtype(dtype) if jnp.dtype(dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)) else jnp.float16
+    return {"fp16": jnp.float16, "bf16": jnp.bfloat16, "fp32": jnp.float32}.get(cfg.hp, sixteen)
+
+
 def expected_kv(cfg, seq_k, seq_v, block_size, dtype):
     """What attention must see for one sequence (float64, storage frame), computed independently of
-    the cache: sink and last block (partial, or completed by the last token: a token never sees its own
-    block quantized) = the written values in `dtype`; the full blocks between = quantize/dequantize."""
+    the cache: the sink and the last block (partial, or completed by the last token: a token never
+    sees its own block quantized) = the written values as the high-precision storage keeps them
+    (rounded to its dtype; int8: the int8 scheme's round trip of each token); the full blocks between
+    = quantize/dequantize of those values. A sink of S tokens: block 0 is quantized too (once it is
+    not the last block), with its first S tokens replaced by the mean of the others, and its first S
+    positions read from the sink."""
     cfg = kj.parse(cfg)
     L, h, d = seq_k.shape
     out = []
+    store = jnp.dtype(cfg.dtype) if cfg.is_passthrough else hp_value_dtype(cfg, dtype)
     for x in (seq_k, seq_v):
         x = jnp.asarray(x)
-        store = cfg.dtype if cfg.is_passthrough else dtype
         # kj.rotate is checked on its own (bit-exact vs the reference's rotated tiles, orthonormality)
         x = kj.rotate(x, store) if cfg.rotated else x.astype(store)
-        out.append(np.asarray(x.astype(jnp.float32)).astype(np.float64))
+        out.append(x)
+    if cfg.hp == "int8":  # the int8 scheme's per-token rows, scales in the 16-bit dtype, read in fp32
+        q = kj.quantize((out[0], out[1]), "int8")
+        out = list(kj.dequantize(dataclasses.replace(q, dtype="float32")))
+    # pages quantize the stored values in the cache's dtype
+    paged = [np.asarray(x.astype(dtype).astype(jnp.float32)).astype(np.float64) for x in out]
+    out = [np.asarray(x.astype(jnp.float32)).astype(np.float64) for x in out]
     if cfg.is_passthrough:
         return out
+    s = cfg.sink_tokens
+    start = 0 if s else block_size
     full = ((L - 1) // block_size) * block_size  # blocks before the one holding position L - 1
-    if full > block_size:
-        # the stored values in `dtype` (exact), so that scales are stored in it as the cache stores
-        # them; dequantized to fp32, not rounded back to `dtype`
-        q = kj.quantize((jnp.asarray(out[0][block_size:full], dtype), jnp.asarray(out[1][block_size:full], dtype)),
-                        cfg, rotated=True)
+    if full > start:
+        region = [x[start:full].copy() for x in paged]
+        if s:
+            for x in region:
+                x[:s] = x[s:block_size].mean(axis=0)
+        # in `dtype`, so that scales are stored in it as the cache stores them; dequantized to fp32,
+        # not rounded back to `dtype`
+        q = kj.quantize((jnp.asarray(region[0], dtype), jnp.asarray(region[1], dtype)), cfg, rotated=True)
         kq, vq = kj.dequantize(dataclasses.replace(q, dtype="float32"), rotated=True)
-        out[0][block_size:full] = np.asarray(kq.astype(jnp.float32))
-        out[1][block_size:full] = np.asarray(vq.astype(jnp.float32))
+        keep = max(s, start) - start  # a short sink's positions stay as stored
+        out[0][start + keep:full] = np.asarray(kq.astype(jnp.float32))[keep:]
+        out[1][start + keep:full] = np.asarray(vq.astype(jnp.float32))[keep:]
     return out
 
 

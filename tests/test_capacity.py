@@ -40,8 +40,8 @@ def test_hand_computed_kvarn_and_fp16():
 
 def test_hand_computed_utilization_reserve_tail_and_dtypes():
     # 10 GB x 0.8 = 8e9; weights 1e6 x 0.5 (int4) = 500,000; reserve 1 GB -> budget 6,999,500,000
-    p = plan_capacity(TOY, "int8", gpu_mem="10GB", context=256, utilization=0.8, reserve="1GB", weight_dtype="int4",
-                      kv_dtype="fp32", tail_blocks=2)
+    p = plan_capacity(TOY, "int8_hpfp32", gpu_mem="10GB", context=256, utilization=0.8, reserve="1GB",
+                      weight_dtype="int4", kv_dtype="fp32", tail_blocks=2)
     assert p.kv_budget_bytes == 6_999_500_000
     # int8: (128 codes + fp16 scale + zero) x (K, V) = 264 B/token/head -> 1056 B/token
     assert p.page_bytes_per_token == 1056
@@ -51,6 +51,11 @@ def test_hand_computed_utilization_reserve_tail_and_dtypes():
     assert p.padding_tokens_per_seq == 0 and p.max_batch == 3797
     # at this short context the fp32 sink/tail outweigh the pages: fewer sequences than fp16 (no sink/tail)
     assert p.batch_vs_fp16 < 1
+    # without _hpfp32 a float32 model keeps them in bfloat16; int8 per-token rows: (128 + 2 + 2) x 2 B
+    assert plan_capacity(TOY, "int8", gpu_mem="10GB", context=256, kv_dtype="fp32",
+                         tail_blocks=2).hp_bytes_per_seq == 1_572_864 // 2
+    assert plan_capacity(TOY, "int8_hpint8_sink16", gpu_mem="10GB", context=256,
+                         tail_blocks=2).hp_bytes_per_seq == 2 * (16 + 2 * 128) * 2 * 264
 
 
 def test_weights_that_do_not_fit():

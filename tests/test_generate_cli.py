@@ -20,10 +20,11 @@ LONG_PROMPT = ("The history of the Roman Empire spans more than a thousand years
 MIB = 2 ** 20
 # SmolLM2-135M: 30 layers x 3 KV heads x head_dim 64
 LAYERS, HEADS, D = 30, 3, 64
-MEMORY_RE = re.compile(r"^memory \(pool sized to these requests, (\d+) pages?\): (\S+): ([\d.]+) MiB for (\d+) tokens x "
-                       r"(\d+) layer\(s\) \(pages ([\d.]+) MiB, high-precision sink\+tail ([\d.]+) MiB for (\d+) seqs?\); "
-                       r"fp16 would need ([\d.]+) MiB: (?:the same|this cache takes ([\d.]+)x fp16's memory \(it holds "
-                       r"([\d.]+)x the tokens fp16 would in the same bytes\))", re.M)
+MEMORY_RE = re.compile(r"^memory \(pool sized to these requests, (\d+) pages?\): (\S+): ([\d.]+) MiB for ([\d,]+) tokens x "
+                       r"(\d+) layer\(s\) \(pages ([\d.]+) MiB, high-precision sink\+tail ([\d.]+) MiB(?: in (\w+))? for "
+                       r"(\d+) seqs?\); fp16 would need ([\d.]+) MiB: (?:the same|([\d.]+)x (less|more))$", re.M)
+LONG_RE = re.compile(r"^  long sequences: one of 8,192 tokens \(the model's context\) takes ([\d.]+) MiB, fp16 ([\d.]+) MiB: "
+                     r"([\d.]+)x less \(the pages alone: ([\d.]+)x\)$", re.M)
 RATE_RE = re.compile(r"^prefill: (\d+) tokens in [\d.]+ s \(([\d.]+) tokens/s\); decode: (\d+) tokens in [\d.]+ s "
                      r"\(([\d.]+) tokens/s\)", re.M)
 
@@ -49,27 +50,35 @@ def _check_run(scheme, rc, text, js):
     assert int(m.group(1)) == prompt_tokens and int(m.group(3)) == generated - len(PROMPTS)  # first token: prefill
     assert float(m.group(2)) > 0 and float(m.group(4)) > 0
 
-    # the memory line, checked against bytes computed here: one 128-token page per prompt
+    # the memory line, checked against bytes computed here: each prompt fits one 128-token block, which
+    # a quantized pool keeps in its sink only (no page; the pool still has one), fp16 in a page
     m = MEMORY_RE.search(text)
     assert m, text
-    pool_pages, name, total, tokens, layers, pages, hp, seqs, fp16, inverse, ratio = m.groups()
-    assert int(pool_pages) == len(PROMPTS)
+    pool_pages, name, total, tokens, layers, pages, hp, fmt, seqs, fp16, ratio, way = m.groups()
+    assert int(pool_pages) == (len(PROMPTS) if scheme == "fp16" else 1)
     hp_seqs = 0 if scheme == "fp16" else len(PROMPTS)  # passthrough caches have no high-precision storage
-    assert (name, int(tokens), int(layers), int(seqs)) == (scheme, 128 * len(PROMPTS), LAYERS, hp_seqs)
-    fp16_bytes = int(tokens) * HEADS * D * 2 * 2 * LAYERS
-    page_bytes = kj.bytes_per_token(scheme, D, "float32") * int(tokens) * HEADS * LAYERS  # scales in the model dtype
-    # quantized schemes keep the sink and the tail block of each sequence in the model dtype (float32 on CPU)
-    hp_bytes = 0 if scheme == "fp16" else len(PROMPTS) * 2 * 128 * HEADS * D * 2 * 4 * LAYERS
+    cached = sum(r["prompt_tokens"] + 8 - 1 for r in js["results"])
+    assert (name, int(tokens.replace(",", "")), int(layers), int(seqs)) == (scheme, cached, LAYERS, hp_seqs)
+    fp16_bytes = 128 * len(PROMPTS) * HEADS * D * 2 * 2 * LAYERS
+    page_bytes = kj.bytes_per_token(scheme, D, "float32") * 128 * int(pool_pages) * HEADS * LAYERS
+    # quantized schemes keep each sequence's sink block and tail block in 16 bits (float16 for a float32 model)
+    hp_bytes = 0 if scheme == "fp16" else len(PROMPTS) * 2 * 128 * HEADS * D * 2 * 2 * LAYERS
+    assert fmt == (None if scheme == "fp16" else "float16")
     assert float(fp16) == pytest.approx(fp16_bytes / MIB, abs=0.006)
     assert float(pages) == pytest.approx(page_bytes / MIB, abs=0.006)
     assert float(hp) == pytest.approx(hp_bytes / MIB, abs=0.006)
     assert float(total) == pytest.approx((page_bytes + hp_bytes) / MIB, abs=0.006)
+    long = LONG_RE.search(text)
     if scheme == "fp16":
-        assert ratio is None and ": the same" in m.group(0)
-    else:   # the ratio says which way it runs: memory relative to fp16's, and its inverse
-        assert float(ratio) == pytest.approx(fp16_bytes / (page_bytes + hp_bytes), abs=0.006)
-        assert float(inverse) == pytest.approx((page_bytes + hp_bytes) / fp16_bytes, abs=0.006)
+        assert ratio is None and ": the same" in m.group(0) and long is None
+    else:   # short prompts: the sink and tail blocks dominate, and the line says which way the ratio runs
+        assert way == "more" and float(ratio) == pytest.approx((page_bytes + hp_bytes) / fp16_bytes, abs=0.006)
+        # the steady state: a sequence of the model's 8,192 tokens (64 blocks) holds 62 pages and its sink and tail
+        seq = (62 * 128 * kj.bytes_per_token(scheme, D, "float32") + 2 * 128 * D * 2 * 2) * HEADS * LAYERS
+        assert float(long.group(1)) == pytest.approx(seq / MIB, abs=0.06)
+        assert float(long.group(3)) == pytest.approx(8192 * HEADS * D * 4 * LAYERS / seq, abs=0.006)
     assert js["memory"]["total_bytes"] == page_bytes + hp_bytes
+    assert js["memory"]["requests_fp16_bytes"] == fp16_bytes
 
 
 def test_generate_prints_text_rates_and_memory(tmp_path):
@@ -80,7 +89,7 @@ def test_generate_prints_text_rates_and_memory(tmp_path):
         _check_run(scheme, rc, text, js)
         outputs[scheme] = [r["output_ids"] for r in js["results"]]
         memory[scheme] = js["memory"]
-    # 12 tokens never fill the first (sink) block, which KVarN keeps in float32: the same greedy tokens as fp16
+    # 12 tokens never fill the first (sink) block, which KVarN keeps in 16 bits: the same greedy tokens as fp16
     assert outputs["kvarn_k4v2_g128"] == outputs["fp16"]
 
     # --layer-config (a `kvarn-jax tune` file), in this test to share its compiled functions
@@ -100,12 +109,13 @@ def test_generate_prints_text_rates_and_memory(tmp_path):
     assert rc == 0 and f"kv cache: per layer from {mixed} (10 x fp16, 20 x kvarn_k4v2_g128)" in text
     assert js["kv_cache_dtype"] == layers and js["layer_config"] == str(mixed)
     assert [r["output_ids"] for r in js["results"]] == outputs["fp16"]  # still within the sink block
-    # each layer holds its own scheme's bytes: the fp16 layers' pages and no sink/tail, KVarN's pages and sink/tail
+    # each layer holds its own scheme's bytes: the fp16 layers' pages and no sink/tail, KVarN's pages and
+    # sink/tail; with a passthrough layer every block has a page (one page table serves all layers)
     m = js["memory"]
     tokens = 128 * len(PROMPTS)
     assert m["layer_schemes"] == layers and m["scheme"] == "per-layer: 10 x fp16, 20 x kvarn_k4v2_g128"
     assert m["page_bytes"] == sum(kj.bytes_per_token(s, D, "float32") for s in layers) * tokens * HEADS
-    assert m["sink_bytes"] + m["tail_bytes"] == 20 * len(PROMPTS) * 2 * 128 * HEADS * D * 2 * 4
+    assert m["sink_bytes"] + m["tail_bytes"] == 20 * len(PROMPTS) * 2 * 128 * HEADS * D * 2 * 2
     assert f"): {m['scheme']}: " in text
 
     # one new token is the prefill's: no decode step ran, and the rate line says so instead of "nan tokens/s"
@@ -154,6 +164,11 @@ def _no_model_load(monkeypatch):
 
 @pytest.mark.parametrize("argv, message", [
     (["", "--quiet"], "PROMPT '' is empty"),
+    (["--quiet"], "give a PROMPT or --prompt-file"),
+    (["--prompt-file", "/none/p.txt"], "--prompt-file '/none/p.txt' does not exist"),
+    (["hi", "--prompt-chars", "5:9"], "--prompt-chars selects characters of --prompt-file"),
+    (["--prompt-file", "persuasion", "--prompt-chars", "999999:1000000"], "starts past the end of --prompt-file"),
+    (["--prompt-file", "persuasion", "--prompt-chars", "9:5"], "argument --prompt-chars: '9:5': need 0 <= START < END"),
     (["hi", "   "], "PROMPT 1 ('   ') is empty"),
     (["hi", "--kv-cache-dtype", "nf4"], "--kv-cache-dtype 'nf4' is not a known scheme"),
     (["hi", "--model", "/nonexistent.gguf"], "--model '/nonexistent.gguf' does not exist"),
@@ -207,6 +222,8 @@ def test_generation_benchmark_cpu_smoke(tmp_path, capsys):
                                                                                 / r["decode_ms_per_step"])
         base = rows[(b, "fp16")]["decode_tokens_per_s"]
         assert r["decode_vs_fp16"] == pytest.approx(r["decode_tokens_per_s"] / base)
-        # 2 layers x b sequences x 68 tokens -> one 128-token page each
-        assert r["kv_fp16_bytes"] == 2 * b * 128 * HEADS * D * 2 * 2
+        # 2 layers x b sequences x 68 tokens: one 128-token page each in fp16; an int8 pool holds them in
+        # each slot's sink (its tail block adds capacity) and keeps the one page a pool has at least
+        blocks = b if s == "fp16" else 1 + 2 * b
+        assert r["kv_fp16_bytes"] == 2 * blocks * 128 * HEADS * D * 2 * 2
     assert rows[(2, "int8")]["kv_total_bytes"] != rows[(2, "fp16")]["kv_total_bytes"]

@@ -18,7 +18,8 @@ from helpers import lower_for_cuda
 SCHEMES = ["kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k2v8_g64", "kvarn_k8v8_g32", "kivi_k2v2_g128",
            "kivi_k2v4_g32", "kivi_k4v4_g32", "int8", "int4", "int2_g32", "int8_g16", "int_k8v2", "int_k8v4",
            "fp8", "fp16", "bf16", "int8_static", "int_k8v4_static", "int4_static", "fp8_static",
-           "kvarn_k4v2_g128_clip", "int2_g32_clip"]
+           "kvarn_k4v2_g128_clip", "int2_g32_clip",
+           "kvarn_k4v2_g128_hpint8_sink16", "int8_hpint8_sink4", "kivi_k2v2_g32_sink16", "kvarn_k4v2_g128_clip_hpint8"]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

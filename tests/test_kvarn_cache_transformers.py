@@ -14,7 +14,7 @@ import kvarn_jax as kj
 from kvarn_jax.evaluation.agreement import greedy_continuation
 from kvarn_jax.layer_config import write_layer_config
 from kvarn_jax.evaluation.serving_attention import serving_semantics
-from kvarn_jax.integrations.dlpack import dequantize_bhtd, quantize_bhtd, to_jax
+from kvarn_jax.integrations.dlpack import dequantize_bhtd, quantize_bhtd, served_bhtd, to_jax
 from kvarn_jax.integrations.transformers import KVarNCache, KVarNLayer, cache_kwargs
 from test_eval_support import one_torch_thread, tiny_llama
 
@@ -24,9 +24,11 @@ _one_thread = pytest.fixture(autouse=True)(one_torch_thread)
 
 
 def _expected(k_all, v_all, scheme, stored):
-    """What the cache must return for its first `stored` tokens: sink and tail exact, full blocks after
-    the sink = kvarn_jax round trip of that block of that sequence (computed per sequence, directly)."""
+    """What the cache must return for its first `stored` tokens: sink and tail as the high-precision
+    storage keeps them (`served_bhtd`), full blocks after the sink = kvarn_jax round trip of that
+    block of those values (computed per sequence, directly)."""
     b, h, _, d = k_all.shape
+    k_all, v_all = served_bhtd(k_all, v_all, scheme)
     k_exp, v_exp = k_all[:, :, :stored].clone(), v_all[:, :, :stored].clone()
     for blk in range(1, stored // BS):
         sl = slice(blk * BS, (blk + 1) * BS)
@@ -51,8 +53,10 @@ def _feed(layer, k_all, v_all, chunks):
         # round trip agrees to float32 rounding (a code that differed would be off by a quantization step)
         torch.testing.assert_close(keys[:, :, :pos], k_exp, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(values[:, :, :pos], v_exp, atol=1e-5, rtol=1e-5)
-        # this step's own tokens come back exactly as given
-        assert torch.equal(keys[:, :, pos:], k_new) and torch.equal(values[:, :, pos:], v_new)
+        # this step's own tokens come back as the high-precision storage keeps them (float16 here)
+        k_hp, v_hp = served_bhtd(k_new, v_new, layer.cfg)
+        assert torch.equal(keys[:, :, pos:], k_hp) and torch.equal(values[:, :, pos:], v_hp)
+        assert not torch.equal(k_hp, k_new)
         pos += n
         assert layer.get_seq_length() == pos
         hp = min(pos, BS) + (pos - BS) % BS if pos > BS else pos
@@ -78,7 +82,8 @@ def test_layer_round_trip_kvarn_and_bytes(rng):
     layer = KVarNLayer("kvarn_k4v2_g32", block_size=BS)
     stored = _feed(layer, k_all, v_all, [40, 1, 1, 30, 50, 47])
     nb = layer.nbytes()
-    # 4 quantized blocks in a buffer of capacity 4; 32 sink + 9 tail tokens in fp32
+    # 4 quantized blocks in a buffer of capacity 4; 32 sink + 9 tail tokens, held in the model's fp32
+    # tensors (their values rounded to float16)
     assert layer.num_quantized_blocks == 4 and layer.capacity_blocks == 4
     assert nb["quantized_bytes"] == 4 * BS * 2 * 2 * kj.bytes_per_token("kvarn_k4v2_g32", 32, "float32")  # scales in float32
     assert nb["high_precision_bytes"] == (BS + stored - 5 * BS) * 2 * 2 * 32 * 2 * 4
@@ -122,7 +127,9 @@ def test_decode_equals_teacher_forced_serving():
     # float rounding only, which must not flip a rounding decision of the quantizer.
     model = tiny_llama(num_layers=2, init=0.02)
     x = torch.randint(0, 97, (2, 4 * BS + 11), generator=torch.Generator().manual_seed(3))
-    for scheme in ("kvarn_k4v2_g32", "int2_g32"):
+    # float32 sink and tail: the default 16-bit ones turn the float rounding differences between the two
+    # paths into differences of a float16 step (tested above, `_feed`, and in test_eval_serving.py)
+    for scheme in ("kvarn_k4v2_g32_hpfp32", "int2_g32_hpfp32"):
         with torch.no_grad():
             with serving_semantics(model, scheme, block_size=BS):
                 tf = model(x, use_cache=False).logits

@@ -388,3 +388,87 @@ def test_attention_errors(rng):
         kj.paged_decode_attention_reference(q.at[0, 0, 0].set(jnp.nan), cache, bt, sl)
     with pytest.raises(ValueError, match="window must be a positive int"):
         kj.paged_decode_attention_reference(q, cache, bt, sl, window=0)
+
+
+# ------------------------------------------------------------------ high-precision storage options
+HP_SCHEMES = ["kvarn_k4v2_g32_hpint8", "kvarn_k4v2_g32_sink16", "kvarn_k4v2_g32_hpint8_sink8", "kivi_k2v2_g32_hpint8",
+              "int4_sink4", "int8_g16_hpint8_sink16", "fp8_hpbf16", "kvarn_k4v4_g32_hpfp32"]
+
+
+@settings(max_examples=8)
+@given(cfg=st.sampled_from(HP_SCHEMES), dtype=st.sampled_from(["float16", "bfloat16", "float32"]),
+       lens=st.lists(st.integers(1, 110), min_size=1, max_size=3), seed=st.integers(0, 2 ** 16))
+def test_high_precision_formats_and_short_sinks_match_the_oracle(cfg, dtype, lens, seed):
+    rng = np.random.default_rng(seed)
+    bs = 32
+    nb = sum(-(-L // bs) for L in lens) + 2
+    cache = poison(make_cache(cfg, num_blocks=nb, block_size=bs, heads=2, dim=64, max_seqs=3,
+                              dtype=jnp.dtype(dtype)), rng)
+    cache = dataclasses.replace(cache, dropped_tokens=jnp.zeros((), jnp.int32))
+    seqs = [random_kv(rng, L, 2, 64, dtype=np.float32, outliers=2) for L in lens]
+    tables = allocate_tables(rng, lens, bs, nb)
+    cache = serve_writes(cache, tables, seqs, rng)
+    assert int(cache.dropped_tokens) == 0
+    check_against_oracle(cfg, cache, tables, seqs, rng, hq=4)
+
+
+@pytest.mark.parametrize("cfg, dtype, fmt", [
+    ("kvarn_k4v2_g128", jnp.float32, "float16"),      # never wider than 16 bits unless asked
+    ("kvarn_k4v2_g128_hpfp32", jnp.float32, "float32"),
+    ("int4", jnp.bfloat16, "bfloat16"), ("int4", jnp.float16, "float16"),
+    ("kvarn_k4v2_g128_hpint8", jnp.float32, "int8"), ("kvarn_k4v2_g128_hpfp16", jnp.bfloat16, "float16")])
+def test_high_precision_storage_dtype(cfg, dtype, fmt):
+    cache = make_cache(cfg, num_blocks=2, block_size=128, heads=1, dim=128, max_seqs=2, dtype=dtype)
+    assert cache.hp_format == fmt
+    if fmt == "int8":
+        assert cache.sink["k"].dtype == jnp.uint8 and cache.sink_meta["k"]["scale"].dtype == jnp.float16
+        assert cache.tail_meta["v"]["zero"].shape == (2, 1, 128)
+    else:
+        assert cache.sink["k"].dtype == jnp.dtype(fmt) and cache.sink_meta is None
+    # the pages' scales stay in the model dtype
+    assert all(a.dtype in (jnp.uint8, jnp.dtype(dtype)) for d in cache.pages.values() for a in d.values())
+
+
+@pytest.mark.parametrize("cfg", ["kvarn_k4v2_g32", "kvarn_k4v2_g32_hpint8_sink16", "int4_hpint8"])
+def test_blocks_without_a_page_are_served_the_same(cfg, rng):
+    """A serving layer may give no page (NO_PAGE) to blocks read only from high precision: the whole-
+    block sink and the sequence's last block. Reads equal those of a cache with every page."""
+    from kvarn_jax.cache.paged import NO_PAGE
+    bs, lens = 32, [100, 64, 20]
+    nb = sum(-(-L // bs) for L in lens)
+    seqs = [random_kv(rng, L, 2, 64, dtype=np.float32, outliers=2) for L in lens]
+    tables = allocate_tables(rng, lens, bs, nb)
+    full = serve_writes(make_cache(cfg, num_blocks=nb, block_size=bs, heads=2, dim=64, max_seqs=3), tables, seqs,
+                        np.random.default_rng(1))
+    held = tables.copy()
+    c = kj.parse(cfg)
+    for i, L in enumerate(lens):
+        n = -(-L // bs)
+        held[i, n - 1] = NO_PAGE                     # the last block: always read from the ring
+        if not c.sink_tokens:
+            held[i, 0] = NO_PAGE                     # a whole-block sink
+        held[i, n:] = NO_PAGE
+    # tokens of NO_PAGE blocks carry slot NO_PAGE; pages of the others are poisoned first
+    lean = poison(make_cache(cfg, num_blocks=nb, block_size=bs, heads=2, dim=64, max_seqs=3), rng)
+    lean = dataclasses.replace(lean, dropped_tokens=jnp.zeros((), jnp.int32))
+
+    def write(cache, k, v, slots, seq_ids, positions):
+        s, pos, sid = np.asarray(slots), np.asarray(positions), np.asarray(seq_ids)
+        blk = held[sid, pos // bs]
+        s = np.where((s >= 0) & (blk == NO_PAGE), NO_PAGE, s)
+        return kj.write(cache, k, v, jnp.asarray(s, jnp.int32), seq_ids=seq_ids, positions=positions)
+    lean = serve_writes(lean, tables, seqs, np.random.default_rng(1), write=write)
+    assert int(lean.dropped_tokens) == 0
+    sl = jnp.asarray(lens, jnp.int32)
+    for a, b in zip(kj.gather_dense(full, jnp.asarray(tables), sl), kj.gather_dense(lean, jnp.asarray(held), sl)):
+        for i, L in enumerate(lens):
+            np.testing.assert_array_equal(np.asarray(a[i, :, :L]), np.asarray(b[i, :, :L]))
+    q = jnp.asarray(rng.standard_normal((3, 4, 64)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(kj.paged_decode_attention(q, lean, jnp.asarray(held), sl, impl="pallas")),
+                               np.asarray(kj.paged_decode_attention(q, full, jnp.asarray(tables), sl)),
+                               rtol=0, atol=5e-3)
+    # a block read from its page cannot be NO_PAGE
+    bad = held.copy()
+    bad[0, 1] = NO_PAGE
+    with pytest.raises(ValueError, match="block_tables"):
+        kj.gather_dense(lean, jnp.asarray(bad), sl)

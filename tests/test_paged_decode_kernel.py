@@ -23,10 +23,12 @@ from helpers import allocate_tables, lower_for_cuda, random_kv, serve_writes
 INTERPRET = jax.default_backend() == "cpu"
 
 
-def build(cfg, lens, heads, dim, block_size, rng, calibration=None, max_seqs=None, seq_ids=None, tail_blocks=1):
+def build(cfg, lens, heads, dim, block_size, rng, calibration=None, max_seqs=None, seq_ids=None, tail_blocks=1,
+          dtype=jnp.float16):
     nb = sum(-(-L // block_size) for L in lens) + 2
     cache = kj.PagedKVCache.create(cfg, num_blocks=nb, block_size=block_size, num_kv_heads=heads, head_dim=dim,
-                                   max_seqs=max_seqs or len(lens), calibration=calibration, tail_blocks=tail_blocks)
+                                   max_seqs=max_seqs or len(lens), calibration=calibration, tail_blocks=tail_blocks,
+                                   dtype=dtype)
     seqs = [random_kv(rng, L, heads, dim, dtype=np.float32, outliers=2) for L in lens]
     tables = allocate_tables(rng, lens, block_size, nb)
     cache = serve_writes(cache, tables, seqs, rng, seq_ids=seq_ids)
@@ -549,6 +551,24 @@ def test_bit_planes_are_the_codes(bits):
         np.testing.assert_array_equal(np.asarray(plane, np.float32), want)
 
 
+@pytest.mark.parametrize("kernel", ["gpu", "tpu"])
+@pytest.mark.parametrize("cfg, bs, lens, window, dtype", [
+    ("kvarn_k4v2_g32_hpint8", 32, [100, 20, 64], None, jnp.float16),
+    ("kvarn_k4v2_g32_hpint8", 32, [70, 33], None, jnp.bfloat16),
+    ("kvarn_k4v2_g32_sink16", 64, [130, 10, 64, 65], None, jnp.float32),
+    ("int8_hpint8_sink8", 32, [70, 3, 33], 37, jnp.float16),
+    ("int4_sink16_hpint8", 32, [50, 16, 17], None, jnp.float16),
+    ("kivi_k2v2_g32_hpbf16_sink16", 32, [90, 17], 20, jnp.float16),
+    ("fp8_hpint8", 16, [40], 9, jnp.float16)])
+def test_high_precision_formats_and_short_sinks(kernel, cfg, bs, lens, window, dtype, rng):
+    """int8 sinks and rings (codes x per-token scale + zero) and sinks shorter than a block (the rest
+    of block 0 read from its page, or from the ring while it is the query's; the sink positions from
+    the sink only): lengths inside the sink, inside block 0, at block ends, windows into the sink."""
+    cache, bt, sl, _ = build(cfg, lens, 2, 64, bs, rng, dtype=dtype)
+    q = jnp.asarray(rng.standard_normal((len(lens), 8, 64)), jnp.float32)
+    compare(q, cache, bt, sl, kernel=kernel, window=window)
+
+
 def test_two_tail_blocks(rng):
     cache, bt, sl, _ = build("int4", [100, 64], 2, 64, 32, rng, tail_blocks=2)
     q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.float32)
@@ -615,7 +635,8 @@ def test_tpu_seq_ids_zero_length_two_tail_blocks_and_bad_table_entries(rng):
     assert (out[2] == 0).all()
 
 
-@pytest.mark.parametrize("cfg", ["kvarn_k4v2_g128", "kivi_k2v2_g32", "int4_g32", "int8_static", "fp8", "bf16"])
+@pytest.mark.parametrize("cfg", ["kvarn_k4v2_g128", "kivi_k2v2_g32", "int4_g32", "int8_static", "fp8", "bf16",
+                                 "kvarn_k4v2_g128_hpint8_sink16"])
 def test_tpu_kernel_lowers_for_tpu(cfg):
     """The kernel lowers to a Mosaic custom call for an abstract TPU (jax lowers without the device).
     This checks Pallas -> Mosaic emission (shapes, scalar prefetch, every op has a TPU rule); Mosaic's

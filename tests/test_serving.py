@@ -39,16 +39,21 @@ def _prompts(rng, lengths):
     return [rng.integers(4, TINY.vocab_size, n).tolist() for n in lengths]
 
 
-def greedy_direct(model, scheme, prompt, n, *, block_size=32, impl="reference", decode_loop="unroll"):
-    """Greedy tokens from the model's own prefill/decode (one sequence, whole prompt in one chunk,
-    blocks committed in the call): a reference path with no engine, scheduler or compiled steps."""
+def greedy_direct(model, scheme, prompt, n, *, block_size=32, impl="reference", decode_loop="unroll", chunk=32):
+    """Greedy tokens from the model's own prefill/decode (one sequence, the prompt in chunks of
+    `chunk` tokens as the engine's prefill_chunk, blocks committed in the call): a reference path
+    with no engine, scheduler or compiled steps. (A chunk reads earlier chunks as the cache keeps
+    them - the sink and tail in 16 bits for a float32 model -, so the chunking must match.)"""
     nb = -(-(len(prompt) + n) // block_size)
     caches = model.new_caches(scheme, num_blocks=nb, block_size=block_size, max_seqs=1)
     table = jnp.arange(nb, dtype=jnp.int32)[None]
-    pos = jnp.arange(len(prompt), dtype=jnp.int32)[None]
-    logits, caches = model.prefill(caches, PrefillBatch(jnp.asarray([prompt], jnp.int32), pos, pos,
-                                                        jnp.zeros(1, jnp.int32), table, jnp.zeros(1, jnp.int32),
-                                                        jnp.array([len(prompt) - 1], jnp.int32)))
+    for start in range(0, len(prompt), chunk):
+        part = prompt[start:start + chunk]
+        pos = jnp.arange(start, start + len(part), dtype=jnp.int32)[None]
+        logits, caches = model.prefill(caches, PrefillBatch(jnp.asarray([part], jnp.int32), pos, pos,
+                                                            jnp.zeros(1, jnp.int32), table,
+                                                            jnp.array([start], jnp.int32),
+                                                            jnp.array([len(part) - 1], jnp.int32)))
     out = [int(jnp.argmax(logits[0]))]
     for t in range(len(prompt), len(prompt) + n - 1):
         p = jnp.array([t], jnp.int32)

@@ -10,7 +10,9 @@ kernel (`paged_decode_pallas/`); what differs is how it is laid out for a TPU:
   DMA, and skip the compute.
 - One grid step handles one whole block: the high-precision sink at step 0, the quantized pages at
   steps 1 .. n-1, and at step n the query's own block from the high-precision ring (a token never
-  sees its own block quantized). The online softmax state lives in VMEM scratch across the block
+  sees its own block quantized). With a sink of S tokens shorter than a block, step 0 also reads the
+  rest of block 0 from its page (or from the ring while it is the query's block), its first S
+  positions masked. An int8 sink and ring are dequantized with their per-token scale and zero point. The online softmax state lives in VMEM scratch across the block
   axis ("arbitrary"); the sequence and head axes are "parallel" (megacore).
 - TPU vectors have no cheap strided lane access, and codes are packed so that bit plane j of a byte
   holds elements j, j + 8/bits, ... (docs/design.md §1.5). Instead of re-interleaving lanes, planes are
@@ -225,7 +227,7 @@ class _Plan:
 
 # ----------------------------------------------------------------------------- the kernel
 def _kernel(bt_ref, len_ref, sid_ref, *refs, plan, names, static_names, has_hp, max_blocks, sm_scale,
-            window):
+            window, sink_len=0, hp_int8=False):
     it = iter(refs)
     q_ref = next(it)
     qp_ref = next(it) if plan.cfg.method == "int" else None
@@ -233,8 +235,14 @@ def _kernel(bt_ref, len_ref, sid_ref, *refs, plan, names, static_names, has_hp, 
     static = {side: {n: next(it) for n in static_names[side]} for side in ("k", "v")}
     if has_hp:
         sink_k, sink_v, tail_k, tail_v = next(it), next(it), next(it), next(it)
+        metas = [(next(it), next(it)) for _ in range(4)] if hp_int8 else [None] * 4
     o_ref = next(it)
     m_ref, l_ref, acc_ref = next(it), next(it), next(it)
+
+    def hp_values(ref, meta):
+        """A high-precision block [n, D] as fp32: float storage, or int8 codes x scale + zero ([n, 1])."""
+        x = ref[...].astype(jnp.float32)
+        return x if meta is None else x * meta[0][...].astype(jnp.float32) + meta[1][...].astype(jnp.float32)
 
     b, i = pl.program_id(0), pl.program_id(2)
     bs = plan.bs
@@ -252,10 +260,11 @@ def _kernel(bt_ref, len_ref, sid_ref, *refs, plan, names, static_names, has_hp, 
     qp = [qp_ref[n] for n in range(plan.kp)] if qp_ref is not None else None
     st = {side: {n: r[...] for n, r in static[side].items()} for side in ("k", "v")}
 
-    def update(s, value_fn, start=0):
-        """Online softmax over scores s [Gp, n] of positions i*bs + start + [0, n), then acc += value_fn(p)."""
+    def update(s, value_fn, start=0, lo=None):
+        """Online softmax over scores s [Gp, n] of positions i*bs + start + [0, n), then acc += value_fn(p).
+        Positions below `lo` (default: the window's start) are masked."""
         pos = i * bs + start + lax.broadcasted_iota(jnp.int32, (1, s.shape[1]), 1)
-        valid = (pos >= ws) & (pos < length)
+        valid = (pos >= (ws if lo is None else lo)) & (pos < length)
         s = jnp.where(valid, s * sm_scale, NEG)
         m = m_ref[...]
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
@@ -267,19 +276,25 @@ def _kernel(bt_ref, len_ref, sid_ref, *refs, plan, names, static_names, has_hp, 
 
     in_window = (i + 1) * bs > ws
     if has_hp:
-        @pl.when((i == 0) & (length > 0) & in_window)
-        def _sink():
-            update(_dot_nt(q, sink_k[...].astype(jnp.float32)), lambda p: _dot(p, sink_v[...].astype(jnp.float32)))
+        # a sink shorter than a block: block 0 is read like the others (page or ring), its sink
+        # positions masked (they come from the sink)
+        partial = sink_len < bs
+        first_paged = 0 if partial else 1
+        lo = jnp.maximum(ws, sink_len) if partial else ws
 
-        @pl.when((i >= 1) & (i < own) & in_window)
+        @pl.when((i == 0) & (length > 0) & (sink_len > ws))
+        def _sink():
+            update(_dot_nt(q, hp_values(sink_k, metas[0])), lambda p: _dot(p, hp_values(sink_v, metas[1])))
+
+        @pl.when((i >= first_paged) & (i < own) & in_window)
         def _page():
             for u in range(plan.tpb):
                 update(plan.scores(q, qp, pages["k"], st, u), lambda p, u=u: plan.values(p, pages["v"], st, u),
-                       start=u * plan.t)
+                       start=u * plan.t, lo=lo)
 
-        @pl.when((i >= 1) & (i == own) & in_window)
+        @pl.when((i >= first_paged) & (i == own) & in_window)
         def _tail():
-            update(_dot_nt(q, tail_k[...].astype(jnp.float32)), lambda p: _dot(p, tail_v[...].astype(jnp.float32)))
+            update(_dot_nt(q, hp_values(tail_k, metas[2])), lambda p: _dot(p, hp_values(tail_v, metas[3])), lo=lo)
     else:
         @pl.when((i * bs < length) & in_window)
         def _page():
@@ -306,6 +321,9 @@ def paged_decode_tpu(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale: fl
     plan = _Plan(cfg, d, bs)
     has_hp = cache.has_hp
     tail_blocks = max(cache.tail_blocks, 1)
+    sink_len = cache.sink_len if has_hp else 0
+    first_paged = 0 if has_hp and sink_len < bs else 1
+    hp_int8 = cache.hp_format == "int8"
 
     qg = q_rot.astype(jnp.float32).reshape(nbt, hk, grp, d)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - grp), (0, 0)))
@@ -321,7 +339,7 @@ def paged_decode_tpu(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale: fl
         # table entry is clamped so that unused entries never address memory outside the pages
         if has_hp:
             own = _own_block(lens[b], bs)
-            j = jnp.clip(i, 1, jnp.maximum(own - 1, 1))
+            j = jnp.clip(i, first_paged, jnp.maximum(own - 1, first_paged))
         else:
             j = jnp.clip(i, 0, _own_block(lens[b], bs))
         return jnp.clip(bt[b * mb + j], 0, nb - 1)
@@ -343,17 +361,23 @@ def paged_decode_tpu(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale: fl
             operands.append(a)
             specs.append(pl.BlockSpec((None,) + a.shape[1:], lambda b, h, i, *_: (h, 0, 0)))
     if has_hp:
+        sink_at = lambda b, h, i, bt, lens, sid: (sid[b], h, 0, 0)  # noqa: E731
+        tail_at = lambda b, h, i, bt, lens, sid: (sid[b], h, lax.rem(_own_block(lens[b], bs), tail_blocks), 0)  # noqa: E731
         for a in (cache.sink["k"], cache.sink["v"]):
             operands.append(a)
-            specs.append(pl.BlockSpec((None, None, bs, d), lambda b, h, i, bt, lens, sid: (sid[b], h, 0, 0)))
+            specs.append(pl.BlockSpec((None, None, sink_len, d), sink_at))
         for a in (cache.tail["k"], cache.tail["v"]):
             operands.append(a)
-            specs.append(pl.BlockSpec(
-                (None, None, bs, d),
-                lambda b, h, i, bt, lens, sid: (sid[b], h, lax.rem(_own_block(lens[b], bs), tail_blocks), 0)))
+            specs.append(pl.BlockSpec((None, None, bs, d), tail_at))
+        if hp_int8:  # per-token scale and zero [rows, Hk, n] viewed [rows, Hk, n, 1]: whole trailing dims
+            for meta, n, at in ((cache.sink_meta, sink_len, sink_at), (cache.tail_meta, bs, tail_at)):
+                for side in ("k", "v"):
+                    for name in ("scale", "zero"):
+                        operands.append(meta[side][name][..., None])
+                        specs.append(pl.BlockSpec((None, None, n, 1), at))
 
     kernel = functools.partial(_kernel, plan=plan, names=names, static_names=static_names, has_hp=has_hp,
-                               max_blocks=mb, sm_scale=scale, window=window)
+                               max_blocks=mb, sm_scale=scale, window=window, sink_len=sink_len, hp_int8=hp_int8)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=(nbt, hk, mb), in_specs=specs,
         out_specs=pl.BlockSpec((None, None, gp, d), lambda b, h, i, *_: (b, h, 0, 0)),

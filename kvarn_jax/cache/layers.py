@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from ..config import KVQuantConfig
 from . import paged
-from .memory import memory_report
+from .memory import tree_bytes, memory_report
 from .paged import PagedKVCache
 
 
@@ -148,7 +148,7 @@ class LayerCaches:
         a NaN or Inf (those the cache writes count: a slot and a sequence slot in range)."""
         bad = jnp.any(~jnp.isfinite(k), axis=(-1, -2)) | jnp.any(~jnp.isfinite(v), axis=(-1, -2))
         bad = bad.reshape(-1, bad.shape[-1]).sum(0, dtype=jnp.int32)           # per token, over layers
-        ok = (slot_mapping >= 0) & (seq_ids >= 0) & (seq_ids < self.max_seqs)
+        ok = paged.carries_token(slot_mapping) & (seq_ids >= 0) & (seq_ids < self.max_seqs)
         return self.nonfinite.at[jnp.where(ok, seq_ids, self.max_seqs)].add(bad, mode="drop")
 
     # ---------------------------------------------------------------- one layer
@@ -175,7 +175,8 @@ class LayerCaches:
         return dataclasses.replace(self, groups=tuple(groups))
 
     def _ids(self, cache, boff, soff, slot_mapping, seq_ids):
-        slots = jnp.where(slot_mapping >= 0, slot_mapping + boff * cache.block_size, -1)
+        # -1 (padding) and NO_PAGE keep their meaning in every layer
+        slots = jnp.where(slot_mapping >= 0, slot_mapping + boff * cache.block_size, slot_mapping)
         return slots, None if seq_ids is None else seq_ids + soff
 
     def stage(self, layer, k, v, slot_mapping, seq_ids, positions) -> "LayerCaches":
@@ -201,7 +202,7 @@ class LayerCaches:
             off = jnp.arange(len(layers), dtype=jnp.int32)[:, None]
             if self.statics[g] is None:
                 slots = jnp.where(slot_mapping[None] >= 0, slot_mapping[None] + off * self.num_blocks * cache.block_size,
-                                  -1).reshape(-1)
+                                  slot_mapping[None]).reshape(-1)
                 sid = (seq_ids[None] + off * self.max_seqs).reshape(-1)
                 pos = jnp.broadcast_to(positions[None], (len(layers), n)).reshape(-1)
                 flat = (kg.reshape((-1,) + kg.shape[2:]), vg.reshape((-1,) + vg.shape[2:]))
@@ -212,7 +213,7 @@ class LayerCaches:
             def one(c, xs, g=g, q=q):
                 j, kj, vj = xs
                 lc = dataclasses.replace(c, static=jax.tree.map(lambda a: a[j], self.statics[g]))
-                slots = jnp.where(slot_mapping >= 0, slot_mapping + j * self.num_blocks * cache.block_size, -1)
+                slots = jnp.where(slot_mapping >= 0, slot_mapping + j * self.num_blocks * cache.block_size, slot_mapping)
                 lc = paged.write_reference(lc, kj, vj, slots, seq_ids + j * self.max_seqs, positions, quantizer=q,
                                            max_completed=max_completed)
                 return dataclasses.replace(lc, static=None), None
@@ -224,7 +225,7 @@ class LayerCaches:
         """(cache, block_tables, seq_ids) that address `layer` in its group: the arguments that
         `paged_decode_attention` or `gather_dense` take to read that layer."""
         cache, boff, soff = self.layer_cache(layer)
-        return cache, block_tables + boff, seq_ids + soff
+        return cache, jnp.where(block_tables >= 0, block_tables + boff, block_tables), seq_ids + soff
 
     def gather_dense(self, layer, block_tables, seq_lens, seq_ids):
         """`paged.gather_dense` of one layer."""
@@ -258,25 +259,44 @@ class LayerCaches:
             groups[g] = jax.lax.scan(one, cache, jnp.arange(n))[0]
         return dataclasses.replace(self, groups=tuple(groups))
 
-    def memory_report(self) -> dict:
+    @property
+    def paged_from(self) -> int:
+        """The first position whose block some layer stores in a page (`PagedKVCache.paged_from`; 0
+        with a passthrough layer, which pages every block): one page table serves every layer, so a
+        block needs a page if any layer reads it from one."""
+        return min(c.paged_from for c in self.groups)
+
+    @property
+    def hp_only_blocks(self) -> bool:
+        """Whether blocks served only from high precision may go without a page (`paged.NO_PAGE`):
+        every layer is quantized (a passthrough layer stores every token in its page)."""
+        return all(c.has_hp for c in self.groups)
+
+    def memory_report(self, *, hp_only_blocks: bool = False) -> dict:
         """`kvarn_jax.memory_report` summed over layers, counted per layer (tokens and max_seqs of one
-        layer; "layers" the depth); with several schemes, "scheme" summarizes them."""
-        reps = []
-        for g, cache in enumerate(self.groups):
-            r = memory_report(cache)
+        layer; "layers" the depth); with several schemes, "scheme" summarizes them. hp_only_blocks:
+        as in `memory_report`, for the blocks no layer reads from a page (`paged_from`)."""
+        reps = [memory_report(cache) for cache in self.groups]
+        for g, r in enumerate(reps):
             if self.statics[g] is not None:
-                r["static_bytes"] += sum(a.nbytes for d in self.statics[g].values() for a in d.values())
-                r["total_bytes"] += sum(a.nbytes for d in self.statics[g].values() for a in d.values())
-            reps.append(r)
+                st = tree_bytes(self.statics[g])
+                r["static_bytes"] += st
+                r["total_bytes"] += st
         out = dict(reps[0])
         for key in ("code_bytes", "metadata_bytes", "page_bytes", "sink_bytes", "tail_bytes", "static_bytes",
-                    "total_bytes", "fp16_bytes"):
+                    "total_bytes"):
             out[key] = sum(r[key] for r in reps)
+        hp = any(c.has_hp for c in self.groups)
+        held = 0
+        if hp_only_blocks and self.hp_only_blocks:
+            held = self.max_seqs * (1 + (self.paged_from > 0)) * self.block_size
+        hk, d = self.groups[0].num_kv_heads, self.groups[0].head_dim
         out["layers"] = self.num_layers
-        out["tokens"] = self.num_blocks * self.block_size
-        out["max_seqs"] = self.max_seqs if any(c.has_hp for c in self.groups) else 0
-        hk = self.groups[0].num_kv_heads
-        out["bytes_per_token_per_head"] = out["page_bytes"] / (self.num_layers * out["tokens"] * hk)
+        out["tokens"] = self.num_blocks * self.block_size + held
+        out["hp_only_tokens"] = held
+        out["max_seqs"] = self.max_seqs if hp else 0
+        out["fp16_bytes"] = self.num_layers * out["tokens"] * hk * d * 4
+        out["bytes_per_token_per_head"] = out["page_bytes"] / (self.num_layers * self.num_blocks * self.block_size * hk)
         out["capacity_vs_fp16"] = out["fp16_bytes"] / out["total_bytes"]
         out["layer_schemes"] = [c.name for c in self.layer_schemes]
         if not self.uniform:
@@ -291,7 +311,7 @@ class LayerCaches:
         cache, boff, soff = self.layer_cache(layer)
         nb, ns = self.num_blocks, self.max_seqs
         pages = jax.tree.map(lambda a: a[boff:boff + nb], cache.pages)
-        sink = None if cache.sink is None else jax.tree.map(lambda a: a[soff:soff + ns], cache.sink)
-        tail = None if cache.tail is None else jax.tree.map(lambda a: a[soff:soff + ns], cache.tail)
-        return dataclasses.replace(cache, pages=pages, sink=sink, tail=tail, num_blocks=nb,
-                                   max_seqs=ns if cache.has_hp else 0)
+        rows = {part: None if getattr(cache, part) is None else
+                jax.tree.map(lambda a: a[soff:soff + ns], getattr(cache, part))
+                for part in ("sink", "tail", "sink_meta", "tail_meta")}
+        return dataclasses.replace(cache, pages=pages, num_blocks=nb, max_seqs=ns if cache.has_hp else 0, **rows)

@@ -6,10 +6,13 @@ Layout (all pytree leaves; sizes are static aux data):
   tile is `cfg.tile_tokens` tokens of one head; for per-token schemes tiles_per_block = block_size.
   One exception (`tokens_last`): per-token int and fp8 value codes are stored [num_blocks, Hk, D*b/8,
   block_size], the block's tokens contiguous; `fields_from_pages` / `pages_from_fields` convert.
-- `sink[side]`: [max_seqs, Hk, block_size, D] in `dtype` - the first block of every sequence
-  (the attention sink) stays in high precision for the sequence's whole life.
-- `tail[side]`: [max_seqs, Hk, tail_blocks * block_size, D] in `dtype` - a ring indexed by
-  `position % (tail_blocks * block_size)` holding the not-yet-full block of every sequence.
+- `sink[side]`: [max_seqs, Hk, sink_len, D] - the attention sink of every sequence (its first
+  `cfg.sink_tokens` tokens, or its whole first block) in high precision for the sequence's whole
+  life: float values, or with `cfg.hp = "int8"` uint8 codes whose per-token scale and zero point
+  are `sink_meta[side]["scale" | "zero"]` [max_seqs, Hk, sink_len] (`kvarn_jax.cache.hp`).
+- `tail[side]`: [max_seqs, Hk, tail_blocks * block_size, D] (and `tail_meta` for int8) - a ring
+  indexed by `position % (tail_blocks * block_size)` holding the not-yet-full block of every
+  sequence in the same format.
 - `dropped_tokens`: int32 count of tokens a jitted write did not store as given: not stored at all
   (an invalid slot, sequence id or position; a block completed beyond the write's static bound)
   or stored altered (a non-finite K/V value: the token stored as zeros; a value beyond the storage
@@ -21,6 +24,11 @@ of a request in the batch), so its size is fixed by `max_seqs` and reported by `
 id out of range is an error, never a silent cap. For rotated schemes (KVarN) the sink and tail hold
 rotated values, so attention runs entirely in the rotated frame. Passthrough schemes (fp16/bf16)
 store every token straight into its page and have no sink or tail.
+
+A block that is only ever served from high precision needs no page: a whole-block sink, and a
+sequence's last block (read from the ring while it is the query's own). A serving layer maps such
+blocks to `NO_PAGE` in its slots and block tables: their tokens go to the sink and ring only and
+are never quantized, and reads never touch a page for them.
 """
 
 from __future__ import annotations
@@ -35,10 +43,20 @@ import numpy as np
 
 from .. import schemes
 from ..config import KVQuantConfig
+from . import hp as hp_storage
 from ..storage import storage_values
 from ..validation import (check_array, check_count, check_finite, check_range, is_concrete,
                           require_compiled_backend)
 from .quantize_pallas import quantize_blocks_pallas, supports as pallas_quantize_supports
+
+# Slot / block-table / commit entry of a block held only in high precision (see the module docstring);
+# -1 stays padding.
+NO_PAGE = -2
+
+
+def carries_token(slot_mapping):
+    """Which slot_mapping entries carry a token (not padding): a slot, or `NO_PAGE`."""
+    return (slot_mapping >= 0) | (slot_mapping == NO_PAGE)
 
 
 def tokens_last(cfg: KVQuantConfig, side: str, name: str) -> bool:
@@ -73,6 +91,8 @@ class PagedKVCache:
     tail: Union[dict, None]
     static: Union[dict, None]
     dropped_tokens: jnp.ndarray
+    sink_meta: Union[dict, None]
+    tail_meta: Union[dict, None]
     cfg: KVQuantConfig = dataclasses.field(metadata=dict(static=True))
     num_blocks: int = dataclasses.field(metadata=dict(static=True))
     block_size: int = dataclasses.field(metadata=dict(static=True))
@@ -95,6 +115,33 @@ class PagedKVCache:
         """Whether the cache keeps sink/tail blocks in high precision (every quantized scheme does)."""
         return not self.cfg.is_passthrough
 
+    @property
+    def hp_format(self) -> str:
+        """"int8" or the float dtype name of the sink and tail ("" for passthrough: `hp.hp_format`)."""
+        return hp_storage.hp_format(self.cfg, self.dtype)
+
+    @property
+    def sink_len(self) -> int:
+        """Tokens of each sequence's sink: `cfg.sink_tokens`, or a whole block (0 for passthrough)."""
+        return hp_storage.sink_len(self.cfg, self.block_size)
+
+    @property
+    def paged_from(self) -> int:
+        """The first position whose block is stored in a page (`hp.paged_from`)."""
+        return hp_storage.paged_from(self.cfg, self.block_size)
+
+    @property
+    def value_dtype(self) -> str:
+        """The dtype written values are rounded and saturated to (`hp.value_dtype`)."""
+        return hp_storage.value_dtype(self.cfg, self.dtype)
+
+    def hp_fields(self, part: str, side: str) -> dict:
+        """The high-precision fields of `part` ("sink" or "tail") and side: {"values": ...} or
+        {"codes", "scale", "zero"} (int8), each [max_seqs, Hk, tokens, ...]."""
+        main, meta = (self.sink, self.sink_meta) if part == "sink" else (self.tail, self.tail_meta)
+        name = "codes" if self.hp_format == "int8" else "values"
+        return {name: main[side], **(meta[side] if meta else {})}
+
     @classmethod
     def create(cls, cfg: Union[str, KVQuantConfig], *, num_blocks: int, block_size: int,
                num_kv_heads: int, head_dim: int, max_seqs: int | None = None, dtype=jnp.float16,
@@ -102,8 +149,9 @@ class PagedKVCache:
         """An empty cache for one layer.
 
         max_seqs: how many sequences can be live at once (sizes the high-precision sink/tail
-          storage: max_seqs * (1 + tail_blocks) blocks). Required for quantized schemes.
-        dtype: model dtype of K/V; the sink and tail are kept in it.
+          storage: max_seqs sinks and max_seqs * tail_blocks blocks). Required for quantized schemes.
+        dtype: model dtype of K/V; scales and zero points of the pages are kept in it, the sink and
+          tail as `cfg.hp` says (`kvarn_jax.cache.hp`: by default never wider than 16 bits).
         tail_blocks: blocks per sequence in the high-precision ring. 1 suffices for ordinary
           decoding; use 2 with speculative decoding so that rejected draft tokens that spilled into
           the next block never overwrite the previous block's high-precision copy.
@@ -137,12 +185,19 @@ class PagedKVCache:
                             shape + (tpb,) if tokens_last(cfg, side, name) else (tpb,) + shape), dt)
                         for name, (shape, dt) in schemes.side_fields(cfg, side, head_dim, dtype).items()}
                  for side in schemes.SIDES}
-        sink = tail = None
+        hp = {}
         if not cfg.is_passthrough:
-            sink = {s: jnp.zeros((max_seqs, num_kv_heads, block_size, head_dim), dtype) for s in schemes.SIDES}
-            tail = {s: jnp.zeros((max_seqs, num_kv_heads, tail_blocks * block_size, head_dim), dtype)
-                    for s in schemes.SIDES}
-        return cls(pages=pages, sink=sink, tail=tail, static=static, dropped_tokens=jnp.zeros((), jnp.int32),
+            lens = {"sink": hp_storage.sink_len(cfg, block_size), "tail": tail_blocks * block_size}
+            for part, n in lens.items():
+                made = {s: {name: jnp.zeros((max_seqs, num_kv_heads, n) + shape, dt)
+                            for name, (shape, dt) in hp_storage.fields(cfg, head_dim, dtype).items()}
+                        for s in schemes.SIDES}
+                hp[part] = {s: made[s].pop("codes", None) if "codes" in made[s] else made[s].pop("values")
+                            for s in schemes.SIDES}
+                hp[part + "_meta"] = made if made["k"] else None
+        return cls(pages=pages, sink=hp.get("sink"), tail=hp.get("tail"), static=static,
+                   dropped_tokens=jnp.zeros((), jnp.int32), sink_meta=hp.get("sink_meta"),
+                   tail_meta=hp.get("tail_meta"),
                    cfg=cfg, num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
                    head_dim=head_dim, max_seqs=max_seqs, tail_blocks=tail_blocks,
                    dtype=jnp.dtype(dtype).name)
@@ -228,12 +283,14 @@ class WritePlan(NamedTuple):
 
 
 def write_plan(cache: PagedKVCache, k, v, slot_mapping, seq_ids, positions) -> WritePlan:
-    """The routing of a write (no checks; invalid tokens are masked out and counted in `dropped`)."""
+    """The routing of a write (no checks; invalid tokens are masked out and counted in `dropped`).
+    Values are rounded to the cache's `value_dtype`; slot `NO_PAGE` routes a token of a quantized
+    scheme to its sink or ring only."""
     nb, bs = cache.num_blocks, cache.block_size
     slot = slot_mapping.astype(jnp.int32)
     blk, off = slot // bs, slot % bs
     in_range = (slot >= 0) & (slot < nb * bs)
-    k_s, v_s, nonfinite, saturated = storage_values(cache.cfg, k, v, cache.dtype)
+    k_s, v_s, nonfinite, saturated = storage_values(cache.cfg, k, v, cache.value_dtype)
     xs = {"k": k_s, "v": v_s}
     count = lambda m: jnp.sum(m, dtype=jnp.int32)  # noqa: E731
     if cache.cfg.is_passthrough:
@@ -242,16 +299,54 @@ def write_plan(cache: PagedKVCache, k, v, slot_mapping, seq_ids, positions) -> W
     ns, r = cache.max_seqs, cache.tail_len
     seq = seq_ids.astype(jnp.int32)
     pos = positions.astype(jnp.int32)
-    valid = in_range & (seq >= 0) & (seq < ns) & (pos >= 0) & (pos % bs == off)
-    rest = valid & (pos >= bs)
+    no_page = slot == NO_PAGE
+    off = jnp.where(no_page, pos % bs, off)
+    valid = (in_range | no_page) & (seq >= 0) & (seq < ns) & (pos >= 0) & (pos % bs == off)
+    rest = valid & (pos >= cache.paged_from)
     # Ring: the last `r` positions each sequence writes (a longer write would collide in the ring;
     # its earlier tokens are only needed by blocks this write completes, which read them directly).
     seq_c = jnp.clip(seq, 0, ns - 1)
     maxpos = jnp.full((ns,), -1, jnp.int32).at[jnp.where(rest, seq, ns)].max(pos, mode="drop")
     return WritePlan(xs, blk, off, in_range, count(~valid & (slot != -1)), seq=seq,
-                     seq_c=seq_c, pos=pos, is_sink=valid & (pos < bs), rest=rest,
-                     in_ring=rest & (pos > maxpos[seq_c] - r), completes=rest & (off == bs - 1),
+                     seq_c=seq_c, pos=pos, is_sink=valid & (pos < cache.sink_len), rest=rest,
+                     in_ring=rest & (pos > maxpos[seq_c] - r), completes=rest & in_range & (off == bs - 1),
                      nonfinite=count(valid & nonfinite), saturated=count(valid & saturated))
+
+
+def _store_hp(cache: PagedKVCache, p: WritePlan) -> dict:
+    """The sink, tail and their metadata after storing the plan's tokens (`dataclasses.replace` kwargs)."""
+    ns, r = cache.max_seqs, cache.tail_len
+    routes = {"sink": (jnp.where(p.is_sink, p.seq, ns), p.off), "tail": (jnp.where(p.in_ring, p.seq, ns), p.pos % r)}
+    out = {}
+    for part, (rows, cols) in routes.items():
+        new = {}
+        for side in schemes.SIDES:
+            f = hp_storage.store(cache.cfg, p.xs[side], cache.dtype)           # {name: [n, Hk, ...]}
+            new[side] = {n: a.at[rows, :, cols].set(f[n], mode="drop") for n, a in cache.hp_fields(part, side).items()}
+        out.update(_split_hp(cache, part, new))
+    return out
+
+
+def _split_hp(cache: PagedKVCache, part: str, new: dict) -> dict:
+    """{side: {field: array}} of `part` -> its main leaf and metadata leaf (`PagedKVCache` fields)."""
+    main = {s: f.pop("codes") if "codes" in f else f.pop("values") for s, f in ((s, dict(f)) for s, f in new.items())}
+    meta = {s: {n: a for n, a in f.items() if n not in ("codes", "values")} for s, f in new.items()}
+    return {part: main, part + "_meta": meta if meta["k"] else None}
+
+
+def _page_input(cache: PagedKVCache, blocks: jnp.ndarray) -> jnp.ndarray:
+    """Blocks as the high-precision storage gives them (float32) -> what `_quantize_blocks` takes:
+    in the cache's dtype (exact for the float formats, which are never wider; int8 codes times
+    their scale rounded to it)."""
+    return blocks.astype(cache.dtype)
+
+
+def _ring_blocks(cache: PagedKVCache, side: str, seqs: jnp.ndarray, first_positions: jnp.ndarray) -> jnp.ndarray:
+    """The ring's tokens of blocks starting at `first_positions` [M] of sequences `seqs` [M], as
+    float32 [M, bs, Hk, D]."""
+    idx = (first_positions[:, None] + jnp.arange(cache.block_size)[None, :]) % cache.tail_len   # [M, bs]
+    f = {n: a[seqs[:, None], :, idx] for n, a in cache.hp_fields("tail", side).items()}
+    return hp_storage.load(cache.cfg, f)
 
 
 def completion_sizes(cache: PagedKVCache, num_tokens: int) -> list[int]:
@@ -300,11 +395,7 @@ def _write(cache, k, v, slot_mapping, seq_ids, positions, quantizer, max_complet
         counts = jnp.stack([p.dropped, p.nonfinite, p.saturated, zero, zero])
         return dataclasses.replace(cache, pages=pages, dropped_tokens=cache.dropped_tokens + jnp.sum(counts)), counts
 
-    ns, r = cache.max_seqs, cache.tail_len
-    s_idx = jnp.where(p.is_sink, p.seq, ns)  # the sink block: its own high-precision page per sequence
-    sink = {s: cache.sink[s].at[s_idx, :, p.off].set(p.xs[s], mode="drop") for s in schemes.SIDES}
-    r_idx = jnp.where(p.in_ring, p.seq, ns)
-    tail = {s: cache.tail[s].at[r_idx, :, p.pos % r].set(p.xs[s], mode="drop") for s in schemes.SIDES}
+    hp = _store_hp(cache, p)
 
     # Blocks whose last slot this write fills: assembled from the ring and this write's tokens,
     # quantized, stored in their pages. Shapes are static, so the work is sized for a bound on
@@ -334,26 +425,24 @@ def _write(cache, k, v, slot_mapping, seq_ids, positions, quantizer, max_complet
         which = jnp.where(count == 0, 0, jnp.where(count > m, len(sizes), which))
         pages, meta_bad = jax.lax.switch(which, branches, cache.pages)
     counts = jnp.stack([p.dropped, p.nonfinite, p.saturated, overflow * bs, meta_bad])
-    return dataclasses.replace(cache, pages=pages, sink=sink, tail=tail,
-                               dropped_tokens=cache.dropped_tokens + jnp.sum(counts)), counts
+    return dataclasses.replace(cache, pages=pages, dropped_tokens=cache.dropped_tokens + jnp.sum(counts), **hp), counts
 
 
 def completed_blocks(cache: PagedKVCache, p: WritePlan, size: int, quantizer: str = "reference"):
     """Up to `size` blocks a write completes, quantized: (physical block ids [size], num_blocks where
     a slot is unused; {side: {field: [size, Hk, tiles_per_block, ...]}} in the pages' layout,
     `tokens_last`). Each block is assembled from the sequence's ring (tokens of earlier writes)
-    overlaid with this write's tokens."""
+    overlaid with this write's tokens as the ring keeps them (`hp.roundtrip`)."""
     n = p.blk.shape[0]
-    nb, bs, r = cache.num_blocks, cache.block_size, cache.tail_len
+    nb, bs = cache.num_blocks, cache.block_size
     (ti,) = jnp.nonzero(p.completes, size=size, fill_value=n)
     ok = ti < n
     tc = jnp.minimum(ti, n - 1)
     c_m = jnp.where(ok, p.blk[tc], nb)                      # physical block of each completion
     s_m = p.seq_c[tc]
     start = (p.pos[tc] // bs) * bs                          # first position of the block
-    ring_idx = (start[:, None] + jnp.arange(bs)[None, :]) % r  # [size, bs]
     blk2m = jnp.full((nb,), size, jnp.int32).at[c_m].set(jnp.arange(size, dtype=jnp.int32), mode="drop")
-    m_t = jnp.where(p.rest, blk2m[jnp.clip(p.blk, 0, nb - 1)], size)
+    m_t = jnp.where(p.rest & p.in_range, blk2m[jnp.clip(p.blk, 0, nb - 1)], size)
     m_t = jnp.where(s_m[jnp.minimum(m_t, size - 1)] == p.seq, m_t, size)  # a block belongs to one sequence
     # Which token of this write fills each (completion, offset), -1 where the ring holds it: an int32
     # scatter, then row gathers (scattering whole K/V rows is much slower than gathering them on GPUs).
@@ -362,9 +451,10 @@ def completed_blocks(cache: PagedKVCache, p: WritePlan, size: int, quantizer: st
     src = jnp.clip(src, 0, n - 1)
     fields = {}
     for s in schemes.SIDES:
-        ring = cache.tail[s][s_m[:, None], :, ring_idx]       # [size, bs, Hk, D]
-        buf = jnp.where(from_write, p.xs[s][src], ring)
-        fields[s] = pages_from_fields(cache.cfg, s, _quantize_blocks(cache, s, buf.transpose(0, 2, 1, 3), quantizer))
+        ring = _ring_blocks(cache, s, s_m, start)              # [size, bs, Hk, D]
+        buf = jnp.where(from_write, hp_storage.roundtrip(cache.cfg, p.xs[s][src], cache.dtype), ring)
+        buf = hp_storage.exclude_sink(cache.cfg, buf.transpose(0, 2, 1, 3), start)
+        fields[s] = pages_from_fields(cache.cfg, s, _quantize_blocks(cache, s, _page_input(cache, buf), quantizer))
     return c_m, fields
 
 
@@ -387,12 +477,7 @@ def stage_tokens(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mappi
         pages = {s: {"values": cache.pages[s]["values"].at[b_idx, :, p.off].set(p.xs[s], mode="drop")}
                  for s in schemes.SIDES}
         return dataclasses.replace(cache, pages=pages, dropped_tokens=dropped)
-    ns, r = cache.max_seqs, cache.tail_len
-    s_idx = jnp.where(p.is_sink, p.seq, ns)
-    r_idx = jnp.where(p.in_ring, p.seq, ns)
-    sink = {s: cache.sink[s].at[s_idx, :, p.off].set(p.xs[s], mode="drop") for s in schemes.SIDES}
-    tail = {s: cache.tail[s].at[r_idx, :, p.pos % r].set(p.xs[s], mode="drop") for s in schemes.SIDES}
-    return dataclasses.replace(cache, sink=sink, tail=tail, dropped_tokens=dropped)
+    return dataclasses.replace(cache, dropped_tokens=dropped, **_store_hp(cache, p))
 
 
 def commit_blocks(cache: PagedKVCache, block_ids: jnp.ndarray, seq_ids: jnp.ndarray, first_positions: jnp.ndarray,
@@ -400,27 +485,31 @@ def commit_blocks(cache: PagedKVCache, block_ids: jnp.ndarray, seq_ids: jnp.ndar
     """The second half of a decode-step write: quantize whole blocks from the ring into their pages.
 
     block_ids, seq_ids, first_positions: [M] int - the physical block, the sequence slot whose ring
-    holds its tokens, and the block's first position (a multiple of block_size, past the sink
-    block). Entries with block_id -1 are padding (a fixed M serves any number of completions);
-    other invalid entries are dropped and counted (block_size tokens each). quantizer: as in
+    holds its tokens, and the block's first position (a multiple of block_size). Entries with
+    block_id -1 are padding (a fixed M serves any number of completions); `NO_PAGE`, and blocks
+    before `paged_from` (a whole-block sink), are kept only in high precision (nothing to do); other
+    invalid entries are dropped and counted (block_size tokens each). quantizer: as in
     `write_reference` ("reference", "pallas" or "pallas_interpret"); `auto_quantizer` picks one.
     The pages equal those `write` stores for the same tokens.
     """
     if cache.cfg.is_passthrough:
         return cache
-    nb, bs, ns, r = cache.num_blocks, cache.block_size, cache.max_seqs, cache.tail_len
+    nb, bs, ns = cache.num_blocks, cache.block_size, cache.max_seqs
     blk, seq, start = (a.astype(jnp.int32) for a in (block_ids, seq_ids, first_positions))
-    ok = (blk >= 0) & (blk < nb) & (seq >= 0) & (seq < ns) & (start >= bs) & (start % bs == 0)
+    ok = (blk >= 0) & (blk < nb) & (seq >= 0) & (seq < ns) & (start >= 0) & (start % bs == 0)
+    # a block before `paged_from` (a whole-block sink) stays in high precision: nothing to do (per-layer
+    # schemes commit one list of blocks for every layer, and other layers may page it)
+    skip = ok & (start < cache.paged_from)
+    ok &= ~skip
     c_m = jnp.where(ok, blk, nb)
     s_m = jnp.clip(seq, 0, ns - 1)
-    ring_idx = (start[:, None] + jnp.arange(bs)[None, :]) % r           # [M, bs]
     pages, fields = {}, {}
     for s in schemes.SIDES:
-        buf = cache.tail[s][s_m[:, None], :, ring_idx]                     # [M, bs, Hk, D]
-        fields[s] = pages_from_fields(cache.cfg, s, _quantize_blocks(cache, s, buf.transpose(0, 2, 1, 3), quantizer))
+        buf = hp_storage.exclude_sink(cache.cfg, _ring_blocks(cache, s, s_m, start).transpose(0, 2, 1, 3), start)
+        fields[s] = pages_from_fields(cache.cfg, s, _quantize_blocks(cache, s, _page_input(cache, buf), quantizer))
         pages[s] = {name: cache.pages[s][name].at[c_m].set(f.astype(cache.pages[s][name].dtype), mode="drop")
                     for name, f in fields[s].items()}
-    dropped = jnp.sum(~ok & (blk != -1), dtype=jnp.int32) * bs
+    dropped = jnp.sum(~ok & ~skip & (blk != -1) & (blk != NO_PAGE), dtype=jnp.int32) * bs
     dropped += jnp.sum(ok & saturated_blocks(cache, fields), dtype=jnp.int32) * bs
     return dataclasses.replace(cache, pages=pages, dropped_tokens=cache.dropped_tokens + dropped)
 
@@ -442,7 +531,9 @@ def _check_write_args(cache, k, v, slot_mapping, seq_ids, positions):
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {n} tokens")
     check_range(slot_mapping, "slot_mapping", 0, cache.num_blocks * cache.block_size,
                 f"slots are block_id * block_size + offset with block_id < num_blocks={cache.num_blocks} "
-                f"and block_size={cache.block_size} (-1 marks padding)", allow=(-1,))
+                f"and block_size={cache.block_size} (-1 marks padding"
+                + (f", {NO_PAGE} a token of a block kept only in high precision)" if cache.has_hp else ")"),
+                allow=(-1, NO_PAGE) if cache.has_hp else (-1,))
     if cache.has_hp:
         for name, x in (("seq_ids", seq_ids), ("positions", positions)):
             if x is None:
@@ -460,7 +551,7 @@ def _check_write_args(cache, k, v, slot_mapping, seq_ids, positions):
             check_range(np.where(live, sid, 0), "seq_ids", 0, cache.max_seqs,
                         f"sequence ids index the high-precision storage and must be < max_seqs={cache.max_seqs}")
             check_range(np.where(live, pos, 0), "positions", 0, 2 ** 31 - 1, "positions must be >= 0")
-            mism = live & (pos % cache.block_size != sm % cache.block_size)
+            mism = live & (sm != NO_PAGE) & (pos % cache.block_size != sm % cache.block_size)
             if mism.any():
                 i = int(np.argmax(mism))
                 raise ValueError(f"positions[{i}] = {int(pos[i])} and slot_mapping[{i}] = {int(sm[i])} "
@@ -493,14 +584,18 @@ def write(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp
     need seq_ids ([tokens], the sequence's slot in [0, max_seqs)) and positions ([tokens], the
     token's position in its sequence; position % block_size must equal the slot's offset).
 
-    Semantics: tokens of a sequence's first block go to its high-precision sink; other tokens go to
-    the high-precision tail ring; a block is quantized into its page in the same call that writes
-    its last slot. Writing a slot again (speculative decoding after a rejection) replaces the
+    Semantics: tokens of a sequence's sink (its first `cfg.sink_tokens` tokens, or its whole first
+    block) go to its high-precision sink; tokens of every block stored in a page (all blocks after a
+    whole-block sink; all of them with a shorter one) go to the high-precision tail ring, and the
+    block is quantized into its page in the same call that writes its last slot. Slot `NO_PAGE`
+    marks a token whose block has no page (kept only in high precision: never quantized). Writing a slot again (speculative decoding after a rejection) replaces the
     token; if that re-fills a block's last slot the block is quantized again from the ring, which
     is exact as long as the rollback stays within the ring (tail_blocks=2 covers drafts that cross
     one block boundary). Reads decide by sequence length: a block is read from its page only when
     it is full, not the sink, and not the block of the query (position seq_len - 1) - so a token
     never sees a quantized version of its own block; the ring still holds a just-completed block.
+    Values are kept as `cfg.hp` says (`kvarn_jax.cache.hp`), and a page is the quantization of its
+    tokens as the ring keeps them, whichever way they arrive.
 
     Called eagerly, every token is stored as given or the call raises ValueError naming why (bad
     metadata, a NaN/Inf value, a value the cache cannot hold - see `kvarn_jax.storage`); completed
@@ -535,7 +630,7 @@ def write(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp
     if cache.has_hp:  # quantize every completed block, in the smallest of the usual sizes that holds them
         sm, pos = np.asarray(slot_mapping), np.asarray(positions)
         bs = cache.block_size
-        done = int(np.sum((sm != -1) & (pos >= bs) & (pos % bs == bs - 1)))
+        done = int(np.sum((sm >= 0) & (pos >= cache.paged_from) & (pos % bs == bs - 1)))
         size = next((m for m in completion_sizes(cache, k.shape[0]) if m >= done), done)
     new, counts = _write_eager(cache, k, v, slot_mapping, seq_ids, positions, quantizer, size)
     counts = np.asarray(counts)
@@ -549,14 +644,16 @@ _write_eager = jax.jit(_write, static_argnums=(6, 7))
 
 def _describe_counts(cache: PagedKVCache, counts) -> str:
     """The reasons of a `_write`'s counts, for an eager caller's error."""
-    dt = cache.dtype
+    dt, vt = cache.dtype, cache.value_dtype
+    wider = ("a bfloat16 or float32 cache holds them" if vt == dt else
+             f"the cache keeps its sink and tail in {vt} ({cache.cfg.name}): the suffix _hpbf16 or _hpfp32 holds them")
     why = {
         "invalid": "token(s) with an invalid slot, sequence id or position",
         "nonfinite": "token(s) with a NaN or Inf value in k or v",
         "saturated": (f"token(s) with values the cache cannot hold: beyond ±{2.0 ** 50:.3g} (every cache clips "
                       f"there) or, after {'the Hadamard rotation, ' if cache.cfg.rotated else ''}beyond "
-                      f"{dt}'s range ({'a KVarN cache stores rotated values: a token whose L2 norm exceeds ' if cache.cfg.rotated else ''}"
-                      f"{float(jnp.finfo(jnp.dtype(dt)).max):,.0f}); a bfloat16 or float32 cache holds them"),
+                      f"{vt}'s range ({'a KVarN cache stores rotated values: a token whose L2 norm exceeds ' if cache.cfg.rotated else ''}"
+                      f"{float(jnp.finfo(jnp.dtype(vt)).max):,.0f}); {wider}"),
         "beyond_bound": "token(s) of blocks completed beyond the write's static bound",
         "metadata_saturated": (f"token(s) of blocks whose KVarN scales or zero points exceed {dt}'s range "
                                "(values near its maximum with a column scale below 1); a bfloat16 or float32 "
@@ -571,9 +668,10 @@ def gather_dense(cache: PagedKVCache, block_tables: jnp.ndarray, seq_lens: jnp.n
     """Dense fp32 K and V of each sequence as attention sees them: ([B, Hk, L, D], [B, Hk, L, D]).
 
     L = max_blocks * block_size; positions >= seq_lens hold garbage and must be masked. Values are in
-    the storage frame (rotated for KVarN). Full non-sink blocks before the one holding position
-    seq_len - 1 come from the quantized pages; the sink and the last (partial or just-completed)
-    block from high precision.
+    the storage frame (rotated for KVarN). Full blocks before the one holding position seq_len - 1
+    come from the quantized pages (`read_from_page`), except a whole-block sink; the sink and the
+    last (partial or just-completed) block from high precision. Block table entries of blocks read
+    only from high precision may be `NO_PAGE`.
     """
     check_read_args(cache, block_tables, seq_lens, seq_ids)
     nbt, mb = block_tables.shape
@@ -594,16 +692,25 @@ def gather_dense(cache: PagedKVCache, block_tables: jnp.ndarray, seq_lens: jnp.n
         if cache.has_hp:
             sid = jnp.arange(nbt) if seq_ids is None else seq_ids.astype(jnp.int32)
             sid = jnp.clip(sid, 0, cache.max_seqs - 1)
-            sink = cache.sink[side][sid].astype(jnp.float32)                   # [B, Hk, bs, D]
-            ring = cache.tail[side][sid][:, :, pos % cache.tail_len].astype(jnp.float32)
-            j = pos // bs
-            # a block is served quantized once it is full and the query (position seq_len - 1) is past
-            # it: the token that completes a block still reads that block from the ring, exactly
-            from_page = (j[None, :] >= 1) & ((j[None, :] + 1) * bs <= seq_lens[:, None] - 1)
-            x = jnp.where(from_page[:, None, :, None], x, ring)
-            x = x.at[:, :, :bs].set(sink)
+            sink = hp_storage.load(cache.cfg, {n: a[sid] for n, a in cache.hp_fields("sink", side).items()})
+            ring = hp_storage.load(cache.cfg, {n: a[sid][:, :, pos % cache.tail_len]
+                                               for n, a in cache.hp_fields("tail", side).items()})
+            x = jnp.where(read_from_page(cache, pos, seq_lens)[:, None, :, None], x, ring)
+            x = x.at[:, :, :cache.sink_len].set(sink)
         out.append(x)
     return tuple(out)
+
+
+def read_from_page(cache: PagedKVCache, positions: jnp.ndarray, seq_lens: jnp.ndarray) -> jnp.ndarray:
+    """[B, P] bool: whether sequences of `seq_lens` [B] read positions [P] from their pages. A block
+    is served quantized once it is full and the query (position seq_len - 1) is past it, and only
+    from `paged_from` on: the token that completes a block still reads that block from the ring,
+    exactly, and a whole-block sink is never read from a page. (Positions of a shorter sink are
+    served from the sink whatever this says.)"""
+    bs = cache.block_size
+    j = positions // bs
+    full = (j[None, :] + 1) * bs <= seq_lens[:, None] - 1
+    return (positions[None, :] >= cache.paged_from) & full if cache.has_hp else jnp.ones_like(full)
 
 
 def check_read_args(cache, block_tables, seq_lens, seq_ids, batch: int | None = None, values: bool = True):
@@ -622,9 +729,17 @@ def check_read_args(cache, block_tables, seq_lens, seq_ids, batch: int | None = 
         check_range(seq_lens, "seq_lens", 0, mb * bs + 1,
                     f"lengths must be >= 0 and at most block_tables.shape[1] * block_size = {mb * bs} tokens")
     if values and is_concrete(block_tables, seq_lens):
-        used = np.arange(mb)[None, :] * bs < np.asarray(seq_lens)[:, None]
-        check_range(np.where(used, np.asarray(block_tables), 0), "block_tables", 0, cache.num_blocks,
-                    f"block ids must be < num_blocks={cache.num_blocks} for the blocks a sequence uses")
+        lens = np.asarray(seq_lens)[:, None]
+        first = np.arange(mb)[None, :] * bs
+        used = first < lens
+        tbl = np.asarray(block_tables)
+        if cache.has_hp:  # a block served from high precision only may have no page (NO_PAGE)
+            paged = used & (first >= cache.paged_from) & (first + bs <= lens - 1)
+            tbl = np.where(~paged & (tbl == NO_PAGE), 0, tbl)
+        check_range(np.where(used, tbl, 0), "block_tables", 0, cache.num_blocks,
+                    f"block ids must be < num_blocks={cache.num_blocks} for the blocks a sequence uses"
+                    + (f" ({NO_PAGE}, no page, only for blocks served from high precision: the sink block, the "
+                       "query's own block)" if cache.has_hp else ""))
     if seq_ids is not None:
         check_array(seq_ids, "seq_ids", ndim=1, integer=True)
         if seq_ids.shape[0] != nbt:

@@ -7,8 +7,10 @@ block size bs:
     KV budget            = floor(gpu_mem x utilization) - weights - reserve
     page bytes / token   = kvarn_jax.bytes_per_token(scheme, D) x Hk x L     (codes + scales, exact)
     static bytes         = calibrated per-(head, channel) parameters of static schemes, per layer
-    high precision / seq = L x (1 + tail_blocks) x bs x Hk x D x 2 (K, V) x model-dtype bytes
-                           (the sink and the tail ring of every sequence slot; 0 for fp16/bf16/fp32)
+    high precision / seq = L x (sink + tail_blocks x bs) x Hk x high-precision bytes per token
+                           (the sink and the tail ring of every sequence slot, as the scheme's `_hp`
+                           and `_sink` options keep them: kvarn_jax.cache.memory.hp_bytes_per_seq;
+                           0 for fp16/bf16/fp32)
     pages / seq          = ceil(context / bs), so a sequence pays for ceil(context/bs) x bs tokens
                            (its page padding is the rest of its last block)
     max batch @ context  = (budget - static) // (pages/seq x bs x page bytes/token + high precision/seq)
@@ -29,9 +31,10 @@ from pathlib import Path
 from typing import Optional, Union
 
 import kvarn_jax as kj
+from kvarn_jax.cache.memory import hp_bytes_per_seq
 
 WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
-HP_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+HP_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,12 +189,12 @@ def _check_int(v, name, lo=1):
 
 
 def _raw_plan(spec: ModelSpec, cfg, *, budget: int, context: int, block_size: int, tail_blocks: int,
-              hp_bytes: int) -> tuple:
+              kv_dtype: str) -> tuple:
     cfg.check_head_dim(spec.head_dim, f"head_dim of {spec.name}")
     cfg.check_block_size(block_size)
     page_bpt = kj.bytes_per_token(cfg, spec.head_dim) * spec.num_kv_heads * spec.num_layers
-    hp = 0 if cfg.is_passthrough else (
-        spec.num_layers * (1 + tail_blocks) * block_size * spec.num_kv_heads * spec.head_dim * 2 * hp_bytes)
+    hp = hp_bytes_per_seq(cfg, block_size=block_size, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                          dtype=kv_dtype, tail_blocks=tail_blocks, num_layers=spec.num_layers)
     static = static_bytes_per_layer(cfg, spec.num_kv_heads, spec.head_dim) * spec.num_layers
     pages = -(-context // block_size)
     per_seq = pages * block_size * page_bpt + hp
@@ -208,7 +211,8 @@ def plan_capacity(spec: ModelSpec, scheme, *, gpu_mem: Union[str, int], context:
                   utilization: float = 0.9, reserve: Union[str, int, None] = None) -> CapacityPlan:
     """Capacity of `spec` with `scheme` (see the module docstring for every term).
 
-    kv_dtype: the model dtype the high-precision sink/tail are kept in; weight_dtype: bytes per weight.
+    kv_dtype: the model dtype (the high-precision sink/tail are kept as the scheme's `_hp` option says,
+    by default in it if 16-bit, else in fp16); weight_dtype: bytes per weight.
     """
     if not isinstance(spec, ModelSpec):
         raise ValueError(f"spec must be a ModelSpec (see model_spec), got {type(spec).__name__}")
@@ -219,8 +223,8 @@ def plan_capacity(spec: ModelSpec, scheme, *, gpu_mem: Union[str, int], context:
         raise ValueError(f"tail_blocks must be 1 or 2, got {tail_blocks!r}")
     if weight_dtype not in WEIGHT_BYTES:
         raise ValueError(f"weight_dtype must be one of {list(WEIGHT_BYTES)}, got {weight_dtype!r}")
-    if kv_dtype not in HP_DTYPE_BYTES:
-        raise ValueError(f"kv_dtype must be one of {list(HP_DTYPE_BYTES)}, got {kv_dtype!r}")
+    if kv_dtype not in HP_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {list(HP_DTYPES)}, got {kv_dtype!r}")
     if not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
         raise ValueError(f"utilization must be in (0, 1], got {utilization!r}")
     mem = parse_bytes(gpu_mem, "gpu_mem")
@@ -228,7 +232,7 @@ def plan_capacity(spec: ModelSpec, scheme, *, gpu_mem: Union[str, int], context:
     weights = int(math.ceil(spec.params * WEIGHT_BYTES[weight_dtype]))
     budget = int(mem * utilization) - weights - reserve_b
     common = dict(budget=budget, context=context, block_size=block_size, tail_blocks=tail_blocks,
-                  hp_bytes=HP_DTYPE_BYTES[kv_dtype])
+                  kv_dtype=HP_DTYPES[kv_dtype])
     page_bpt, hp, static, pad, per_seq, batch, tokens = _raw_plan(spec, cfg, **common)
     *_, fp16_batch, fp16_tokens = _raw_plan(spec, kj.parse("fp16"), **common)
     return CapacityPlan(

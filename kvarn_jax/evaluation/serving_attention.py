@@ -9,6 +9,11 @@ given its own view of the cache. For a query at position i (block b = i // block
     key blocks 1 .. b-1 (full, not sink)    dequantize(quantize(block)), kvarn_jax's scheme
     key block b (the query's own block)     exact, causal (j <= i)
 
+"Exact" is what the cache's sink and ring give back (`kvarn_jax.cache.hp.served`: the scheme's
+`hp` format, by default 16 bits), and quantized blocks are quantized from those values. With a sink
+of S tokens (`_sink{S}`) the rest of block 0 is a quantized block like the others (its sink
+positions excluded from its scales, `hp.exclude_sink`).
+
 This is exactly what `kvarn_jax.write` + `paged_decode_attention` serve: the block completed by the
 query's own token is already quantized in its page, but reads take it from the high-precision ring
 until the next token. `quantize_own_full_block=True` is an ablation in which the query at a block's
@@ -35,7 +40,7 @@ import torch.nn.functional as F
 
 import kvarn_jax as kj
 from kvarn_jax.config import KVQuantConfig
-from kvarn_jax.integrations.dlpack import check_bhtd, roundtrip_bhtd
+from kvarn_jax.integrations.dlpack import check_bhtd, roundtrip_bhtd, served_bhtd
 
 ATTN_IMPLEMENTATION = "kvarn_serving"
 QUERY_CHUNK = 1024
@@ -59,24 +64,27 @@ class LayerServing:
 
 
 def serving_masks(seq_len: int, block_size: int, quantize_own_full_block: bool = False,
-                  device: Union[str, torch.device] = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+                  device: Union[str, torch.device] = "cpu", sink_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(exact_mask [T, T], quant_mask [T, Q]) booleans, True = the query (row) attends to that key.
 
-    The quantized keys are tokens [block_size, block_size * (1 + Q / block_size)) i.e. full blocks
-    1 .. n_full-1; Q = 0 when fewer than two full blocks exist. Every query sees each key exactly once,
-    either exact or quantized, and only keys j <= i.
+    The quantized keys are tokens [start, start + Q) with start = block_size (a whole-block sink,
+    sink_tokens 0) or 0 (a sink of sink_tokens tokens, which stay exact), i.e. full blocks up to
+    n_full-1; Q = 0 when no such block exists. Every query sees each key exactly once, either exact
+    or quantized, and only keys j <= i.
     """
     if not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     i = torch.arange(seq_len, device=device)
-    n_quant = max(seq_len // block_size - 1, 0) * block_size
-    # A key block jb is read quantized by query i when it is not the sink and is full as of `limit`:
-    # the query's own block start (own block exact) or i + 1 tokens written (kvarn_jax's paged cache).
+    start = 0 if sink_tokens else block_size
+    n_quant = max(block_size * (seq_len // block_size) - start, 0)
+    # A key block jb is read quantized by query i when it is stored in a page (past the sink) and is
+    # full as of `limit`: the query's own block start (own block exact) or i + 1 tokens written
+    # (kvarn_jax's paged cache).
     limit = i + 1 if quantize_own_full_block else (i // block_size) * block_size
-    jq_block = (torch.arange(n_quant, device=device) + block_size) // block_size
-    quant = (jq_block + 1)[None, :] * block_size <= limit[:, None]
+    jq = torch.arange(n_quant, device=device) + start
+    quant = ((jq // block_size + 1)[None, :] * block_size <= limit[:, None]) & (jq >= sink_tokens)[None, :]
     j_block = i // block_size
-    read_quantized = (j_block >= 1)[None, :] & ((j_block + 1)[None, :] * block_size <= limit[:, None])
+    read_quantized = (i >= max(start, sink_tokens))[None, :] & ((j_block + 1)[None, :] * block_size <= limit[:, None])
     exact = (i[None, :] <= i[:, None]) & ~read_quantized
     return exact, quant
 
@@ -107,12 +115,19 @@ def serving_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         cfg.check_block_size(block_size)
     scaling = d ** -0.5 if scaling is None else scaling
 
-    exact_mask, quant_mask = serving_masks(t, block_size, quantize_own_full_block, query.device)
+    sink = cfg.sink_tokens if cfg is not None else 0
+    exact_mask, quant_mask = serving_masks(t, block_size, quantize_own_full_block, query.device, sink)
     keys, values, mask = key, value, exact_mask
     n_quant = quant_mask.shape[1]
+    if cfg is not None:
+        key, value = keys, values = served_bhtd(key, value, cfg)
+    start = 0 if sink else block_size   # the first quantized key position (as `serving_masks`)
     if cfg is not None and n_quant:
-        region = slice(block_size, block_size + n_quant)
-        k_hat, v_hat = roundtrip_bhtd(key[:, :, region], value[:, :, region], cfg)
+        k_reg, v_reg = key[:, :, start:start + n_quant].clone(), value[:, :, start:start + n_quant].clone()
+        if sink:  # block 0's sink positions are served from the sink: kept out of its scales (hp.exclude_sink)
+            for x in (k_reg, v_reg):
+                x[:, :, :sink] = x[:, :, sink:block_size].mean(dim=2, keepdim=True)
+        k_hat, v_hat = roundtrip_bhtd(k_reg, v_reg, cfg)
         keys = torch.cat([key, k_hat.to(key.dtype)], dim=2)
         values = torch.cat([value, v_hat.to(value.dtype)], dim=2)
         mask = torch.cat([exact_mask, quant_mask], dim=1)
@@ -125,7 +140,7 @@ def serving_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                              f"{tuple(attention_mask.shape)}")
         extra = attention_mask
         if keys.shape[2] > t:
-            extra = torch.cat([attention_mask, attention_mask[..., block_size:block_size + n_quant]], dim=-1)
+            extra = torch.cat([attention_mask, attention_mask[..., start:start + n_quant]], dim=-1)
         mask = mask & extra
     # Queries in chunks: the scores of one chunk are [B, Hq, QUERY_CHUNK, keys], so an 8K-token
     # window needs ~0.6 GB per chunk instead of ~5 GB for all queries at once.

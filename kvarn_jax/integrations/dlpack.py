@@ -75,3 +75,16 @@ def dequantize_bhtd(q: kj.QuantizedKV, batch: int) -> tuple[torch.Tensor, torch.
 def roundtrip_bhtd(k: torch.Tensor, v: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """What the cache would return for these tokens once stored: dequantize(quantize(k, v))."""
     return dequantize_bhtd(quantize_bhtd(k, v, cfg), k.shape[0])
+
+
+def served_bhtd(key: torch.Tensor, value: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, H, T, D] keys and values as a paged cache of their dtype keeps them in its high-precision
+    sink and ring (`kvarn_jax.cache.hp.served`: the scheme's `_hp` format, by default 16 bits), in
+    their dtype and the model's frame."""
+    from kvarn_jax.cache import hp
+
+    cfg = kj.parse(cfg)
+    dtype = str(key.dtype).split(".")[-1]
+    k, v = hp.served(cfg, to_jax(bhtd_to_tokens(key)), to_jax(bhtd_to_tokens(value)), dtype)
+    return (tokens_to_bhtd(to_torch(k), key.shape[0]).to(key.dtype),
+            tokens_to_bhtd(to_torch(v), key.shape[0]).to(value.dtype))

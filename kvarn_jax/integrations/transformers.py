@@ -6,7 +6,10 @@
 Like transformers' own quantized caches (`QuantizedLayer`: quantized storage plus a high-precision
 residual, dequantized on every update) but with kvarn_jax's schemes and the serving semantics of its
 paged cache: per layer and sequence, the first `block_size` tokens (the attention sink) and the
-partially filled last block stay in the model dtype; every other block is quantized once it is full.
+partially filled last block stay in high precision, kept as the paged cache keeps them (the scheme's
+`_hp` format: by default 16 bits, `kvarn_jax.cache.hp`); every other block is quantized, from those
+values, once it is full. Every token a step attends to, its own included, is what that storage gives
+back. A sink shorter than a block (`_sink{S}`) is the paged cache's and the engine's only.
 A decode step attends to its own block in high precision (the block is quantized for storage right
 after the step that fills it), exactly as `kvarn_jax.evaluation.serving_attention` does in teacher
 forcing. A prefill attends to its own new tokens in high precision (as a serving prefill does) and to
@@ -37,7 +40,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 import kvarn_jax as kj
 from kvarn_jax.config import KVQuantConfig
 
-from .dlpack import check_bhtd, quantize_bhtd, to_torch, tokens_to_bhtd
+from .dlpack import check_bhtd, quantize_bhtd, served_bhtd, to_torch, tokens_to_bhtd
 
 Scheme = Union[str, KVQuantConfig]
 
@@ -56,6 +59,9 @@ def _check_scheme(scheme: Scheme, block_size: int, arg: str = "scheme") -> KVQua
         raise ValueError(f"{arg} {cfg.name!r} needs per-head static scales from a Calibration; KVarNCache takes "
                          "dynamic schemes (e.g. kvarn_k4v2_g128, int8, fp8)")
     cfg.check_block_size(block_size)
+    if cfg.sink_tokens:
+        raise ValueError(f"{arg} {cfg.name!r}: KVarNCache keeps the whole first block as the sink; a shorter sink "
+                         "(_sink) is served by kvarn_jax's paged cache and engine")
     return cfg
 
 
@@ -107,6 +113,8 @@ class KVarNLayer(CacheLayerMixin):
         if got != expect or key_states.dtype != self.dtype:
             raise ValueError(f"key_states [B, H, *, D] = {got} {key_states.dtype} does not match the cache's "
                              f"{expect} {self.dtype}")
+        if not self.cfg.is_passthrough:  # as the high-precision storage keeps them
+            key_states, value_states = served_bhtd(key_states, value_states, self.cfg)
         parts_k = [self.sink_keys]
         parts_v = [self.sink_values]
         if self.num_quantized_blocks:

@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 from ..attention.paged_decode import IMPLS, paged_decode_attention
 from ..cache.sharding import HeadParallel, on_heads
 from ..cache.layers import LayerCaches
+from ..cache.paged import carries_token
 from ..hadamard import rotate, unrotate
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -245,14 +246,15 @@ class DecodeBatch:
 
     @property
     def seq_lens(self) -> jnp.ndarray:
-        return jnp.where(self.slot_mapping >= 0, self.positions + 1, 0).astype(jnp.int32)
+        return jnp.where(carries_token(self.slot_mapping), self.positions + 1, 0).astype(jnp.int32)
 
-    def completions(self, block_size: int):
+    def completions(self, block_size: int, paged_from: int | None = None):
         """(block ids, sequence ids, first positions) [B] of the blocks this step's tokens complete
-        (block id -1 elsewhere): the arguments of `LayerCaches.commit`. The sink block is never
-        quantized."""
+        (block id -1 elsewhere): the arguments of `LayerCaches.commit`. Blocks before `paged_from`
+        (default block_size: a whole-block sink; `LayerCaches.paged_from`) are never quantized."""
         pos = self.positions.astype(jnp.int32)
-        done = (self.slot_mapping >= 0) & (pos % block_size == block_size - 1) & (pos >= block_size)
+        start = block_size if paged_from is None else paged_from
+        done = (self.slot_mapping >= 0) & (pos % block_size == block_size - 1) & (pos >= start)
         return (jnp.where(done, self.slot_mapping // block_size, -1).astype(jnp.int32), self.seq_ids,
                 (pos // block_size) * block_size)
 
@@ -538,7 +540,7 @@ class Decoder(nnx.Module):
         self._check_caches(caches)
         x, caches = self._run_layers("decode", self.embed(batch.tokens), caches, batch, layer_loop, impl, tp)
         if commit:
-            caches = commit_blocks(caches, *batch.completions(caches.block_size), tp=tp)
+            caches = commit_blocks(caches, *batch.completions(caches.block_size, caches.paged_from), tp=tp)
         return self.logits(x), caches
 
     def _check_caches(self, caches) -> None:

@@ -5,7 +5,9 @@ steps compiled whole and dispatched asynchronously.
   `default_kv_cache_dtype`, which can be changed at any time).
 - **Pools**: one per scheme, each with the caches of every layer (`kvarn_jax.cache.LayerCaches`), a
   page allocator and a sequence-slot allocator (the slot indexes the high-precision sink/tail
-  storage). The default scheme's pool is created with the engine, others when a request first
+  storage). A block a quantized pool serves only from high precision holds no page
+  (`paged.NO_PAGE`): a whole-block sink and each request's last block (read from the tail ring
+  while it is the query's own), so a request's high-precision blocks are paid once, by its slot. The default scheme's pool is created with the engine, others when a request first
   asks for them; a pool that does not fit in the device's free memory is refused then, with the
   bytes it needs. The weights are loaded once and shared by all pools.
 - **Per-layer schemes**: a `kv_cache_dtype` may also name a scheme per decoder layer - a sequence
@@ -17,7 +19,8 @@ steps compiled whole and dispatched asynchronously.
   (its cache is never re-quantized); requests added after a switch use the new scheme. Pools of
   schemes no longer used stay allocated until `release_pool`.
 - **Admission**: a request is admitted when its pool has a free slot and enough free pages for its
-  whole life (prompt + max_new_tokens - 1 cached tokens, capped by max_model_len); otherwise it
+  whole life (prompt + max_new_tokens - 1 cached tokens, capped by max_model_len, less the blocks
+  held only in high precision: `Engine.pages_needed`); otherwise it
   waits, and later requests of the same pool wait behind it (FIFO per pool). Pages and slot are
   freed when it finishes (stop token or length).
 - **Steps**: each `step()` dispatches one prefill call per pool with prompts left to process (up to
@@ -43,6 +46,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from ..config import KVQuantConfig
+from ..cache.layers import LayerCaches
+from ..cache.paged import NO_PAGE
 from ..cache.sharding import HeadParallel
 from ..models.llama import Decoder
 from .allocator import BlockAllocator
@@ -55,9 +60,49 @@ def _pow2(n: int) -> int:
 
 
 def blocks_needed(prompt_len: int, max_new_tokens: int, block_size: int, max_model_len: int) -> int:
-    """Pages a request holds for its whole life: every token but the last generated one is cached."""
+    """Blocks a request fills in its whole life: every token but the last generated one is cached."""
     cached = min(prompt_len + max_new_tokens, max_model_len) - 1
     return -(-cached // block_size)
+
+
+def paged_blocks(n: int, block_size: int, paged_from: int | None) -> range:
+    """Which of a request's `n` blocks hold a page: all of them (paged_from None: a pool with a
+    passthrough layer), else those from `paged_from` on but the last, which is read from the tail
+    ring while it is the query's own and never after (the request ends there)."""
+    if paged_from is None:
+        return range(n)
+    return range(paged_from // block_size, n - 1)
+
+
+def request_pages(cfg, n: int, block_size: int) -> int:
+    """Pages a request of `n` blocks holds in a pool of `cfg` (a `KVQuantConfig` or one per layer)."""
+    from ..cache import hp
+    cfgs = [cfg] if isinstance(cfg, KVQuantConfig) else list(cfg)
+    # `LayerCaches.paged_from`, or None with a passthrough layer (every block paged)
+    paged_from = None if any(c.is_passthrough for c in cfgs) else min(hp.paged_from(c, block_size) for c in cfgs)
+    return len(paged_blocks(n, block_size, paged_from))
+
+
+def pool_blocks(cfg, *, max_seqs: int, max_model_len: int, block_size: int) -> int:
+    """The engine's default pages per pool: `max_seqs` requests of `max_model_len` tokens."""
+    n = blocks_needed(max_model_len, 0, block_size, max_model_len) if max_model_len > 1 else 1
+    return max(1, max_seqs * request_pages(cfg, n, block_size))
+
+
+def pool_memory_report(kv_cache_dtype, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype="bfloat16",
+                       max_seqs: int, max_model_len: int, block_size: int = 128, num_blocks: int | None = None) -> dict:
+    """The memory report (`LayerCaches.memory_report`, as `Engine.memory_report` gives it) of the pool
+    an engine creates for a model of these shapes, computed from abstract arrays: nothing is
+    allocated and no model is needed (e.g. Llama-3-8B shapes on a CPU). kv_cache_dtype: one scheme
+    (str or `KVQuantConfig`) or one per layer."""
+    cfg = (KVQuantConfig.parse(kv_cache_dtype) if isinstance(kv_cache_dtype, (str, KVQuantConfig))
+           else tuple(KVQuantConfig.parse(c) for c in kv_cache_dtype))
+    if num_blocks is None:
+        num_blocks = pool_blocks(cfg, max_seqs=max_seqs, max_model_len=max_model_len, block_size=block_size)
+    abstract = jax.eval_shape(lambda: LayerCaches.create(cfg, num_layers, num_blocks=num_blocks, block_size=block_size,
+                                                         num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                                         max_seqs=max_seqs, dtype=dtype))
+    return abstract.memory_report(hp_only_blocks=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +174,7 @@ class CachePool:
                  max_seqs: int, max_blocks_per_seq: int, calibration=None):
         self.cfg = cfg
         self.block_size = block_size
+        self.num_blocks = num_blocks
         self.max_blocks_per_seq = max_blocks_per_seq
         make = lambda: runner.new_caches(cfg, num_blocks=num_blocks, block_size=block_size,  # noqa: E731
                                          max_seqs=max_seqs, calibration=calibration)
@@ -137,6 +183,8 @@ class CachePool:
         self.layer_schemes = self.caches.layer_schemes
         self.last_tokens = runner.new_tokens(max_seqs)
         self.quantized = any(not c.is_passthrough for c in self.layer_schemes)
+        # where blocks served only from high precision go without a page (None: every block paged)
+        self.paged_from = self.caches.paged_from if self.caches.hp_only_blocks else None
         self.blocks = BlockAllocator(num_blocks, "KV-cache pages")
         self.slots = BlockAllocator(max_seqs, "sequence slots")
         self.running: list[_Seq] = []
@@ -194,7 +242,8 @@ class Engine:
     max_seqs: sequences served at once per pool (sizes each pool's high-precision sink/tail).
     max_model_len: prompt + generated tokens per sequence at most (default: the model's
       max_position_embeddings, capped at 2048).
-    num_blocks: pages per pool (default: max_seqs full-length sequences).
+    num_blocks: pages per pool (default: the pages of max_seqs full-length sequences of the pool's
+      scheme, `pool_blocks`; blocks held only in high precision take none).
     prefill_chunk / prefill_batch: tokens per sequence and sequences per prefill call.
     impl: decode attention ("auto": Pallas kernel on NVIDIA GPUs, reference elsewhere).
     calibration: a `kvarn_jax.Calibration` of all layers, for static schemes.
@@ -228,9 +277,10 @@ class Engine:
                              f"got {max_model_len!r}")
         self.block_size, self.max_seqs, self.max_model_len = block_size, max_seqs, max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.num_blocks = max_seqs * self.max_blocks_per_seq if num_blocks is None else num_blocks
-        if not isinstance(self.num_blocks, int) or isinstance(self.num_blocks, bool) or self.num_blocks <= 0:
+        if num_blocks is not None and (not isinstance(num_blocks, int) or isinstance(num_blocks, bool)
+                                       or num_blocks <= 0):
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        self._num_blocks = num_blocks
         self.prefill_chunk, self.prefill_batch = prefill_chunk, prefill_batch
         self.calibration = calibration
         self._default = self._parse(kv_cache_dtype)
@@ -246,6 +296,16 @@ class Engine:
         self.debug = debug
         self._unexplained_drops: dict = {}  # debug: pool key -> dropped less non-finite, as last checked
         self.pool()                    # the default pool exists from the start: a size error surfaces here
+
+    @property
+    def num_blocks(self) -> int:
+        """Pages of the default scheme's pool (each pool's: `pool(s).num_blocks`)."""
+        return self._pool_blocks(self._default)
+
+    def _pool_blocks(self, cfg) -> int:
+        if self._num_blocks is not None:
+            return self._num_blocks
+        return pool_blocks(cfg, max_seqs=self.max_seqs, max_model_len=self.max_model_len, block_size=self.block_size)
 
     # ------------------------------------------------------------------ schemes and pools
     def _check(self, cfg: KVQuantConfig, where: str = "") -> None:
@@ -309,7 +369,7 @@ class Engine:
 
     def _pool(self, cfg) -> CachePool:
         if cfg not in self.pools:
-            self.pools[cfg] = CachePool(self.runner, cfg, num_blocks=self.num_blocks, block_size=self.block_size,
+            self.pools[cfg] = CachePool(self.runner, cfg, num_blocks=self._pool_blocks(cfg), block_size=self.block_size,
                                         max_seqs=self.max_seqs, max_blocks_per_seq=self.max_blocks_per_seq,
                                         calibration=self.calibration)
         return self.pools[cfg]
@@ -327,13 +387,15 @@ class Engine:
         self._unexplained_drops.pop(cfg, None)
 
     def memory_report(self, kv_cache_dtype=None) -> dict:
-        """`kvarn_jax.memory_report` of a pool, summed over layers (creates the pool if needed).
+        """`kvarn_jax.memory_report` of a pool, summed over layers (creates the pool if needed); its
+        tokens count the blocks every slot holds only in high precision (`pool_memory_report` gives
+        the same for a model of any size without allocating).
 
         With per-layer schemes, "scheme" summarizes them ("per-layer: 16 x a, 14 x b") and
         "layer_schemes" lists them; every byte count is the sum of the layers' own. "devices" and
         "per_device_bytes": under tensor parallelism each device holds 1/devices of every buffer.
         """
-        report = self.pool(kv_cache_dtype).caches.memory_report()
+        report = self.pool(kv_cache_dtype).caches.memory_report(hp_only_blocks=True)
         n = 1 if self.runner.tp is None else self.runner.tp.size
         report["devices"] = n
         report["per_device_bytes"] = report["total_bytes"] / n  # every buffer is split over the heads
@@ -349,8 +411,14 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def blocks_needed(self, prompt_len: int, max_new_tokens: int) -> int:
-        """Pages a request holds for its whole life (see the module-level `blocks_needed`)."""
+        """Blocks a request fills in its whole life (see the module-level `blocks_needed`)."""
         return blocks_needed(prompt_len, max_new_tokens, self.block_size, self.max_model_len)
+
+    def pages_needed(self, prompt_len: int, max_new_tokens: int, kv_cache_dtype=None) -> int:
+        """Pages a request of that scheme (default: the engine's) holds for its whole life: its blocks
+        but those held only in high precision (`paged_blocks`)."""
+        cfg = self._default if kv_cache_dtype is None else self._parse(kv_cache_dtype)
+        return request_pages(cfg, self.blocks_needed(prompt_len, max_new_tokens), self.block_size)
 
     def _request(self, prompt_ids, params, kv_cache_dtype) -> _Seq:
         """A checked request (not queued): ValueError/TypeError naming what is wrong."""
@@ -368,11 +436,11 @@ class Engine:
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len={self.max_model_len} leaves no room "
                              "to generate")
-        need = self.blocks_needed(len(prompt), params.max_new_tokens)
-        if need > self.num_blocks:
-            raise ValueError(f"the request needs {need} pages of {self.block_size} tokens but a pool has only "
-                             f"num_blocks={self.num_blocks}")
         cfg = self._default if kv_cache_dtype is None else self._parse(kv_cache_dtype)
+        need = request_pages(cfg, self.blocks_needed(len(prompt), params.max_new_tokens), self.block_size)
+        if need > self._pool_blocks(cfg):
+            raise ValueError(f"the request needs {need} pages of {self.block_size} tokens but its pool has only "
+                             f"num_blocks={self._pool_blocks(cfg)}")
         stop = self.config.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
         return _Seq(-1, prompt, params, cfg, frozenset() if params.ignore_eos else frozenset(stop))
 
@@ -395,11 +463,13 @@ class Engine:
         still, blocked = [], set()
         for seq in self.waiting:
             pool = self._pool(seq.cfg)
-            need = self.blocks_needed(len(seq.prompt), seq.params.max_new_tokens)
+            n = self.blocks_needed(len(seq.prompt), seq.params.max_new_tokens)
+            paged = paged_blocks(n, self.block_size, pool.paged_from)
             # FIFO per pool: once a request waits, later ones of its pool wait behind it (no starvation)
-            if seq.cfg not in blocked and pool.slots.can_allocate(1) and pool.blocks.can_allocate(need):
+            if seq.cfg not in blocked and pool.slots.can_allocate(1) and pool.blocks.can_allocate(len(paged)):
                 seq.slot = pool.slots.allocate(1)[0]
-                seq.blocks = pool.blocks.allocate(need)
+                pages = iter(pool.blocks.allocate(len(paged)))
+                seq.blocks = [next(pages) if j in paged else NO_PAGE for j in range(n)]
                 pool.running.append(seq)
             else:
                 blocked.add(seq.cfg)
@@ -410,7 +480,7 @@ class Engine:
         # Work already dispatched for this sequence may still write its old pages and slot; it runs
         # before anything dispatched later (one device stream, caches passed from call to call), and a
         # later owner reads only what it wrote itself, so freeing now is safe.
-        pool.blocks.free(seq.blocks)
+        pool.blocks.free([b for b in seq.blocks if b != NO_PAGE])
         pool.slots.free([seq.slot])
         seq.blocks, seq.slot, seq.finished = [], -1, True
         pool.running.remove(seq)
@@ -427,7 +497,8 @@ class Engine:
     # ------------------------------------------------------------------ batches
     def _slots(self, seq: _Seq, positions: np.ndarray) -> np.ndarray:
         bs = self.block_size
-        return np.asarray(seq.blocks, np.int32)[positions // bs] * bs + positions % bs
+        blk = np.asarray(seq.blocks, np.int32)[positions // bs]
+        return np.where(blk == NO_PAGE, NO_PAGE, blk * bs + positions % bs).astype(np.int32)
 
     def _meta(self, rows: list, cols: int, table: bool = True):
         """Packed per-row metadata: int32 [n, cols + W] (block table last) and float32 [n, 2]."""
@@ -482,7 +553,8 @@ class Engine:
             pos = len(s.prompt) + s.scheduled - 1  # the last generated token is written now
             meta[i, :len(DECODE_COLS)] = (pos, self._slots(s, np.array([pos]))[0], s.slot,
                                           np.uint32(s.params.seed).view(np.int32), s.scheduled)
-            if pool.quantized and pos % bs == bs - 1 and pos >= bs:  # its block is full after this step
+            # its block is full after this step and has a page to be quantized into
+            if pool.quantized and pos % bs == bs - 1 and s.blocks[pos // bs] != NO_PAGE:
                 commits.append((s.blocks[pos // bs], s.slot, pos - bs + 1))
             s.scheduled += 1
         tok, pool.caches, pool.last_tokens = self.runner.decode(pool.caches, pool.last_tokens, meta, fmeta)

@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..attention.paged_decode import IMPLS
 from ..cache.layers import LayerCaches
+from ..cache.paged import carries_token
 from ..cache import sharding as cache_sharding
 from ..cache.sharding import HeadParallel
 from ..models.llama import LAYER_LOOPS, Decoder, DecodeBatch, PrefillBatch, commit_blocks, head_parallel_specs
@@ -139,7 +140,7 @@ class ModelRunner:
     def _decode_fn(self, weights, caches, last_tokens, meta, fmeta, *, sampled: bool):
         model = nnx.merge(self._graphdef, weights)
         cols = {n: meta[:, i] for i, n in enumerate(DECODE_COLS)}
-        live = cols["slots"] >= 0
+        live = carries_token(cols["slots"])
         seq = cols["seq_ids"]
         batch = DecodeBatch(tokens=last_tokens[jnp.clip(seq, 0, last_tokens.shape[0] - 1)],
                             positions=cols["positions"], slot_mapping=cols["slots"], seq_ids=seq,
@@ -163,7 +164,7 @@ class ModelRunner:
         tok = sample_rows(logits, fmeta[:, 0], fmeta[:, 1], _u32(cols["seeds"]), cols["steps"], sampled)
         # a row whose prompt ends in this chunk hands its first generated token to the decode steps
         idx = jnp.where(cols["finishes"] > 0, cols["seq_ids"], last_tokens.shape[0])
-        bad = jnp.any(slots >= 0, axis=1) & (_nonfinite(caches, cols["seq_ids"]) > before)
+        bad = jnp.any(carries_token(slots), axis=1) & (_nonfinite(caches, cols["seq_ids"]) > before)
         return _with_flags(tok, bad), caches, last_tokens.at[idx].set(tok, mode="drop")
 
     def _commit_fn(self, caches, blocks):

@@ -94,19 +94,26 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
             a = plan.static_view(side, cache.static[side][n])
             operands.append(a)
             specs.append(pl.BlockSpec((None,) + a.shape[1:], lambda b, h, s, nd=a.ndim - 1: (h,) + (0,) * nd))
+    hp_int8 = cache.hp_format == "int8"
     if cache.has_hp:
         for side, a in (("k", cache.sink["k"]), ("v", cache.sink["v"]), ("k", cache.tail["k"]), ("v", cache.tail["v"])):
             if side == "v":  # [.., D] -> [.., D/vp, vp]: value planes
                 a = a.reshape(a.shape[:3] + (d // plan.vp, plan.vp))
             operands.append(a)
             specs.append(head_spec(a))
+        if hp_int8:  # per-token scale and zero point [rows, Hk, tokens] of each
+            for meta in (cache.sink_meta, cache.tail_meta):
+                for side in ("k", "v"):
+                    for n in ("scale", "zero"):
+                        operands.append(meta[side][n])
+                        specs.append(head_spec(meta[side][n]))
 
     kernel = functools.partial(
         decode_kernel, plan=plan, names=names, static_names=static_names, has_hp=cache.has_hp, has_sid=has_sid,
         block_size=cache.block_size, tail_len=max(cache.tail_len, 1), tiles_per_block=tiles_per_block,
         num_splits=splits, sm_scale=scale, window=window, tokens_major=tokens_major, parts=run.parts,
         steps=run.steps, hp_chunk=hp_chunk, ids_ahead=run.num_stages >= 3, ids_group=table.ids_group, gp=gp,
-        q_rows=q_rows, written=written, normalize=normalize)
+        q_rows=q_rows, written=written, normalize=normalize, sink_len=cache.sink_len, hp_int8=hp_int8)
     vp = plan.vp
     acc_shape = (d // vp, written) if tokens_major else (written, d // vp)
     # the Pallas merge loads all splits at once: a power-of-two axis (the padding is never written)

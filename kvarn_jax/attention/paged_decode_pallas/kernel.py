@@ -1,5 +1,6 @@
 """The decode program: an fp32 online softmax over a sequence's quantized tiles (a split of them)
-and, on split 0, its high-precision sink and tail, for the query heads of one kv head. What each
+and, on split 0, its high-precision sink and tail (float values, or int8 codes with a scale and
+zero point per token), for the query heads of one kv head. What each
 scheme's tile costs is the layout plan's (`layout.py`); the launch decides the static parameters
 (`launch.py`). docs/kernels.md describes the kernel and the measurements behind its structure."""
 
@@ -25,14 +26,16 @@ def masked_load(ref, **kw):
 
 def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size, tail_len, tiles_per_block,
                   num_splits, sm_scale, window, tokens_major, parts, steps, hp_chunk, ids_ahead, ids_group, gp,
-                  q_rows, written, normalize):
+                  q_rows, written, normalize, sink_len=0, hp_int8=False):
     """One program: sequence `program_id(0)`, kv head `program_id(1)`, split `program_id(2)`.
 
     refs: the query (its group's rows padded to Gp, or the sequence's [Hq, D] when `q_rows` says how
     many rows are the group's), the query's key channel planes for per-token int keys (plan.pk > 1),
     block tables, lengths, sequence ids (`has_sid`), the page fields in `names` order, the static
-    parameters, the sink and tail (`has_hp`); then the outputs: the final output (`normalize`), or the
-    partial output, max and sum of this split.
+    parameters, the sink and tail (`has_hp`) and with `hp_int8` their scales and zero points (sink
+    k, sink v, tail k, tail v; scale then zero each); then the outputs: the final output
+    (`normalize`), or the partial output, max and sum of this split. sink_len: tokens of the sink
+    buffer; shorter than a block, the rest of the first block is read from its page.
     """
     d, vp, t_tok = plan.d, plan.vp, plan.t
     # tokens_major: scores [T, Gp] and accumulator [D/vp, Gp] (the matrix unit's N is the head
@@ -49,6 +52,7 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
     static = {side: {n: next(it) for n in static_names[side]} for side in ("k", "v")}
     if has_hp:
         sink_k, sink_v, tail_k, tail_v = next(it), next(it), next(it), next(it)
+        hp_meta = [(next(it), next(it)) for _ in range(4)] if hp_int8 else [None] * 4
     o_ref = next(it)
     m_ref, l_ref = (None, None) if normalize else (next(it), next(it))
 
@@ -84,12 +88,19 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
     st = {side: {n: (columns(r[...].astype(jnp.float32)) if plan.cfg.method == "int" else r[...])
                  for n, r in static[side].items()} for side in ("k", "v")}
 
-    def update(carry, ss, poss, value_fn, masked=True):
+    # a sink shorter than a block: its positions are read from the sink only (not from block 0's page
+    # nor, while block 0 is the query's, from the ring)
+    partial_sink = has_hp and sink_len < bs
+    ws_rest = jnp.maximum(ws, sink_len) if partial_sink else ws
+
+    def update(carry, ss, poss, value_fn, masked=True, lo=None):
         """Online softmax (base 2) over score blocks `ss` (positions `poss`), then acc += value_fn(probabilities).
-        masked=False: every position is valid (full quantized tiles without a window)."""
+        masked=False: every position is valid (full quantized tiles without a window). Positions below
+        `lo` (default: the window's start) are masked."""
         m, l, acc = carry
         if masked:
-            ss = [jnp.where(per_token((pos >= ws) & (pos < length)), s, NEG) for s, pos in zip(ss, poss)]
+            lo = ws if lo is None else lo
+            ss = [jnp.where(per_token((pos >= lo) & (pos < length)), s, NEG) for s, pos in zip(ss, poss)]
         m_new = m
         for s in ss:
             m_new = jnp.maximum(m_new, jnp.max(s, axis=ax))
@@ -103,22 +114,22 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
         return m_new, l_new, tuple(per_head(alpha) * a + c for a, c in zip(acc, contrib))
 
     # ---- quantized tiles (for passthrough: every tile)
-    # blocks read from pages: full, not the sink, and not the query's own block (position length - 1)
+    # blocks read from pages: full, not a whole-block sink, and not the query's own block (position length - 1)
     n_full = jnp.maximum(length - 1, 0) // bs if has_hp else length // bs
     if has_hp:
-        t_begin, t_end = tpb, n_full * tpb
+        t_begin, t_end = (0 if partial_sink else tpb), n_full * tpb
     else:
         t_begin, t_end = 0, pl.cdiv(length, t_tok)
-    t_begin = jnp.maximum(t_begin, ws // t_tok)
+    t_begin = jnp.maximum(t_begin, ws_rest // t_tok)
     n_tiles = jnp.maximum(t_end - t_begin, 0)
     chunk = pl.cdiv(n_tiles, num_splits)
     lo = t_begin + split * chunk
     hi = jnp.minimum(lo + chunk, t_end)
 
     tok = jnp.arange(t_tok, dtype=jnp.int32)
-    # quantized tiles are whole blocks before the query's own: all valid unless a window cuts one
-    # (passthrough caches also read the partial last tile from their pages)
-    tiles_partial = window is not None or not has_hp
+    # quantized tiles are whole blocks before the query's own: all valid unless a window cuts one or
+    # a short sink covers the first (passthrough caches also read the partial last tile from their pages)
+    tiles_partial = window is not None or not has_hp or partial_sink
 
     # What a tile needs that no matrix product waits on - the key zero points (their fp32 sum
     # with the query, `LayoutPlan.tile_query`) and KVarN's value channel scales (they multiply the
@@ -151,7 +162,7 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
         sub = t % tpb
         if tokens_major and not plan.tiled:
             return update(carry, [plan.chunk_scores(qside_pt, pages, blk, sub)], [t * t_tok + tok],
-                          lambda ps: plan.chunk_values(ps[0], pages, blk, sub), masked=tiles_partial)
+                          lambda ps: plan.chunk_values(ps[0], pages, blk, sub), masked=tiles_partial, lo=ws_rest)
         if tokens_major:  # softmax per token class; only the probabilities are put in token order
             z, chan, tsc = None, None, None
             if ahead:
@@ -169,11 +180,11 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
                         for j in range(nc)]
                 vfn = lambda ps, part=part: plan.tile_values(ps[0] if len(ps) == 1 else tokens_from_planes(ps),
                                                           pages, blk, sub, part, n_parts, chan_tile=chan)
-                carry = update(carry, ss, poss, vfn, masked=tiles_partial)
+                carry = update(carry, ss, poss, vfn, masked=tiles_partial, lo=ws_rest)
             return carry + next_tile if ahead else carry
         ss = [token_order(plan.scores_heads_major(q, q_planes, pages, st, blk, sub), gp)]
         poss = [t * t_tok + tok]
-        return update(carry, ss, poss, lambda ps: plan.values_heads_major(ps, pages, st, blk, sub), masked=tiles_partial)
+        return update(carry, ss, poss, lambda ps: plan.values_heads_major(ps, pages, st, blk, sub), masked=tiles_partial, lo=ws_rest)
 
     acc_shape = (d // vp, gp) if tokens_major else (gp, d // vp)
     carry = (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32),
@@ -211,29 +222,42 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
     # ---- high-precision sink and partial tail (split 0 only)
     if has_hp:
         sid = jnp.clip(sid_ref[b] if has_sid else b, 0, sink_k.shape[0] - 1)
-        hc = min(hp_chunk, bs)
         first = split == 0
 
-        def hp_loop(carry, k_ref, v_ref, base, start_pos, count):
-            """Chunks of `hc` tokens from rows [base, base + count) of the sequence's buffer."""
-            c_lo = jnp.maximum(ws - start_pos, 0) // hc
+        def rows_of(ref, meta, rows, plane=None):
+            """fp32 values of rows `rows` of the sequence's buffer ([hc, D], or value plane `plane`
+            [hc, D/vp]): float storage as it is, int8 codes times their token's scale plus its zero."""
+            x = (ref[sid, rows] if plane is None else ref[sid, rows, :, plane]).astype(jnp.float32)
+            if meta is None:
+                return x
+            return x * meta[0][sid, rows].astype(jnp.float32)[:, None] + meta[1][sid, rows].astype(jnp.float32)[:, None]
+
+        def hp_loop(carry, k_ref, v_ref, metas, base, start_pos, count, hc, lo):
+            """Chunks of `hc` tokens from rows [base, base + count) of the sequence's buffer; positions
+            below `lo` masked."""
+            c_lo = jnp.maximum(lo - start_pos, 0) // hc
             c_hi = jnp.where(first, pl.cdiv(count, hc), 0)
+            k_meta, v_meta = metas
 
             def body(c, carry):
                 rows = pl.ds(pl.multiple_of(base + c * hc, hc), hc)
-                kk = k_ref[sid, rows].astype(jnp.float32)                   # [hc, D]
+                kk = rows_of(k_ref, k_meta, rows)                            # [hc, D]
                 pos = start_pos + c * hc + jnp.arange(hc, dtype=jnp.int32)
                 if tokens_major:
-                    vals = lambda ps: [plan.dot_tn(v_ref[sid, rows, :, n].astype(jnp.float32), ps[0], min_n=8)
+                    vals = lambda ps: [plan.dot_tn(rows_of(v_ref, v_meta, rows, n), ps[0], min_n=8)
                                        for n in range(vp)]
-                    return update(carry, [plan.dot_t(kk, q, min_n=8)], [pos], vals)
-                vals = lambda ps: [plan.dot(ps[0], v_ref[sid, rows, :, n].astype(jnp.float32)) for n in range(vp)]
-                return update(carry, [plan.dot_t(q, kk)], [pos], vals)
+                    return update(carry, [plan.dot_t(kk, q, min_n=8)], [pos], vals, lo=lo)
+                vals = lambda ps: [plan.dot(ps[0], rows_of(v_ref, v_meta, rows, n)) for n in range(vp)]
+                return update(carry, [plan.dot_t(q, kk)], [pos], vals, lo=lo)
             return lax.fori_loop(c_lo, jnp.maximum(c_lo, c_hi), body, carry)
 
-        carry = hp_loop(carry, sink_k, sink_v, 0, 0, jnp.minimum(length, bs))
-        tail_count = jnp.where(n_full >= 1, length - n_full * bs, 0)
-        carry = hp_loop(carry, tail_k, tail_v, (n_full * bs) % tail_len, n_full * bs, tail_count)
+        hc = min(hp_chunk, bs)
+        carry = hp_loop(carry, sink_k, sink_v, hp_meta[0:2], 0, 0, jnp.minimum(length, sink_len),
+                        min(hc, sink_len), ws)
+        # the ring holds the query's block; a whole-block sink holds block 0 instead
+        tail_count = length - n_full * bs if partial_sink else jnp.where(n_full >= 1, length - n_full * bs, 0)
+        carry = hp_loop(carry, tail_k, tail_v, hp_meta[2:4], (n_full * bs) % tail_len, n_full * bs, tail_count,
+                        hc, ws_rest)
 
     m, l, acc = carry
     # only the first `written` entries of the Gp axis (the group's heads, up to a power of two) are
