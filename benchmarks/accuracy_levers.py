@@ -40,7 +40,6 @@ from kvarn_jax.evaluation.perplexity import REFERENCE, evaluate_perplexity, text
 from kvarn_jax.hadamard import rotate, unrotate
 from kvarn_jax.integrations.dlpack import bhtd_to_tokens, to_jax, to_torch, tokens_to_bhtd
 from kvarn_jax.schemes import kvarn as K
-from kvarn_jax.schemes.arith import JNP
 from kvarn_jax.schemes.rtn import clip_search, rtn_codes, rtn_params
 
 G = 128
