@@ -23,7 +23,7 @@ from hypothesis import given, strategies as st
 import kvarn_jax as kj
 from kvarn_jax.schemes import rtn as jrtn
 from kvarn_ascend import cpu_semantics as cs, ops, validators
-from kvarn_ascend.cache import _merge
+from kvarn_ascend.cache import merge_partials
 from kvarn_ascend.kvarn_torch import hadamard
 
 import ascend_fake_npu
@@ -461,7 +461,7 @@ def test_fia_lse_merge_of_two_key_sets_equals_one_call(rng):
                       actual_seq_lengths_kv=[32, 32, 20], **common)
     o2, l2 = ops.call("npu_fused_infer_attention_score", q, k, v, block_table=tab[:, 2:].contiguous(),
                       actual_seq_lengths_kv=[32, 18, 0], **common)
-    merged = _merge(o1.reshape(3, hq, d).float(), l1.reshape(3, hq), torch.tensor([True, True, True]),
+    merged = merge_partials(o1.reshape(3, hq, d).float(), l1.reshape(3, hq), torch.tensor([True, True, True]),
                     o2.reshape(3, hq, d).float(), l2.reshape(3, hq), torch.tensor([True, True, False]))
     # two roundings to bf16 (the partial outputs, then the merged one)
     assert ops.max_violation(merged.to(torch.bfloat16), full.reshape(3, hq, d).float(), torch.bfloat16) <= 2

@@ -588,7 +588,7 @@ class AscendPagedKVCache:
             qf = q4.reshape(b, hk, g, d).float()
             lse_q = lse_q + common["scale"] * torch.einsum("bhgd,hd->bhg", qf, kc).reshape(b, hq)
             o_q = o_q + vc.repeat_interleave(g, 0)[None]
-        return _merge(o_hp.reshape(b, hq, d).float(), lse_hp.reshape(b, hq), hp_len > 0,
+        return merge_partials(o_hp.reshape(b, hq, d).float(), lse_hp.reshape(b, hq), hp_len > 0,
                       o_q, lse_q, n_q > 0).to(q4.dtype)
 
     # ------------------------------------------------------------------------------------ checks
@@ -728,7 +728,7 @@ def _check_alignment(cfg, kind, block_size, head_dim):
                          f"a multiple of {dmul} up to 512")
 
 
-def _merge(o1, lse1, has1, o2, lse2, has2):
+def merge_partials(o1, lse1, has1, o2, lse2, has2):
     """Combine two attention outputs over disjoint key sets with their log-sum-exps (the documented
     ring-attention merge); a side with no keys gets weight 0, a row with none is 0."""
     inf = torch.tensor(-math.inf, device=o1.device)
