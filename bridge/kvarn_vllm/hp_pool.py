@@ -69,8 +69,9 @@ class HpPool:
         return self._units[2]
 
     def _indices(self, bound, plan):
-        """(seq units [rows, U] in the buffer, stage units [rows, U], fresh [rows] bool on the device),
-        once per step for every layer of this scheme and buffer size."""
+        """Once per step for every layer of this scheme and buffer size, on the cache's device: the
+        rows' units in the buffer and in the staging slots ([rows, U] each), the gather's source and
+        destination units (rows continuing their sequence) and the staging units to zero (fresh rows)."""
         hu = self.units(bound)
 
         def make():
@@ -79,26 +80,21 @@ class HpPool:
                 raise RuntimeError(f"kvarn: requests hold {hb.shape[1]} blocks for their sink and tail but "
                                    f"{self.layout.cfg.name} needs {self.layout.hp_blocks_per_seq}")
             fresh = plan.cache[HP_FRESH]
-            return (hu.seq_units(hb), hu.stage_units(hb.shape[0], hb.device),
-                    torch.from_numpy(fresh).to(hb.device), fresh)
+            seq, stage = hu.seq_units(hb), hu.stage_units(hb.shape[0], hb.device)
+            cont, new = (torch.from_numpy(np.nonzero(m)[0]).to(hb.device) for m in (~fresh, fresh))
+            return seq, stage, seq[cont].reshape(-1), stage[cont].reshape(-1), stage[new].reshape(-1)
         return hu, plan.cached(("hp_units", self.layout, bound.num_blocks), make)
 
     def gather(self, bound, plan) -> None:
         """Stage the step's rows' sink and tail: slot r <- row r's blocks (zeros for fresh rows)."""
         if not self.active or not plan.num_rows:
             return
-        hu, (seq, stage, fresh_t, fresh) = self._indices(bound, plan)
-        buf = _units_view(bound.buffer, hu.unit)
+        hu, (_, _, src, dst, zero) = self._indices(bound, plan)
         stg = self._stage_view(hu)
-        if fresh.all():
-            stg.index_fill_(0, stage.reshape(-1), 0)
-            return
-        keep = ~fresh_t
-        src = seq[keep].reshape(-1)
-        dst = stage[keep].reshape(-1)
-        stg.index_copy_(0, dst, buf.index_select(0, src))
-        if fresh.any():
-            stg.index_fill_(0, stage[fresh_t].reshape(-1), 0)
+        if src.numel():
+            stg.index_copy_(0, dst, _units_view(bound.buffer, hu.unit).index_select(0, src))
+        if zero.numel():
+            stg.index_fill_(0, zero, 0)
 
     def _stage_view(self, hu: HpUnits) -> torch.Tensor:
         """The staging leaves (back to back in one allocation, `allocate_hp`) as [n, unit] bytes."""
@@ -112,10 +108,10 @@ class HpPool:
         fresh row's units, so its blocks hold zeros past what it wrote)."""
         if not self.active or not plan.num_rows:
             return
-        hu, (seq, stage, fresh_t, fresh) = self._indices(bound, plan)
+        hu, (seq, stage, _, _, _) = self._indices(bound, plan)
 
         def make():
-            r, j = self._written(hu, plan, fresh)
+            r, j = self._written(hu, plan, plan.cache[HP_FRESH])
             r_t, j_t = (torch.from_numpy(x).to(seq.device) for x in (r, j))
             return seq[r_t, j_t], stage[r_t, j_t]
         src_seq, src_stage = plan.cached(("hp_written", self.layout, bound.num_blocks), make)
