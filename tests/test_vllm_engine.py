@@ -484,7 +484,6 @@ def test_unsupported_setups_are_refused_before_any_engine_starts(model, tmp_path
     write_layer_config(path, ["int8", "int4"], model={"num_layers": 2})
     cases = [
         (dict(model=model, enable_prefix_caching=True), None, "prefix caching"),
-        (dict(model=model, max_num_seqs=256), None, "max_num_seqs=256"),  # vLLM's default: sink/tail > 1 GiB
         (dict(model=_tiny_folder(model, tmp_path, head_dim=80, num_hidden_layers=2), load_format="dummy"), None,
          "head_size=80"),
         (dict(model=_tiny_folder(model, tmp_path, **MLA_CONFIG), load_format="dummy", max_model_len=1024), None, "MLA"),
