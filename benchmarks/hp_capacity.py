@@ -5,7 +5,8 @@ Two tables:
   heads, head_dim 128, bf16), `--seqs` sequences of each `--context`, every scheme: the pool's bytes
   and its tokens against fp16's;
 - a fixed KV budget with one high-precision row per possible sequence (how a serving layer that
-  reserves rows for `max_num_seqs` up front spends it, e.g. the vLLM bridge): SmolLM2-135M shapes (30
+  reserves rows for `max_num_seqs` up front spends it, as the vLLM bridge did before its requests held
+  their rows in blocks of the pool): SmolLM2-135M shapes (30
   layers, 3 KV heads, head_dim 64, bf16), blocks left for pages against a bf16 cache's blocks.
 
     python benchmarks/hp_capacity.py --json capacity.json

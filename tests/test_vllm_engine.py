@@ -195,9 +195,16 @@ def _engine_runs(model):
                      "start_s": round(t1 - t0, 1), "generate_s": round(t2 - t1, 1),
                      "num_layers": cfg.model_config.get_num_layers(cfg.parallel_config),
                      "heads": cfg.model_config.get_num_kv_heads(cfg.parallel_config),
-                     "head_dim": cfg.model_config.get_head_size(), "block_size": cfg.cache_config.block_size}
+                     "head_dim": cfg.model_config.get_head_size(), "block_size": cfg.cache_config.block_size,
+                     "hp_blocks": _hp_blocks(llm)}
         _close(llm)
     return out
+
+
+def _hp_blocks(llm) -> int:
+    """The blocks each request holds for its sink and tail, as the engine core's block manager has it."""
+    groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+    return getattr(groups[0].kv_cache_spec, "hp_blocks", 0)
 
 
 def _layers_bound_zero_copy(cfg) -> bool:
@@ -288,28 +295,27 @@ def test_the_same_requests_give_the_same_tokens(runs):
 
 
 def test_block_count_grows_by_the_capacity_factor(runs):
-    """vLLM's own accounting (VLLM_CPU_KVCACHE_SPACE=1 GiB, max_num_seqs=8) hands out the blocks our
-    page size allows, with the high-precision sink/tail paid out of the same budget."""
+    """vLLM's own accounting (VLLM_CPU_KVCACHE_SPACE=1 GiB) hands out the blocks our page size allows:
+    the whole budget is pages, and each live request pays for its sink and tail with blocks of it."""
     base = runs["vllm"]
     # vLLM's own cache for the fp32 model holds fp32 K/V: a 16-bit cache would get twice the blocks
     blocks16 = 2 * base["blocks"]
     budget = KV_SPACE_GIB * 2 ** 30
     lay = PageLayout(SCHEME, block_size=base["block_size"], num_kv_heads=base["heads"], head_dim=base["head_dim"],
                      dtype="float32", max_seqs=ENGINE["max_num_seqs"])
-    page = lay.vllm_page_bytes_for_budget(budget, base["num_layers"])
     blocks = runs[SCHEME]["blocks"]
-    assert blocks == budget // (base["num_layers"] * page)
-    assert base["num_layers"] * (blocks * lay.format_page_bytes + lay.hp_bytes) <= budget
+    assert blocks == budget // (base["num_layers"] * lay.vllm_page_bytes())
     factor = blocks / blocks16
-    print(f"\n{SCHEME}: {blocks} blocks vs {blocks16} for a 16-bit cache -> {factor:.2f}x "
-          f"(hp {base['num_layers'] * lay.hp_bytes / 2**20:.0f} MiB inside the budget)")
-    # an fp32 model keeps fp32 scales and an fp32 sink/tail (66 B per token and head; a 16-bit model
-    # 57 B and 4.3x); against vLLM's own fp32 cache this is twice the factor
-    assert factor >= 3.5
+    print(f"\n{SCHEME}: {blocks} blocks vs {blocks16} for a 16-bit cache -> {factor:.2f}x; each request holds "
+          f"{lay.hp_blocks_per_seq} of them for its sink and tail while it runs")
+    # a float32 model keeps fp32 scales (66 B per token and head; a 16-bit model 57 B): 3.88x
+    assert factor >= 3.8
+    assert runs[SCHEME]["hp_blocks"] == lay.hp_blocks_per_seq == 8
 
 
 def _preempt_prompts(tokenizer):
-    """375 tokens = 3 blocks; the 10th generated token needs a 4th: 3 requests x 4 > 11 free blocks."""
+    """375 tokens = 3 blocks; the 10th generated token needs a 4th: with 8 blocks each for the sink and
+    tail, 3 requests x (3 + 8) fill the 33 free blocks, and the first that grows preempts another."""
     ids = tokenizer(CHAPTER_1)["input_ids"]
     return [{"prompt_token_ids": ids[i * 60: i * 60 + 375]} for i in range(3)]
 
@@ -317,9 +323,9 @@ def _preempt_prompts(tokenizer):
 def test_mixed_layer_schemes_and_preemption_in_one_small_engine(model, tmp_path):
     """A layer config (`kvarn-jax tune` file) cycling through kvarn_k4v2_g128, int8, int4 and fp16:
     each layer's impl and cache take its scheme, every page is padded to the largest scheme's, the
-    mixed cache generates. With 12 blocks (num_gpu_blocks_override) three requests run one at a
-    time, then together: vLLM preempts one, recomputes it from position 0 in its high-precision slot,
-    and it generates what it generated alone."""
+    mixed cache generates. With 34 blocks (num_gpu_blocks_override) three requests run one at a
+    time, then together: vLLM preempts one (its sink/tail blocks go back to the pool with its pages),
+    recomputes it from position 0 in new blocks, and it generates what it generated alone."""
     from kvarn_jax.layer_config import write_layer_config
     from kvarn_vllm.layout import shared_page_bytes
 
@@ -328,7 +334,7 @@ def test_mixed_layer_schemes_and_preemption_in_one_small_engine(model, tmp_path)
     write_layer_config(path, layers, model={"num_layers": 30})
     torch_ops.reset_counters()
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(KV_SPACE_GIB)
-    llm = vllm.LLM(model=model, **{**ENGINE, "max_model_len": 1024}, num_gpu_blocks_override=12,
+    llm = vllm.LLM(model=model, **{**ENGINE, "max_model_len": 1024}, num_gpu_blocks_override=34,
                    additional_config={"kvarn_layer_config": path})
     cfg = llm.llm_engine.vllm_config
     greedy = vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -341,20 +347,22 @@ def test_mixed_layer_schemes_and_preemption_in_one_small_engine(model, tmp_path)
     assert _layers_bound_zero_copy(cfg)
     lays = {s: PageLayout(s, block_size=128, num_kv_heads=3, head_dim=64, dtype="float32",
                           max_seqs=ENGINE["max_num_seqs"]) for s in MIXED}
-    assert named[0][1].kv_cache.shape[-1] * 128 == shared_page_bytes(lays.values(), 12)  # the largest need
+    assert named[0][1].kv_cache.shape[-1] * 128 == shared_page_bytes(lays.values())  # the largest need
+    assert _hp_blocks(llm) == max(lay.hp_blocks_per_seq for lay in lays.values()) == 8
     text = [g.outputs[0].text for g in gen]
     assert "Paris" in text[0] and all(len(set(g.outputs[0].token_ids)) > 3 for g in gen), text
     prompts = _preempt_prompts(llm.get_tokenizer())
-    restarts = torch_ops.counters()["seq_restarts"]
+    starts = torch_ops.counters()["seq_starts"]
     alone = [list(llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
-    assert torch_ops.counters()["seq_restarts"] == restarts
+    assert torch_ops.counters()["seq_starts"] == starts + 3
     together = [list(g.outputs[0].token_ids) for g in llm.generate(prompts, greedy, use_tqdm=False)]
     c = torch_ops.counters()
     _close(llm)
-    assert c["seq_restarts"] > restarts and c["blocks_quantized"] > 0
+    restarts = c["seq_starts"] - starts - 6  # sequence starts beyond one per request: preemptions
+    assert restarts > 0 and c["blocks_quantized"] > 0
     same, _ = _agreement(together, alone)
     first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(together, alone)]
-    print(f"\nmixed layers {MIXED}: {text[:2]}; preemption: {c['seq_restarts'] - restarts} restart(s); "
+    print(f"\nmixed layers {MIXED}: {text[:2]}; preemption: {restarts} restart(s); "
           f"{same}/{3 * MAX_TOKENS} tokens equal to the runs alone; first difference per prompt at {first_diff}")
     # The recomputed prefill rounds K/V differently from the decode steps that first wrote them (vLLM's
     # CPU GEMMs, batch sizes), which can flip a close greedy choice many tokens later. A restart that
@@ -448,21 +456,6 @@ def test_layer_options_the_bridge_cannot_serve_are_refused(model):
                 impl.KvarnAttentionImpl(**{**ok, **change})
 
 
-def test_slot_table_follows_requests_and_frees_finished_ones():
-    from kvarn_vllm.metadata import SlotTable
-
-    t = SlotTable(max_seqs=2)
-    fresh = [True, True]
-    assert list(t.slots(["a", "b"], {"a", "b"}, [5, 9], fresh)) == [0, 1]
-    assert list(t.slots(["b", "a"], {"a", "b"}, [9, 5], [False, False])) == [1, 0]  # rows swapped
-    with pytest.raises(RuntimeError, match="max_num_seqs=2"):
-        t.slots(["a", "b", "c"], {"a", "b", "c"}, [5, 9, 3], [False, False, True])
-    assert list(t.slots(["c"], {"b", "c"}, [3], [True])) == [0]  # "a" finished: its slot is reused
-    with pytest.raises(RuntimeError, match="first block changed"):
-        t.slots(["b"], {"b", "c"}, [4], [False])
-    assert list(t.slots(["b"], {"b", "c"}, [4], [True])) == [1]  # a restart may move its blocks
-
-
 def _tiny_folder(model, tmp, **config):
     """A config-only model folder (vLLM fills the weights with load_format='dummy')."""
     src = pathlib.Path(model)
@@ -491,7 +484,6 @@ def test_unsupported_setups_are_refused_before_any_engine_starts(model, tmp_path
     write_layer_config(path, ["int8", "int4"], model={"num_layers": 2})
     cases = [
         (dict(model=model, enable_prefix_caching=True), None, "prefix caching"),
-        (dict(model=model, max_num_seqs=256), None, "max_num_seqs=256"),  # vLLM's default: sink/tail > 1 GiB
         (dict(model=_tiny_folder(model, tmp_path, head_dim=80, num_hidden_layers=2), load_format="dummy"), None,
          "head_size=80"),
         (dict(model=_tiny_folder(model, tmp_path, **MLA_CONFIG), load_format="dummy", max_model_len=1024), None, "MLA"),

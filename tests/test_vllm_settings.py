@@ -157,30 +157,20 @@ def test_layer_config_errors(tmp_path, monkeypatch):
 
 
 def test_shared_page_is_the_largest_layers_need():
-    """Every layer declares one page size (vLLM's customize_spec does not say which layer it sizes): the
-    largest layer's need, with each layer's sink/tail share when the budget pays for them."""
-    from kvarn_vllm.layout import PageLayout, shared_page_bytes, shared_page_bytes_for_budget
+    """Every layer declares one page size (vLLM's customize_spec does not say which layer it sizes):
+    the largest layer's need; a request holds as many blocks for its sink and tail as the layer that
+    needs the most of them."""
+    from kvarn_vllm.layout import PageLayout, hp_blocks_per_seq, shared_page_bytes
 
     kw = dict(block_size=128, num_kv_heads=3, head_dim=64, dtype="float32", max_seqs=8)
-    small, big = PageLayout("kvarn_k4v2_g128", **kw), PageLayout("int8", **kw)
+    small, big, fp16 = PageLayout("kvarn_k4v2_g128", **kw), PageLayout("int8", **kw), PageLayout("fp16", **kw)
     assert small.format_page_bytes < big.format_page_bytes
     assert shared_page_bytes([small, big, small]) == big.vllm_page_bytes()
-    assert shared_page_bytes([small, big], 10) == max(small.vllm_page_bytes(-(-small.hp_bytes // 10)),
-                                                      big.vllm_page_bytes(-(-big.hp_bytes // 10)))
-    budget, layers = 2 ** 30, [small] * 20 + [big] * 10
-    # one scheme everywhere: the single-layout rule, unchanged
-    assert shared_page_bytes_for_budget([small] * 30, budget) == small.vllm_page_bytes_for_budget(budget, 30)
-    page = shared_page_bytes_for_budget(layers, budget)
-    n = budget // (30 * page)  # the blocks vLLM hands out
-    assert page >= big.vllm_page_bytes() and n * page * 30 <= budget
-    for lay in (small, big):  # every layer's pages and its sink/tail fit its buffer of n pages
-        assert n * lay.format_page_bytes + lay.alignment_slack + lay.hp_bytes <= n * page
-    # the largest N: one more block would not fit
-    assert 30 * (n + 1) * shared_page_bytes(layers, n + 1) > budget
-    # a mix holds as many blocks as its largest scheme alone (the padding's cost)
-    assert page == shared_page_bytes_for_budget([big] * 30, budget)
-    with pytest.raises(ValueError, match="int8, kvarn_k4v2_g128"):
-        shared_page_bytes_for_budget(layers, 2 ** 20)
+    # a float32 model keeps its sink and tail in float16: (sink, tail) x (K, V) x 128 tokens x 3 heads x 64 x 2 B
+    assert small.hp_seq_bytes == big.hp_seq_bytes == 2 * 2 * 128 * 3 * 64 * 2 and fp16.hp_seq_bytes == 0
+    assert small.hp_blocks_per_seq == -(-small.hp_seq_bytes // small.format_page_bytes) == 8
+    assert hp_blocks_per_seq([small, big, fp16]) == small.hp_blocks_per_seq > big.hp_blocks_per_seq
+    assert hp_blocks_per_seq([fp16]) == 0
 
 
 # ------------------------------------------------------------------------------ the config hook's refusals
@@ -223,7 +213,6 @@ def _full_config(additional=None, **change):
     ({"hf.attn_logit_softcapping": 50.0}, "soft-capping"),
     ({"model.get_head_size": lambda: 96}, "head_size=96"),
     ({"cache.block_size": 48}, "block_size"),
-    ({"sched.max_num_seqs": 512}, "max_num_seqs=512"),
     ({"comp.cudagraph_mode": types.SimpleNamespace(name="FULL")}, "cudagraph_mode=FULL"),
     ({"comp.cudagraph_mode": types.SimpleNamespace(name="PIECEWISE"), "comp.splitting_ops": ["vllm::other"]},
      "splitting_ops"),

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
 
 import kvarn_jax as kj
 from helpers import allocate_tables, random_kv
@@ -211,27 +210,6 @@ def test_layout_fields_match_the_cache_pytree(scheme, rng):
     rep = kj.memory_report(cache)
     assert lay.hp_bytes == rep["sink_bytes"] + rep["tail_bytes"]
     assert lay.format_page_bytes * 7 == rep["page_bytes"]
-
-
-@given(layers=st.integers(1, 40), gib=st.floats(0.05, 4.0), max_seqs=st.integers(1, 64),
-       scheme=st.sampled_from(["kvarn_k4v2_g128", "int8", "int4", "fp8"]))
-@settings(max_examples=20)
-def test_budget_sizing_fits_the_sink_and_tail(layers, gib, max_seqs, scheme):
-    lay = PageLayout(scheme, block_size=128, num_kv_heads=3, head_dim=64, dtype="float32", max_seqs=max_seqs)
-    budget = int(gib * 2 ** 30)
-    try:
-        page = lay.vllm_page_bytes_for_budget(budget, layers)
-    except ValueError as e:
-        assert "max_num_seqs" in str(e)
-        assert layers * (lay.hp_bytes + lay.format_page_bytes) > budget
-        return
-    n = budget // (layers * page)  # what vLLM computes
-    assert n >= 1 and page % ALIGN == 0 and page % 128 == 0
-    assert lay.regions(n, hp_in_buffer=True)["__end__"] <= n * page
-    assert layers * n * page <= budget
-    # as many blocks as fit when each block may carry up to 128 bytes of rounding (the page is
-    # block_size * C bytes) besides its share of the sink/tail
-    assert (n + 1) * (lay.format_page_bytes + 128) + lay.hp_bytes > budget // layers
 
 
 # ------------------------------------------------------------------------------------- binding

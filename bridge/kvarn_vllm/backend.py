@@ -5,11 +5,11 @@
   (see `settings`), so installing the plugin changes nothing for other engines.
 - `KvarnBackend` is registered as `CUSTOM` for GPUs (`--attention-backend CUSTOM`).
 
-With kvarn, `customize_spec` turns the layer's KV spec into a uint8 page of exactly the bytes the
-scheme needs per block (one head slot, `block_size` states of C bytes; C rounded up so the page is
-a multiple of 64 bytes), plus - when vLLM has an explicit KV budget - this block's share of the
-high-precision sink/tail, so vLLM's own accounting hands out the extra blocks and pays for the
-high-precision storage out of the same budget.
+With kvarn, `customize_spec` turns the layer's KV spec into a `spec.KvarnAttentionSpec`: a uint8
+page of exactly the bytes the scheme needs per block (one head slot, `block_size` states of C bytes;
+C rounded up so the page is a multiple of 64 bytes), and the number of blocks each request holds
+for its high-precision sink and tail (`hp_pool`), so that vLLM's own accounting hands out the extra
+blocks and charges every live request for its sink and tail out of the same pool.
 
 With per-layer schemes (`kvarn_layer_config`) every layer declares one page size, that of the layer
 needing the most (see `layout.shared_page_bytes`): vLLM 0.32 could hold layers of different page
@@ -29,10 +29,11 @@ import torch
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionBackend, AttentionType, MultipleOf
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, replace_as
 
 from . import runtime
-from .layout import PageLayout, padding_report, shared_page_bytes, shared_page_bytes_for_budget
+from .layout import PageLayout, hp_blocks_per_seq, padding_report, shared_page_bytes
+from .spec import KvarnAttentionSpec
 
 logger = init_logger("vllm.kvarn_vllm")
 
@@ -47,28 +48,21 @@ def kvarn_spec(spec: AttentionSpec) -> AttentionSpec:
                             dtype=str(vllm_config.model_config.dtype).split(".")[-1],
                             max_seqs=vllm_config.scheduler_config.max_num_seqs)
             for cfg in settings.schemes}
-    cache = vllm_config.cache_config
-    if cache.kv_cache_memory_bytes is None:
-        page = shared_page_bytes(made.values())  # the impls allocated the sink/tail before vLLM measured memory
-    elif cache.num_gpu_blocks_override is not None:  # vLLM allocates exactly this many blocks
-        page = shared_page_bytes(made.values(), cache.num_gpu_blocks_override)
-    else:
-        layers = runtime.num_layers()
-        if layers <= 0:
-            raise RuntimeError("kvarn: no kvarn attention layer was built before the KV cache spec")
-        if settings.layers is not None and layers != len(settings.layers):
-            raise ValueError(f"kvarn: the model built {layers} attention layers but kvarn_layer_config "
-                             f"{settings.layer_config!r} has {len(settings.layers)}")
-        page = shared_page_bytes_for_budget([made[settings.scheme(i)] for i in range(layers)],
-                                            cache.kv_cache_memory_bytes)
+    page = shared_page_bytes(made.values())
+    hp_blocks = hp_blocks_per_seq(made.values())
     if settings.layers is not None:
         logger.info_once(
             "kvarn: layer config %s: every layer's page is padded to %d B per block (the largest layer's need); "
             "format bytes per block and unused share of the page by scheme: %s", settings.layer_config, page,
             ", ".join(f"{n} x {name}: {b} B, {unused:.0%} unused"
                       for name, (n, b, unused) in padding_report([made[c] for c in settings.layers], page).items()))
-    return replace(spec, dtype=torch.uint8, num_head_slots=1, state_content_bytes=page // spec.block_size,
-                   tokens_per_state=1, page_size_padded=None)
+    logger.info_once(
+        "kvarn: %s: %d B per block of %d tokens; each request holds %d more blocks for its high-precision sink "
+        "and tail while it runs (taken from the KV cache pool with its other blocks)",
+        ", ".join(c.name for c in settings.schemes), page, spec.block_size, hp_blocks)
+    return replace_as(spec, KvarnAttentionSpec, dtype=torch.uint8, num_head_slots=1,
+                      state_content_bytes=page // spec.block_size, tokens_per_state=1, page_size_padded=None,
+                      hp_blocks=hp_blocks)
 
 
 def _impl():

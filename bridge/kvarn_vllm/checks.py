@@ -13,7 +13,6 @@ Every message starts with "kvarn:" and names the setting to change.
 from __future__ import annotations
 
 from . import runtime
-from .layout import PageLayout, shared_page_bytes_for_budget
 
 
 class UnsupportedConfig(RuntimeError):
@@ -84,21 +83,6 @@ def _check_model(vllm_config, settings) -> None:
             raise ValueError(f"kvarn: {e}{where}") from None
 
 
-def _check_budget(vllm_config, settings) -> None:
-    """With an explicit KV budget the sink/tail storage must fit in it next to one block per layer."""
-    cache, model = vllm_config.cache_config, vllm_config.model_config
-    budget = getattr(cache, "kv_cache_memory_bytes", None)
-    if budget is None or model is None or not hasattr(model, "get_num_kv_heads") or cache.block_size is None:
-        return
-    par = vllm_config.parallel_config
-    layers = model.get_num_layers(par)
-    lays = {cfg: PageLayout(cfg, block_size=cache.block_size, num_kv_heads=model.get_num_kv_heads(par),
-                            head_dim=model.get_head_size(), dtype=_dtype_name(model.dtype),
-                            max_seqs=vllm_config.scheduler_config.max_num_seqs)
-            for cfg in settings.schemes}
-    shared_page_bytes_for_budget([lays[settings.scheme(i)] for i in range(layers)], budget)
-
-
 def _check_compilation(vllm_config) -> None:
     """The kvarn attention runs outside CUDA graphs, between the captured pieces (as vLLM's attention
     backends without graph support do): full graphs that would capture attention are refused."""
@@ -135,7 +119,6 @@ def check_config(vllm_config) -> None:
     check_engine(vllm_config)
     _check_model(vllm_config, settings)
     _check_compilation(vllm_config)
-    _check_budget(vllm_config, settings)
     if settings.calibration is not None:
         import kvarn_jax
 

@@ -25,7 +25,8 @@ import kvarn_jax
 
 from . import runtime, torch_ops
 from .checks import check_engine, layer_index, refuse
-from .layout import PageLayout, allocate_hp
+from .hp_pool import HpPool, staging
+from .layout import PageLayout
 from .plan import KvarnMetadata
 
 logger = init_logger("vllm.kvarn_vllm")  # under "vllm": printed with vLLM's own log lines
@@ -82,12 +83,8 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         self.layout = PageLayout(cfg, block_size=vllm_config.cache_config.block_size, num_kv_heads=num_kv_heads,
                                  head_dim=head_size, dtype=str(vllm_config.model_config.dtype).split(".")[-1],
                                  max_seqs=vllm_config.scheduler_config.max_num_seqs)
-        # With an explicit KV budget the sink/tail are carved from vLLM's buffer (the page size the
-        # backend declares carries their share). Otherwise vLLM measures the memory left after the
-        # model is built: allocating them now makes that measurement count them.
-        self.hp_buffers = None
-        if vllm_config.cache_config.kv_cache_memory_bytes is None:
-            self.hp_buffers = allocate_hp(self.layout, vllm_config.device_config.device)
+        # the sink/tail live in each request's own blocks; layers share one staging area (hp_pool)
+        self.hp_pool = HpPool(self.layout, staging(self.layout, id(vllm_config), vllm_config.device_config.device))
         self._calibration = kvarn_jax.Calibration.load(settings.calibration) if cfg.static else None
         self.bound: torch_ops.BoundCache | None = None
 
@@ -104,14 +101,15 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         if self._calibration is not None:
             cal = self._calibration.layer(layer_index(getattr(layer, "layer_name", "")))
             static = cal.params(self.layout.cfg, self.num_kv_heads, self.head_size)
-        self.bound = torch_ops.bind(kv_cache, self.layout, hp_buffers=self.hp_buffers, static=static)
+        self.bound = torch_ops.bind(kv_cache, self.layout, hp_buffers=self.hp_pool.staging, static=static)
         lay = self.layout
         logger.info_once(
             "kvarn: %s cache bound zero-copy: %d blocks of %d tokens per layer, %d B per block for the format "
-            "(%.1f B/token/head), high-precision sink/tail %.1f MiB per layer for max_num_seqs=%d (%s)",
+            "(%.1f B/token/head); a request's sink and tail take %d of its blocks, staged per step in %.1f MiB "
+            "shared by the layers (max_num_seqs=%d)",
             lay.cfg.name, kv_cache.shape[0], lay.block_size, lay.format_page_bytes,
-            lay.format_page_bytes / (lay.block_size * lay.num_kv_heads), lay.hp_bytes / 2 ** 20, lay.max_seqs,
-            "inside the KV budget" if self.hp_buffers is None else "allocated before vLLM measured memory")
+            lay.format_page_bytes / (lay.block_size * lay.num_kv_heads), lay.hp_blocks_per_seq,
+            lay.hp_bytes / 2 ** 20, lay.max_seqs)
         return self.bound
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -124,7 +122,9 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         plan = attn_metadata.plan
         n = plan.num_tokens
         bound = self._bind(layer, kv_cache)
+        self.hp_pool.gather(bound, plan)
         torch_ops.forward(bound, query[:n].view(n, self.num_heads, self.head_size), key[:n], value[:n], plan,
                           scale=self.scale, impl=self.settings.decode_impl,
                           out=output[:n].view(n, self.num_heads, self.head_size))
+        self.hp_pool.scatter(bound, plan)
         return output

@@ -2,17 +2,18 @@
 
 vLLM hands every attention layer a contiguous byte buffer of `num_blocks` pages (layer-outer layout,
 so one layer's pages are one run of bytes). The bridge does not keep vLLM's block-major order inside
-that run: it carves the buffer into one contiguous, 64-byte-aligned region per `PagedKVCache` leaf
-(field-major), because XLA imports a buffer through DLPack without copying only when it is dense and
-64-byte aligned. vLLM never reads the bytes itself (no zeroing, swapping or prefix-cache copies are
-enabled for this backend), so the order inside the run is ours to choose.
+that run: it carves the buffer into one contiguous, 64-byte-aligned region per `PagedKVCache` page
+leaf (field-major), because XLA imports a buffer through DLPack without copying only when it is dense
+and 64-byte aligned. vLLM never reads the bytes itself (no zeroing, swapping or prefix-cache copies
+are enabled for this backend), so the order inside the run is ours to choose.
 
-    [pages.k.<field 0> for all blocks][pages.k.<field 1>]...[pages.v.<field n>][sink.k][sink.v][tail.k][tail.v]
+    [pages.k.<field 0> for all blocks][pages.k.<field 1>]...[pages.v.<field n>]
 
 The page fields come from the cache's pytree structure (`jax.eval_shape` of `PagedKVCache.create`),
-never from a per-scheme table. The high-precision sink/tail regions (sized by `max_seqs`, vLLM's
-`max_num_seqs`) sit after the pages when vLLM was given an explicit KV budget, so that budget pays for
-them; `vllm_page_bytes` says how much each block must carry for that.
+never from a per-scheme table. The engine keeps each sequence's high-precision sink and tail rows in
+blocks of the same pool (`HpUnits`: `hp_blocks_per_seq` blocks per live request, which vLLM allocates
+and frees with the request; see `hp_pool`). `regions` / `carve` can also place sink/tail regions
+after the pages (`hp_in_buffer`), as `torch_ops.bind` accepts for a cache used outside vLLM.
 """
 
 from __future__ import annotations
@@ -144,16 +145,15 @@ class PageLayout:
         unit = self.block_size * ALIGN // math.gcd(self.block_size, ALIGN)
         return _round_up(need, unit)
 
-    def vllm_page_bytes_for_budget(self, budget_bytes: int, num_layers: int) -> int:
-        """Page size when the high-precision storage must come out of an explicit KV budget.
+    @property
+    def hp_seq_bytes(self) -> int:
+        """Bytes of one sequence's high-precision sink + tail (all four leaves, this layer)."""
+        return sum(f.nbytes for f in self.fields if not f.per_block) // self.max_seqs
 
-        Each block then carries an equal share of this layer's sink/tail bytes. Picks the largest
-        block count N with num_layers * N * page(N) <= budget; vLLM will then find N (or more) blocks
-        and `regions` fits the sink/tail after them. Raises if even one block does not fit.
-        """
-        if num_layers <= 0:
-            raise ValueError(f"budget_bytes and num_layers must be positive, got {budget_bytes}, {num_layers}")
-        return shared_page_bytes_for_budget([self] * num_layers, budget_bytes)
+    @property
+    def hp_blocks_per_seq(self) -> int:
+        """Blocks of this layer's pages that hold one sequence's sink and tail rows (`HpUnits`)."""
+        return -(-self.hp_seq_bytes // self.format_page_bytes) if self.hp_seq_bytes else 0
 
     # ------------------------------------------------------------------ placement
     def regions(self, num_blocks: int, hp_in_buffer: bool) -> dict:
@@ -171,64 +171,26 @@ class PageLayout:
         out["__end__"] = off
         return out
 
-    def capacity_report(self, num_blocks: int, hp_in_buffer: bool = True) -> dict:
-        """Exact bytes of one layer and its capacity versus a 16-bit cache of the same memory."""
-        pages = self.format_page_bytes * num_blocks
-        hp = self.hp_bytes
-        fp16 = num_blocks * self.block_size * self.num_kv_heads * self.head_dim * 2 * 2
-        return {"scheme": self.cfg.name, "num_blocks": num_blocks, "page_bytes": pages, "hp_bytes": hp,
-                "format_page_bytes_per_block": self.format_page_bytes,
-                "bytes_per_token_per_head": self.format_page_bytes / (self.block_size * self.num_kv_heads),
-                "capacity_vs_fp16": fp16 / (pages + hp), "hp_in_buffer": hp_in_buffer}
-
 
 # ---------------------------------------------------------------------- one page size for several schemes
 # With per-layer schemes (a layer config) every layer still declares the same page size to vLLM: its
 # `customize_spec` hook is told the spec, not which layer it belongs to, so a per-layer size could
 # only be matched to its layer by call order. Every page is therefore padded to the largest layer's
 # need; a layer of a smaller scheme leaves the rest of each page unused (`padding_report`).
-def shared_page_bytes(layouts, num_blocks: int | None = None) -> int:
-    """The page size every layer declares: the largest of the layers' `vllm_page_bytes`, each with
-    its share ceil(hp_bytes / num_blocks) of its own sink/tail when num_blocks is given."""
-    return max(lay.vllm_page_bytes(0 if num_blocks is None else -(-lay.hp_bytes // num_blocks))
-               for lay in set(layouts))
+def shared_page_bytes(layouts) -> int:
+    """The page size every layer declares: the largest of the layers' `vllm_page_bytes`."""
+    return max(lay.vllm_page_bytes() for lay in set(layouts))
 
 
-def shared_page_bytes_for_budget(layouts, budget_bytes: int) -> int:
-    """The page size when the sink/tail storage of every layer comes out of an explicit KV budget.
-
-    layouts: one `PageLayout` per attention layer. Picks the largest block count N with
-    len(layouts) * N * shared_page_bytes(layouts, N) <= budget (vLLM gives every layer the same
-    number of blocks of the declared page), so each layer's pages and sink/tail fit its buffer.
-    Raises if even one block does not fit.
-    """
-    layouts = list(layouts)
-    num_layers = len(layouts)
-    if budget_bytes <= 0 or num_layers <= 0:
-        raise ValueError(f"budget_bytes and num_layers must be positive, got {budget_bytes}, {num_layers}")
-    distinct = set(layouts)
-    per_layer = budget_bytes // num_layers
-    # every layer needs N * base + hp <= its share of the budget: an upper bound on N
-    n = min((per_layer - lay.hp_bytes) // lay.vllm_page_bytes() for lay in distinct)
-    while n >= 1:
-        page = shared_page_bytes(distinct, n)
-        if num_layers * n * page <= budget_bytes:
-            return page
-        n -= 1
-    names = sorted({lay.cfg.name for lay in distinct})
-    hp = max(lay.hp_bytes for lay in distinct)
-    max_seqs = max(lay.max_seqs for lay in distinct)
-    raise ValueError(
-        f"kvarn: the KV cache budget of {budget_bytes / 2**30:.3f} GiB cannot hold the high-precision sink/tail "
-        f"storage of {', '.join(names)} ({num_layers} layers x {hp / 2**20:.1f} MiB for "
-        f"max_num_seqs={max_seqs}) plus one block per layer: lower max_num_seqs or raise the budget "
-        "(VLLM_CPU_KVCACHE_SPACE / --kv-cache-memory-bytes)")
+def hp_blocks_per_seq(layouts) -> int:
+    """Blocks each live sequence holds for its sink and tail: the most any layer needs (every layer
+    keeps a sequence's rows in the same blocks, each in its own buffer)."""
+    return max(lay.hp_blocks_per_seq for lay in set(layouts))
 
 
 def padding_report(layouts, page_bytes: int) -> dict:
     """How much of a shared page each scheme's layers use: {scheme: (layers, format bytes per block,
-    fraction of the page unused by the format)}; the unused part still holds that layer's share of
-    its sink/tail when they live in the buffer."""
+    fraction of the page unused by the format)}."""
     out = {}
     for lay in layouts:
         n = out.get(lay.cfg.name, (0,))[0] + 1
@@ -274,20 +236,97 @@ def carve(buffer, layout: PageLayout, num_blocks: int, hp_buffers: dict | None =
 
 
 def allocate_hp(layout: PageLayout, device) -> dict:
-    """Zeroed sink/tail tensors outside vLLM's buffer (used when vLLM's KV budget is found by
-    profiling, which then counts them as non-KV memory because they exist before it measures).
-    They are views of one allocation, back to back in `fields` order, as `regions` places them
-    inside a buffer: the bridge writes them with one indexed copy."""
+    """Zeroed sink/tail tensors outside vLLM's buffer, `max_seqs` rows each: views of one
+    allocation, back to back in `fields` order (as `regions` places them inside a buffer), so that
+    the bridge writes them with one indexed copy. The engine uses them as the step's staging rows
+    (`hp_pool`)."""
     import torch
 
     hp = [f for f in layout.fields if not f.per_block]
+    dtypes = {f.dtype for f in hp}
+    if len(dtypes) != 1:
+        raise ValueError(f"{layout.cfg.name}: the sink/tail leaves have several dtypes {sorted(dtypes)}; the bridge "
+                         "keeps them in one allocation of one dtype")
     sizes = [int(np.prod(f.shape, dtype=np.int64)) for f in hp]
-    flat = torch.zeros(sum(sizes), dtype=getattr(torch, layout.dtype), device=device)
+    flat = torch.zeros(sum(sizes), dtype=getattr(torch, dtypes.pop()), device=device)
     out, off = {}, 0
     for f, n in zip(hp, sizes):
         out[f.key] = flat[off:off + n].view(f.shape)
         off += n
     return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HpUnits:
+    """Where a sequence's sink and tail rows live in the pages of the blocks it holds for them.
+
+    The bytes of block b are one run of `n_i` bytes in every page field's region (field-major), so
+    a sequence's rows are cut into units of `unit` bytes (a divisor of a row and of every field run
+    and region offset) and unit j of its rows goes to the j-th unit of its blocks, block by block,
+    field by field. The staging rows (`allocate_hp`, one slot per batch row) use the same units:
+    slot r's unit j is at `stage_base[j] + r * stage_step[j]`. Both as unit indices into the bytes.
+
+    block_base / block_step: [units per block] - block b's k-th unit is block_base[k] + b * block_step[k].
+    row_units: units per row (one token and head of one leaf); leaf_start: {leaf key: its first unit}.
+    """
+
+    unit: int
+    units_per_seq: int
+    block_base: np.ndarray
+    block_step: np.ndarray
+    stage_base: np.ndarray
+    stage_step: np.ndarray
+    row_units: int
+    leaf_start: dict
+
+    @classmethod
+    def build(cls, layout: PageLayout, num_blocks: int) -> "HpUnits":
+        regions = layout.regions(num_blocks, hp_in_buffer=False)
+        pages = [f for f in layout.fields if f.per_block]
+        hp = [f for f in layout.fields if not f.per_block]
+        keys = tuple(f.key for f in hp)
+        if keys != ("sink.k", "sink.v", "tail.k", "tail.v"):
+            raise ValueError(f"kvarn: {layout.cfg.name} keeps {keys} in high precision; the pool holds sink.k, "
+                             "sink.v, tail.k, tail.v rows")
+        row = layout.head_dim * jnp.dtype(hp[0].dtype).itemsize
+        slot_bytes = [f.nbytes // layout.max_seqs for f in hp]
+        unit = math.gcd(row, *(f.nbytes for f in pages), *(regions[f.key][0] for f in pages))
+        if unit < 8:
+            raise ValueError(f"kvarn: {layout.cfg.name} at block_size={layout.block_size} has page fields of "
+                             f"{[f.nbytes for f in pages]} B per block, which share no 8-byte unit with its "
+                             f"{row}-byte high-precision rows; use a block size that is a multiple of 32")
+        base, step = [], []
+        for f in pages:
+            n = f.nbytes // unit
+            base.append(regions[f.key][0] // unit + np.arange(n))
+            step.append(np.full(n, n))
+        sbase, sstep, start, off = [], [], [], 0
+        for f, b in zip(hp, slot_bytes):
+            start.append(sum(x.shape[0] for x in sbase))
+            sbase.append(off // unit + np.arange(b // unit))
+            sstep.append(np.full(b // unit, b // unit))
+            off += f.nbytes
+        return cls(unit, sum(slot_bytes) // unit, np.concatenate(base), np.concatenate(step),
+                   np.concatenate(sbase), np.concatenate(sstep), row // unit, dict(zip(keys, start)))
+
+    def seq_units(self, hp_blocks):
+        """[rows, units_per_seq] unit indices of each row's rows in its blocks (hp_blocks: [rows, H]
+        block ids, torch, on the cache's device)."""
+        import torch
+
+        dev = hp_blocks.device
+        base = torch.from_numpy(self.block_base).to(dev)
+        step = torch.from_numpy(self.block_step).to(dev)
+        units = base[None, None, :] + hp_blocks.to(torch.int64)[:, :, None] * step[None, None, :]
+        return units.reshape(hp_blocks.shape[0], -1)[:, :self.units_per_seq]
+
+    def stage_units(self, rows: int, device):
+        """[rows, units_per_seq] unit indices of staging slots 0..rows-1."""
+        import torch
+
+        base = torch.from_numpy(self.stage_base).to(device)
+        step = torch.from_numpy(self.stage_step).to(device)
+        return base[None, :] + torch.arange(rows, device=device)[:, None] * step[None, :]
 
 
 def to_jax(views: dict, layout: PageLayout, num_blocks: int, static: Any = None) -> kvarn_jax.PagedKVCache:

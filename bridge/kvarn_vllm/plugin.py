@@ -111,6 +111,9 @@ def register() -> None:
 
         register_backend(AttentionBackendEnum.CPU_ATTN, "kvarn_vllm.backend.KvarnCpuBackend")
         register_backend(AttentionBackendEnum.CUSTOM, "kvarn_vllm.backend.KvarnBackend")
+        from .spec import register as register_spec
+
+        register_spec()  # in every process: the engine core's block manager needs it too
         _DONE["dtype_names"] = _register_dtypes()
         _install_config_hook()
         _DONE["registered"] = True

@@ -256,7 +256,7 @@ def stored_rows(bound: BoundCache, key: torch.Tensor, value: torch.Tensor):
     round the last fp32 bit differently: torch's matmul and XLA's sum in different orders)."""
     kv = torch.stack((key, value))
     cfg = bound.cfg
-    store = getattr(torch, cfg.dtype if cfg.is_passthrough else bound.layout.dtype)
+    store = bound.rows.dtype  # the cache's value dtype (a float32 model's sink and tail are float16)
     m = _token_max(kv)
     nonfinite = ~torch.isfinite(m)
     saturated = None
@@ -589,7 +589,7 @@ def _decode_served(q, cache, blk, entries, info, kv=None, ids=None, *, scale, si
     qg = qf.reshape(b, hk, g, d)
     rows = completed = None
     if kv is not None:
-        store = cache.cfg.dtype if cache.cfg.is_passthrough else cache.dtype
+        store = cache.value_dtype
         k_s, v_s, nonfinite, saturated = storage_values(cache.cfg, kv[0], kv[1], store)
         rows = jnp.stack((k_s, v_s))
         live = info[4] >= 0                                                   # padding rows write nothing
