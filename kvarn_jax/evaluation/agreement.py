@@ -222,11 +222,11 @@ def continuation_nll(model, prompts: torch.Tensor, tokens: torch.Tensor, *, max_
                      ) -> torch.Tensor:
     """[N] mean NLL (nats per token) the model, attention exact and no cache, gives `tokens` [N, M]
     after `prompts` [N, P]: teacher-forced, the output head applied to the M predicting positions only."""
-    from .perplexity import _decoder_and_head
+    from .perplexity import decoder_and_head
 
     if prompts.shape[0] != tokens.shape[0]:
         raise ValueError(f"prompts {tuple(prompts.shape)} and tokens {tuple(tokens.shape)} differ in rows")
-    decoder, head = _decoder_and_head(model)
+    decoder, head = decoder_and_head(model)
     seq = torch.cat([prompts, tokens], dim=1)
     p, m = prompts.shape[1], tokens.shape[1]
     rows = max(1, max_batch_tokens // seq.shape[1])

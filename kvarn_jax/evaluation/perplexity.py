@@ -126,7 +126,7 @@ class _Accumulator:
         return PerplexityResult(name, *total, buckets=buckets)
 
 
-def _decoder_and_head(model):
+def decoder_and_head(model):
     """(decoder returning the final hidden states, output head), checked to reproduce `model(x).logits`
     on a few tokens: a model that transforms its logits further (soft-capping, scaling) is refused."""
     decoder, head = model.get_decoder(), model.get_output_embeddings()
@@ -166,7 +166,7 @@ def evaluate_perplexity(model, windows: torch.Tensor,
 
     n, t = windows.shape
     edges = bucket_edges(t, position_buckets)
-    decoder, head = _decoder_and_head(model)
+    decoder, head = decoder_and_head(model)
     configs = {REFERENCE: None, **schemes}
     accs = {name: _Accumulator(edges) for name in configs}
     per_batch = max(1, max_batch_tokens // t)
