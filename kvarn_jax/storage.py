@@ -15,6 +15,8 @@ Callers count the tokens changed this way (`PagedKVCache.dropped_tokens`) or, ea
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 
 from .config import KVQuantConfig
@@ -28,23 +30,44 @@ def _per_token(mask: jnp.ndarray) -> jnp.ndarray:
     return jnp.any(mask.reshape(mask.shape[0], -1), axis=1)
 
 
+def token_absmax(k: jnp.ndarray, v: jnp.ndarray) -> jnp.ndarray:
+    """float32 [..., tokens]: the largest |value| of each token's K and V (over the last two axes),
+    +inf where any value is NaN or Inf. One reduction gives both tests a write needs (non-finite,
+    beyond `QUANT_MAX`); callers that compute it on the same k, v share it after XLA's CSE."""
+    def one(x):
+        a = jnp.abs(x.astype(jnp.float32))
+        return jnp.max(jnp.where(jnp.isnan(a), jnp.inf, a), axis=(-1, -2))
+    return jnp.maximum(one(k), one(v))
+
+
+def _reach(x_dtype, rotated: bool, head_dim: int) -> float:
+    """The largest magnitude a stored value can have before rounding to the storage dtype: the input
+    dtype's range, clipped at QUANT_MAX, times what a Hadamard rotation can grow a value by (sqrt(D),
+    with margin for the fp16-rounded matrix and fp32 accumulation)."""
+    bound = min(float(jnp.finfo(x_dtype).max), QUANT_MAX)
+    return bound * math.sqrt(head_dim) * (1 + 2.0 ** -10) if rotated else bound
+
+
 def storage_values(cfg: KVQuantConfig, k: jnp.ndarray, v: jnp.ndarray, dtype, rotated: bool = False):
     """(k, v) [tokens, Hk, D] -> (stored k, stored v, nonfinite [tokens] bool, saturated [tokens] bool).
 
     Stored values are in the storage frame (rotated for KVarN unless `rotated`: already in it) and
     in `dtype`. nonfinite: the token was stored as zeros; saturated: some value of a finite token was
     clipped (to ±QUANT_MAX before quantization, or to the dtype's range)."""
-    nonfinite = _per_token(~jnp.isfinite(k)) | _per_token(~jnp.isfinite(v))
+    m = token_absmax(k, v)
+    nonfinite = m == jnp.inf
+    saturated = m > QUANT_MAX
     big = float(jnp.finfo(jnp.dtype(dtype)).max)
-    out, saturated = [], jnp.zeros(nonfinite.shape, bool)
+    rotate_here = cfg.rotated and not rotated
+    out = []
     for x in (k, v):
         x = jnp.where(nonfinite[:, None, None], jnp.zeros((), x.dtype), x)
         if float(jnp.finfo(x.dtype).max) > QUANT_MAX:
-            saturated |= _per_token(jnp.abs(x) > QUANT_MAX)
             x = jnp.clip(x, -QUANT_MAX, QUANT_MAX)
         # in fp32 first (for fp16 input KVarN's rotation keeps the reference's fp16 matrix), then
         # rounded once to the storage dtype
-        y = rotate(x, jnp.float32) if cfg.rotated and not rotated else x.astype(jnp.float32)
-        saturated |= _per_token(jnp.abs(y) > big)
+        y = rotate(x, jnp.float32) if rotate_here else x.astype(jnp.float32)
+        if _reach(x.dtype, rotate_here, x.shape[-1]) > big:  # else no value can exceed the range
+            saturated |= _per_token(jnp.abs(y) > big)
         out.append(saturate(y, dtype))
     return out[0], out[1], nonfinite, saturated & ~nonfinite

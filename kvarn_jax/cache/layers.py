@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from ..config import KVQuantConfig
+from ..storage import token_absmax
 from . import paged
 from .memory import tree_bytes, memory_report
 from .paged import PagedKVCache
@@ -146,7 +147,7 @@ class LayerCaches:
     def _count_nonfinite(self, k, v, slot_mapping, seq_ids) -> jnp.ndarray:
         """`nonfinite` plus the tokens of k, v ([..., tokens, Hk, D]; leading axes: layers) stored with
         a NaN or Inf (those the cache writes count: a slot and a sequence slot in range)."""
-        bad = jnp.any(~jnp.isfinite(k), axis=(-1, -2)) | jnp.any(~jnp.isfinite(v), axis=(-1, -2))
+        bad = token_absmax(k, v) == jnp.inf  # the write's own test (one reduction, shared with it)
         bad = bad.reshape(-1, bad.shape[-1]).sum(0, dtype=jnp.int32)           # per token, over layers
         ok = paged.carries_token(slot_mapping) & (seq_ids >= 0) & (seq_ids < self.max_seqs)
         return self.nonfinite.at[jnp.where(ok, seq_ids, self.max_seqs)].add(bad, mode="drop")
