@@ -101,7 +101,10 @@ def _prefill_in_chunks(scheme, seqs, queries, chunks, rng, dtype=jnp.float32):
     return [np.concatenate(o) for o in outs], pages
 
 
-@pytest.mark.parametrize("scheme", ["kvarn_k4v2_g32", "int4", "kivi_k2v2_g32", "fp8", "fp16", "int8_static"])
+# float32 data with the sink and tail kept in float32 (`_hpfp32`; the default for a float32 model is
+# float16), so that the oracle's stored values are the cache's exactly
+@pytest.mark.parametrize("scheme", ["kvarn_k4v2_g32_hpfp32", "int4_hpfp32", "kivi_k2v2_g32_hpfp32", "fp8_hpfp32",
+                                    "fp16", "int8_static_hpfp32"])
 def test_prefill_matches_a_float64_oracle_for_random_chunks(scheme, rng):
     lens = [100, 45, 70]
     seqs = [tuple(x.astype(np.float32) for x in random_kv(rng, n, HK, D, np.float32, outliers=2)) for n in lens]
@@ -123,18 +126,19 @@ def test_prefill_matches_a_float64_oracle_for_random_chunks(scheme, rng):
         assert err.max() < 0.05 and np.mean(err > 2e-4) < 0.1, (scheme, i, err.max(), np.mean(err > 2e-4))
 
 
+@pytest.mark.parametrize("scheme", ["kvarn_k4v2_g32_hpfp32", "kvarn_k4v2_g32", "kvarn_k4v2_g32_hpint8"])
 @given(cuts=st.lists(st.integers(1, 95), max_size=4, unique=True))
-@settings(max_examples=4)
-def test_a_querys_output_does_not_depend_on_the_chunking(cuts):
+@settings(max_examples=3, deadline=None)
+def test_a_querys_output_does_not_depend_on_the_chunking(scheme, cuts):
     """The same sequence prefilled in other chunks: every position's output is the same (the
     semantics are exact; only float rounding differs: ~1e-6, against ~1e-2 for a block read
-    quantized instead of exact)."""
+    quantized instead of exact), whatever the sink and ring keep (float32, float16, int8 rows)."""
     rng = np.random.default_rng(5)
     k, v = (x.astype(np.float32) for x in random_kv(rng, 96, HK, D, np.float32, outliers=2))
     q = rng.standard_normal((96, HQ, D)).astype(np.float32)
-    whole = _prefill_in_chunks("kvarn_k4v2_g32", [(k, v)], [q], [[96]], rng)[0][0]
+    whole = _prefill_in_chunks(scheme, [(k, v)], [q], [[96]], rng)[0][0]
     sizes = np.diff([0] + sorted(cuts) + [96]).tolist()
-    cut = _prefill_in_chunks("kvarn_k4v2_g32", [(k, v)], [q], [sizes], rng)[0][0]
+    cut = _prefill_in_chunks(scheme, [(k, v)], [q], [sizes], rng)[0][0]
     np.testing.assert_allclose(cut, whole, rtol=1e-5, atol=1e-5)
 
 

@@ -191,14 +191,16 @@ def test_bfloat16_values_beyond_float16_are_kept(cfg, rng):
     assert np.isfinite(np.asarray(out)).all()
 
 
-def test_values_beyond_the_quantization_bound_are_clipped_and_counted():
+@pytest.mark.parametrize("scheme, stored", [("int8_hpfp32", QUANT_MAX), ("int8", 65504.0)])
+def test_values_beyond_the_quantization_bound_are_clipped_and_counted(scheme, stored):
+    """A float32 cache clips at QUANT_MAX; its default sink (float16) saturates at float16's maximum."""
     x = jnp.full((32, 1, 32), 1e30, jnp.float32)
-    cache = kj.PagedKVCache.create("int8", num_blocks=2, block_size=32, num_kv_heads=1, head_dim=32, max_seqs=1,
+    cache = kj.PagedKVCache.create(scheme, num_blocks=2, block_size=32, num_kv_heads=1, head_dim=32, max_seqs=1,
                                    dtype=jnp.float32)
     pos = jnp.arange(32, dtype=jnp.int32)
     out = _jit_write(cache, x, x, pos, jnp.zeros(32, jnp.int32), pos)
     assert int(out.dropped_tokens) == 32
-    assert float(jnp.max(out.sink["k"])) == QUANT_MAX
+    assert float(jnp.max(out.sink["k"])) == stored
     with pytest.raises(ValueError, match="beyond"):
         kj.write(cache, x, x, pos, seq_ids=jnp.zeros(32, jnp.int32), positions=pos)
 
