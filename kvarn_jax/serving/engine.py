@@ -512,23 +512,46 @@ class Engine:
                 fmeta[i] = seq.params.temperature, seq.params.top_p
         return meta, fmeta
 
+    def _take(self, seq: _Seq) -> int:
+        """Prompt tokens of `seq` in its next chunk: at most prefill_chunk, and a chunk never ends
+        inside a block unless the prompt does (whole blocks of prefill_chunk rounded down to a
+        multiple of block_size, or, below one block, up to the next block boundary), so that each
+        block's tokens reach the caches in one store (`ModelRunner.store`)."""
+        left, bs = len(seq.prompt) - seq.computed, self.block_size
+        if self.prefill_chunk >= bs:
+            return min(left, self.prefill_chunk // bs * bs)
+        return min(left, self.prefill_chunk, bs - seq.computed % bs)
+
     def _prefill(self, pool: CachePool) -> list:
         todo = [s for s in pool.running if s.computed < len(s.prompt)][: self.prefill_batch]
         if not todo:
             return []
-        takes = [min(self.prefill_chunk, len(s.prompt) - s.computed) for s in todo]
+        takes = [self._take(s) for s in todo]
         p = _pow2(len(todo))
         c = min(_pow2(max(takes + [16])), self.prefill_chunk)
+        bs = self.block_size
         tokens = np.zeros((p, c), np.int32)
         slots = np.full((p, c), -1, np.int32)
         rows = todo + [None] * (p - len(todo))
         meta, fmeta = self._meta(rows, len(PREFILL_COLS))
         col = {n: i for i, n in enumerate(PREFILL_COLS)}
+        pieces = -(-c // bs)
+        store = np.full((pieces, p * bs, 3), -1, np.int32)   # per piece: slot, sequence slot, position per token
+        store[:, :, 1:] = 0
+        commits = np.full((pieces, p, 3), -1, np.int32)      # per piece: the block each row completes
+        commits[:, :, 1:] = 0
         finishing = []  # whether the row's sampled token is its first generated one
         for i, (s, t) in enumerate(zip(todo, takes)):
             pos = np.arange(s.computed, s.computed + t, dtype=np.int32)
             tokens[i, :t] = s.prompt[s.computed:s.computed + t]
             slots[i, :t] = self._slots(s, pos)
+            for j in range(-(-t // bs)):
+                part = slice(j * bs, min(t, (j + 1) * bs))
+                n = part.stop - part.start
+                store[j, i * bs:i * bs + n] = np.stack([slots[i, part], np.full(n, s.slot), pos[part]], axis=1)
+                last = int(pos[part.stop - 1])
+                if pool.quantized and last % bs == bs - 1 and s.blocks[last // bs] != NO_PAGE:
+                    commits[j, i] = (s.blocks[last // bs], s.slot, last - bs + 1)
             done = s.computed + t == len(s.prompt)
             meta[i, [col["seq_ids"], col["start"], col["last"], col["finishes"], col["seeds"], col["steps"]]] = (
                 s.slot, s.computed, t - 1, int(done), np.uint32(s.params.seed).view(np.int32), 0)
@@ -536,8 +559,10 @@ class Engine:
             if done:
                 s.scheduled = 1
             finishing.append(done)
-        tok, pool.caches, pool.last_tokens = self.runner.prefill(pool.caches, pool.last_tokens, tokens, slots,
-                                                                 meta, fmeta)
+        tok, pool.last_tokens, kp, vp = self.runner.prefill(pool.caches, pool.last_tokens, tokens, slots, meta, fmeta)
+        for j in range(pieces):
+            if (store[j, :, 0] != -1).any():
+                pool.caches = self.runner.store(pool.caches, kp[j], vp[j], store[j], commits[j])
         self.stats.prefill_tokens += sum(takes)
         self.stats.prefill_calls += 1
         return [(pool, todo, tok, "prefill", finishing)]
