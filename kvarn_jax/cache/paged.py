@@ -43,6 +43,7 @@ import numpy as np
 
 from .. import schemes
 from ..config import KVQuantConfig
+from ..impl import resolve_impl
 from . import hp as hp_storage
 from ..storage import storage_values
 from ..validation import (check_array, check_count, check_finite, check_range, is_concrete,
@@ -565,13 +566,10 @@ WRITE_IMPLS = ("auto", "pallas", "reference")
 
 
 def auto_quantizer(cache: PagedKVCache) -> str:
-    """The quantizer `write(impl="auto")` uses: the Pallas kernel on GPUs for KVarN and fp8 (faster
-    than XLA there), the jnp path otherwise (KIVI since its kernel divides in IEEE fp32: 1.45 vs
-    1.39 ms on the H200, benchmarks/results/2026-12-01_quantize_parity_h200.md)."""
-    if jax.default_backend() == "gpu" and cache.cfg.method in ("kvarn", "fp8") \
-            and not pallas_quantize_supports(cache.cfg, cache.block_size, cache.head_dim):
-        return "pallas"
-    return "reference"
+    """The quantizer `write(impl="auto")` uses: "pallas" or "reference", as `impl.resolve_impl` rules
+    for the write path (the kernel on GPUs for the schemes where it beats XLA, the jnp path elsewhere)."""
+    return resolve_impl("auto", "write", cache.cfg, pallas_quantize_supports(cache.cfg, cache.block_size,
+                                                                               cache.head_dim))
 
 
 def write(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp.ndarray, *,
