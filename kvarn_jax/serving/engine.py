@@ -24,9 +24,9 @@ steps compiled whole and dispatched asynchronously.
   waits, and later requests of the same pool wait behind it (FIFO per pool). Pages and slot are
   freed when it finishes (stop token or length).
 - **Steps**: each `step()` dispatches one prefill call per pool with prompts left to process (up to
-  `prefill_batch` sequences, one chunk of at most `prefill_chunk` tokens each) and one decode call
-  per pool for its generating sequences, each a single compiled call of the whole model (see
-  `runner.py`); then it waits for the previous step's sampled tokens. The device thus runs step t
+  `prefill_batch` sequences, one chunk of at most `prefill_chunk` tokens each; its tokens are then
+  stored a block at a time) and one decode call per pool for its generating sequences, each a single
+  compiled call of the whole model (see `runner.py`); then it waits for the previous step's sampled tokens. The device thus runs step t
   while the host learns step t-1's tokens and prepares step t+1: input tokens stay on the device,
   and positions, slots and block tables are known to the host without them. The price is that a
   sequence which stops on a stop token is found one step late; the token computed for it in that
@@ -244,7 +244,9 @@ class Engine:
       max_position_embeddings, capped at 2048).
     num_blocks: pages per pool (default: the pages of max_seqs full-length sequences of the pool's
       scheme, `pool_blocks`; blocks held only in high precision take none).
-    prefill_chunk / prefill_batch: tokens per sequence and sequences per prefill call.
+    prefill_chunk / prefill_batch: tokens per sequence and sequences per prefill call. A chunk ends on
+      a block boundary unless its prompt does: from one block up, prefill_chunk counts whole blocks
+      (rounded down to a multiple of block_size); below, a chunk also stops at the next boundary.
     impl: decode attention ("auto": Pallas kernel on NVIDIA GPUs, reference elsewhere).
     calibration: a `kvarn_jax.Calibration` of all layers, for static schemes.
     decode_loop: how the decode step runs the layers (`ModelRunner`): "auto", "unroll" or "scan".

@@ -1,19 +1,24 @@
-"""Compiled whole-model steps: one executable per prefill chunk shape and per decode batch size.
+"""Compiled whole-model steps: one executable per prefill chunk shape and per decode batch size, and
+one that stores tokens and quantizes blocks.
 
 `ModelRunner` splits a `Decoder` into its graph and weights once. Each step is one call of one
-compiled function of (weights, caches, last tokens, packed metadata): the model's own `prefill` /
-`decode` (all layers: decode as a Python loop over the layers on GPUs and TPUs, a `lax.scan` on CPUs,
-`decode_loop`; prefill as a scan), the logits of the rows that need them, sampling, and the sampled tokens
-stored into `last_tokens` - a per-sequence-slot device array from which the next decode step reads
-its input tokens, so a step never waits for the host to learn the previous step's tokens. The
-caches and `last_tokens` are donated (updated in place). Host metadata travels as two or three
-packed arrays per call.
+compiled function of (weights, caches, last tokens, packed metadata): the model (all layers: decode
+as a Python loop over the layers on GPUs and TPUs, a `lax.scan` on CPUs, `decode_loop`; prefill as a
+scan), the logits of the rows that need them, sampling, and the sampled tokens stored into
+`last_tokens` - a per-sequence-slot device array from which the next decode step reads its input
+tokens, so a step never waits for the host to learn the previous step's tokens. The caches and
+`last_tokens` are donated (updated in place). Host metadata travels as two or three packed arrays
+per call.
 
-Blocks that a decode step completes are quantized by a separate compiled `commit` (the engine
-knows from positions alone when one is due: about once per `block_size` steps per sequence), so the
-decode step itself only scatters one token per sequence into high-precision storage. Nothing in a
-step branches on device data (whether any row samples is a static choice of the host's), so the
-host never waits for the device inside a step.
+Writes: a decode step scatters one token per sequence into high-precision storage. A prefill call
+only reads the caches and returns its chunk's keys and values in block-sized pieces, which `store`
+writes one piece at a time (the tokens staged, then the blocks they complete quantized); the blocks
+a decode step completes are quantized by the same executable with no tokens (`commit`; the engine
+knows from positions alone when one is due: about once per `block_size` steps per sequence). The
+quantization - most of what a quantized cache adds to compilation - is thus compiled once per
+(rows, blocks) size, not once per chunk length. Nothing in a step branches on device data (whether
+any row samples is a static choice of the host's), so the host never waits for the device inside
+a step.
 
 Executables are compiled ahead of time (so `stats` reports compile time apart from run time) and
 cached process-wide by the model's structure, `impl` and the argument shapes and dtypes: engines
