@@ -101,7 +101,7 @@ class ModelRunner:
         self.decode_loop = decode_loop if decode_loop != "auto" else (
             "scan" if jax.default_backend() == "cpu" else "unroll")
         self._structure = (self._graphdef, impl, self.decode_loop, tp)
-        self._zeros: dict = {}  # token count -> zero k/v pieces (`commit`)
+        self._zeros: dict = {}  # (tokens, dtype) -> zero k/v pieces (`commit`)
 
     @property
     def weights(self):
@@ -227,21 +227,25 @@ class ModelRunner:
 
     def commit(self, caches: LayerCaches, blocks: np.ndarray) -> LayerCaches:
         """Quantize completed blocks of every layer: blocks int32 [M, 3] = (block id, sequence slot,
-        first position), block id -1 for padding, M a power of two. Runs `store` with no tokens (the
-        executable of M rows' prefill pieces). caches are donated."""
-        m, bs = blocks.shape[0], caches.block_size
-        z = self._zero_pieces(m * bs)
-        meta = np.full((m * bs, 3), -1, np.int32)
-        meta[:, 1:] = 0
-        return self.store(caches, z, z, meta, blocks)
+        first position), block id -1 for padding, M a power of two. caches are donated."""
+        args = self._commit_args(caches, blocks)
+        return self._executable("store", self._store_fn, args, donate=(0,))(*args)
 
-    def _zero_pieces(self, tokens: int):
+    def _commit_args(self, caches: LayerCaches, blocks: np.ndarray) -> tuple:
+        """`store`'s arguments for quantizing `blocks` with no tokens. On CPUs, where compiling costs
+        more than the work, the tokens are M blocks of padding, so the executable is the one that
+        stores M rows' prefill pieces; elsewhere one padding token per block (staging M blocks of
+        padding would cost each commit a pass over them)."""
+        m = blocks.shape[0]
+        tokens = m * caches.block_size if jax.default_backend() == "cpu" else m
         key = (tokens, self.dtype)
         z = self._zeros.get(key)
         if z is None:
             shape = (self.config.num_layers, tokens, self.config.num_kv_heads, self.config.head_dim)
             z = self._zeros[key] = jax.jit(lambda: self._kv_sharded(jnp.zeros(shape, self.dtype)))()
-        return z
+        meta = np.full((tokens, 3), -1, np.int32)
+        meta[:, 1:] = 0
+        return caches, z, z, meta, blocks
 
     def precompile_decode(self, caches: LayerCaches, last_tokens, batch: int, table_width: int) -> None:
         """Compile (not run) the decode step of `batch` rows and the commits of up to `batch` blocks."""
@@ -251,7 +255,5 @@ class ModelRunner:
                          donate=(1, 2), static=(False,))
         m = 1
         while m <= batch:
-            z = self._zero_pieces(m * caches.block_size)
-            self._executable("store", self._store_fn, (caches, z, z, np.zeros((m * caches.block_size, 3), np.int32),
-                                                       np.zeros((m, 3), np.int32)), donate=(0,))
+            self._executable("store", self._store_fn, self._commit_args(caches, np.zeros((m, 3), np.int32)), donate=(0,))
             m *= 2
