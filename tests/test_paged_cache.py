@@ -472,3 +472,33 @@ def test_blocks_without_a_page_are_served_the_same(cfg, rng):
     bad[0, 1] = NO_PAGE
     with pytest.raises(ValueError, match="block_tables"):
         kj.gather_dense(lean, jnp.asarray(bad), sl)
+
+
+@pytest.mark.parametrize("cfg", ["kvarn_k4v2_g32", "int4_sink16", "kivi_k2v2_g32"])
+def test_reads_touch_only_the_pages_they_serve(cfg, rng):
+    """gather_dense dequantizes only the blocks it serves from pages: with NaN in the pages of every
+    other block (a whole-block sink, each query's block, the blocks past it, unused table entries),
+    the positions a sequence has are unchanged and every position, garbage included, is finite."""
+    bs, lens = 32, [100, 64, 20, 1]
+    nb = sum(-(-L // bs) for L in lens) + 1
+    seqs = [random_kv(rng, L, 2, 64, dtype=np.float32) for L in lens]
+    tables = allocate_tables(rng, lens, bs, nb - 1, extra_cols=2)
+    cache = serve_writes(make_cache(cfg, num_blocks=nb, block_size=bs, heads=2, dim=64, max_seqs=4), tables, seqs,
+                         np.random.default_rng(1))
+    c = kj.parse(cfg)
+    unread = {nb - 1}                              # a spare block for the unused entries
+    poisoned = tables.copy()
+    for i, L in enumerate(lens):
+        n = -(-L // bs)
+        poisoned[i, n:] = nb - 1
+        unread |= {int(tables[i, n - 1])} | ({int(tables[i, 0])} if not c.sink_tokens else set())
+    nan = dataclasses.replace(cache, pages={s: {name: a.at[jnp.asarray(sorted(unread))].set(
+        255 if a.dtype == jnp.uint8 else jnp.nan) for name, a in f.items()} for s, f in cache.pages.items()})
+    sl = jnp.asarray(lens, jnp.int32)
+    for a, b in zip(kj.gather_dense(cache, jnp.asarray(tables), sl), kj.gather_dense(nan, jnp.asarray(poisoned), sl)):
+        assert np.isfinite(np.asarray(b)).all()
+        for i, L in enumerate(lens):
+            np.testing.assert_array_equal(np.asarray(a[i, :, :L]), np.asarray(b[i, :, :L]))
+    q = jnp.asarray(rng.standard_normal((4, 4, 64)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(kj.paged_decode_attention(q, nan, jnp.asarray(poisoned), sl)),
+                                  np.asarray(kj.paged_decode_attention(q, cache, jnp.asarray(tables), sl)))

@@ -43,6 +43,7 @@ import numpy as np
 
 from .. import schemes
 from ..config import KVQuantConfig
+from ..impl import resolve_impl
 from . import hp as hp_storage
 from ..storage import storage_values
 from ..validation import (check_array, check_count, check_finite, check_range, is_concrete,
@@ -565,13 +566,10 @@ WRITE_IMPLS = ("auto", "pallas", "reference")
 
 
 def auto_quantizer(cache: PagedKVCache) -> str:
-    """The quantizer `write(impl="auto")` uses: the Pallas kernel on GPUs for KVarN and fp8 (faster
-    than XLA there), the jnp path otherwise (KIVI since its kernel divides in IEEE fp32: 1.45 vs
-    1.39 ms on the H200, benchmarks/results/2026-12-01_quantize_parity_h200.md)."""
-    if jax.default_backend() == "gpu" and cache.cfg.method in ("kvarn", "fp8") \
-            and not pallas_quantize_supports(cache.cfg, cache.block_size, cache.head_dim):
-        return "pallas"
-    return "reference"
+    """The quantizer `write(impl="auto")` uses: "pallas" or "reference", as `impl.resolve_impl` rules
+    for the write path (the kernel on GPUs for the schemes where it beats XLA, the jnp path elsewhere)."""
+    return resolve_impl("auto", "write", cache.cfg, pallas_quantize_supports(cache.cfg, cache.block_size,
+                                                                               cache.head_dim))
 
 
 def write(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp.ndarray, *,
@@ -667,38 +665,52 @@ def gather_dense(cache: PagedKVCache, block_tables: jnp.ndarray, seq_lens: jnp.n
                  seq_ids: jnp.ndarray | None = None):
     """Dense fp32 K and V of each sequence as attention sees them: ([B, Hk, L, D], [B, Hk, L, D]).
 
-    L = max_blocks * block_size; positions >= seq_lens hold garbage and must be masked. Values are in
-    the storage frame (rotated for KVarN). Full blocks before the one holding position seq_len - 1
-    come from the quantized pages (`read_from_page`), except a whole-block sink; the sink and the
-    last (partial or just-completed) block from high precision. Block table entries of blocks read
-    only from high precision may be `NO_PAGE`.
+    L = max_blocks * block_size; positions >= seq_lens hold garbage (finite) and must be masked.
+    Values are in the storage frame (rotated for KVarN). Full blocks before the one holding position
+    seq_len - 1 come from the quantized pages (`read_from_page`), except a whole-block sink; the sink
+    and the last (partial or just-completed) block from high precision. Block table entries of
+    blocks read only from high precision may be `NO_PAGE`.
+
+    Quantized schemes dequantize only the blocks read from pages: a loop over blocks up to the
+    longest sequence's last full one (the sink block and the blocks past it cost nothing), over a
+    buffer that starts as the ring laid over every block.
     """
     check_read_args(cache, block_tables, seq_lens, seq_ids)
     nbt, mb = block_tables.shape
     bs, nb = cache.block_size, cache.num_blocks
-    g = cache.cfg.tile_tokens
+    hk, d = cache.num_kv_heads, cache.head_dim
     # unchecked indices (traced, or the decode entry's check_values=False) are clamped into range
     tbl = jnp.clip(block_tables.astype(jnp.int32), 0, nb - 1)
     seq_lens = jnp.clip(seq_lens.astype(jnp.int32), 0, mb * bs)
-    pos = jnp.arange(mb * bs)
+    if not cache.has_hp:
+        return tuple(_dense_blocks(cache, side, tbl).transpose(0, 2, 1, 3, 4).reshape(nbt, hk, mb * bs, d)
+                     for side in schemes.SIDES)
+    sid = jnp.clip((jnp.arange(nbt) if seq_ids is None else seq_ids).astype(jnp.int32), 0, cache.max_seqs - 1)
+    paged = jnp.maximum((seq_lens - 1) // bs, 0)  # per row: blocks [0, paged) are full and before the query's
     out = []
     for side in schemes.SIDES:
-        f = fields_from_pages(cache.cfg, side, {name: a[tbl] for name, a in cache.pages[side].items()})  # [B, mb, Hk, tpb, ...]
-        st = schemes.expand_static(cache.cfg, cache.static[side], 1) if cache.static else None
-        x = schemes.dequantize_side(f, cache.cfg, side, cache.head_dim, st)
-        if g > 1:  # [B, mb, Hk, tpb, G, D] -> [B, mb, Hk, bs, D]
-            x = x.reshape(nbt, mb, cache.num_kv_heads, bs, cache.head_dim)
-        x = x.transpose(0, 2, 1, 3, 4).reshape(nbt, cache.num_kv_heads, mb * bs, cache.head_dim)
-        if cache.has_hp:
-            sid = jnp.arange(nbt) if seq_ids is None else seq_ids.astype(jnp.int32)
-            sid = jnp.clip(sid, 0, cache.max_seqs - 1)
-            sink = hp_storage.load(cache.cfg, {n: a[sid] for n, a in cache.hp_fields("sink", side).items()})
-            ring = hp_storage.load(cache.cfg, {n: a[sid][:, :, pos % cache.tail_len]
-                                               for n, a in cache.hp_fields("tail", side).items()})
-            x = jnp.where(read_from_page(cache, pos, seq_lens)[:, None, :, None], x, ring)
-            x = x.at[:, :, :cache.sink_len].set(sink)
-        out.append(x)
+        ring = hp_storage.load(cache.cfg, {n: a[sid] for n, a in cache.hp_fields("tail", side).items()})  # [B, Hk, R, D]
+        reps = -(-(mb * bs) // cache.tail_len)
+        x = jnp.broadcast_to(ring[:, :, None], (nbt, hk, reps, cache.tail_len, d))
+        x = x.reshape(nbt, hk, reps * cache.tail_len, d)[:, :, :mb * bs]   # position p: ring[p % tail_len]
+
+        def page_block(j, x, side=side):
+            blk = _dense_blocks(cache, side, jax.lax.dynamic_slice_in_dim(tbl, j, 1, axis=1))[:, 0]  # [B, Hk, bs, D]
+            cur = jax.lax.dynamic_slice_in_dim(x, j * bs, bs, axis=2)
+            return jax.lax.dynamic_update_slice_in_dim(x, jnp.where((j < paged)[:, None, None, None], blk, cur),
+                                                       j * bs, axis=2)
+        x = jax.lax.fori_loop(cache.paged_from // bs, jnp.max(paged), page_block, x)
+        sink = hp_storage.load(cache.cfg, {n: a[sid] for n, a in cache.hp_fields("sink", side).items()})
+        out.append(jax.lax.dynamic_update_slice_in_dim(x, sink, 0, axis=2))
     return tuple(out)
+
+
+def _dense_blocks(cache: PagedKVCache, side: str, tbl: jnp.ndarray) -> jnp.ndarray:
+    """Pages of block ids tbl [B, m] (in range) dequantized: float32 [B, m, Hk, block_size, D]."""
+    f = fields_from_pages(cache.cfg, side, {name: a[tbl] for name, a in cache.pages[side].items()})
+    st = schemes.expand_static(cache.cfg, cache.static[side], 1) if cache.static else None
+    x = schemes.dequantize_side(f, cache.cfg, side, cache.head_dim, st)
+    return x.reshape(tbl.shape + (cache.num_kv_heads, cache.block_size, cache.head_dim))
 
 
 def read_from_page(cache: PagedKVCache, positions: jnp.ndarray, seq_lens: jnp.ndarray) -> jnp.ndarray:

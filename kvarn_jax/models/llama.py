@@ -508,11 +508,9 @@ class Decoder(nnx.Module):
         """(logits [P, V] of each row's `last` token (or [P, C, V] with all_logits), updated caches).
         layer_loop: "scan" (default; with per-layer schemes always a loop) or "unroll". tp: run
         tensor-parallel over a mesh (weights and caches placed as `head_parallel_specs` says)."""
-        self._check_caches(caches)
-        x, (k, v) = self._run_layers("prefill", self.embed(batch.tokens), caches, batch, layer_loop, tp)
+        logits, (k, v) = self.prefill_kv(caches, batch, all_logits=all_logits, layer_loop=layer_loop, tp=tp)
         p, c = batch.tokens.shape
-        n = self.config.num_layers
-        hk, d = self.config.num_kv_heads, self.config.head_dim
+        n, hk, d = self.config.num_layers, self.config.num_kv_heads, self.config.head_dim
         # every layer's chunk stored in one write after the layers ran; at most ceil(C / block_size)
         # blocks complete per sequence in a chunk of C positions
         def write(caches, k, v, slots, seq_ids, positions):
@@ -521,9 +519,17 @@ class Decoder(nnx.Module):
                                        batch.slot_mapping.reshape(-1), jnp.repeat(batch.seq_ids, c),
                                        batch.positions.reshape(-1)),
                            ("caches", 2, 2, "rep", "rep", "rep"), ("caches",))
+        return logits, caches
+
+    def prefill_kv(self, caches: LayerCaches, batch: PrefillBatch, *, all_logits: bool = False,
+                   layer_loop: str = "scan", tp: HeadParallel | None = None):
+        """`prefill` without storing the chunk: (logits, (k, v) [layers, P, C, Hk, D] to store, e.g. by
+        `store_tokens`). The caches are only read."""
+        self._check_caches(caches)
+        x, (k, v) = self._run_layers("prefill", self.embed(batch.tokens), caches, batch, layer_loop, tp)
         if not all_logits:
             x = jnp.take_along_axis(x, batch.last[:, None, None], axis=1)[:, 0]
-        return self.logits(x), caches
+        return self.logits(x), (k, v)
 
     def decode(self, caches: LayerCaches, batch: DecodeBatch, *, impl: str = "auto", commit: bool = True,
                layer_loop: str = "unroll", tp: HeadParallel | None = None):
@@ -549,6 +555,27 @@ class Decoder(nnx.Module):
                             f"{type(caches).__name__}")
         if caches.num_layers != self.config.num_layers:
             raise ValueError(f"caches hold {caches.num_layers} layers; the model has {self.config.num_layers}")
+
+
+def store_tokens(caches: LayerCaches, k, v, slot_mapping, seq_ids, positions, blocks, *,
+                 tp: HeadParallel | None = None) -> LayerCaches:
+    """Store tokens of every layer without quantizing (`LayerCaches.stage`: k, v [layers, T, Hk, D];
+    slot_mapping, seq_ids, positions [T]), then quantize the completed blocks `blocks` int32 [M, 3] =
+    (block id, sequence slot, first position), block id -1 for padding (`LayerCaches.commit`).
+
+    Tokens of a block must reach the ring before the block is quantized from it: a call stores at
+    most one block's tokens per sequence and commits the blocks those tokens complete (or, with no
+    tokens, blocks an earlier call completed)."""
+    def fn(caches, k, v, slots, seq, pos, blocks):
+        for g, first, n in caches.runs():
+            j0 = caches.layer_index[first]
+
+            def stage(i, caches, g=g, first=first, j0=j0):
+                return caches.stage((g, j0 + i), k[first + i], v[first + i], slots, seq, pos)
+            caches = jax.lax.fori_loop(0, n, stage, caches)
+        return caches.commit(blocks[:, 0], blocks[:, 1], blocks[:, 2])
+    return on_heads(tp, fn, (caches, k, v, slot_mapping, seq_ids, positions, blocks),
+                    ("caches", 2, 2, "rep", "rep", "rep", "rep"), ("caches",))
 
 
 def commit_blocks(caches: LayerCaches, block_ids, seq_ids, first_positions, *, tp: HeadParallel | None = None):

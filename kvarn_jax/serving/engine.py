@@ -24,9 +24,9 @@ steps compiled whole and dispatched asynchronously.
   waits, and later requests of the same pool wait behind it (FIFO per pool). Pages and slot are
   freed when it finishes (stop token or length).
 - **Steps**: each `step()` dispatches one prefill call per pool with prompts left to process (up to
-  `prefill_batch` sequences, one chunk of at most `prefill_chunk` tokens each) and one decode call
-  per pool for its generating sequences, each a single compiled call of the whole model (see
-  `runner.py`); then it waits for the previous step's sampled tokens. The device thus runs step t
+  `prefill_batch` sequences, one chunk of at most `prefill_chunk` tokens each; its tokens are then
+  stored a block at a time) and one decode call per pool for its generating sequences, each a single
+  compiled call of the whole model (see `runner.py`); then it waits for the previous step's sampled tokens. The device thus runs step t
   while the host learns step t-1's tokens and prepares step t+1: input tokens stay on the device,
   and positions, slots and block tables are known to the host without them. The price is that a
   sequence which stops on a stop token is found one step late; the token computed for it in that
@@ -244,7 +244,9 @@ class Engine:
       max_position_embeddings, capped at 2048).
     num_blocks: pages per pool (default: the pages of max_seqs full-length sequences of the pool's
       scheme, `pool_blocks`; blocks held only in high precision take none).
-    prefill_chunk / prefill_batch: tokens per sequence and sequences per prefill call.
+    prefill_chunk / prefill_batch: tokens per sequence and sequences per prefill call. A chunk ends on
+      a block boundary unless its prompt does: from one block up, prefill_chunk counts whole blocks
+      (rounded down to a multiple of block_size); below, a chunk also stops at the next boundary.
     impl: decode attention ("auto": Pallas kernel on NVIDIA GPUs, reference elsewhere).
     calibration: a `kvarn_jax.Calibration` of all layers, for static schemes.
     decode_loop: how the decode step runs the layers (`ModelRunner`): "auto", "unroll" or "scan".
@@ -512,23 +514,46 @@ class Engine:
                 fmeta[i] = seq.params.temperature, seq.params.top_p
         return meta, fmeta
 
+    def _take(self, seq: _Seq) -> int:
+        """Prompt tokens of `seq` in its next chunk: at most prefill_chunk, and a chunk never ends
+        inside a block unless the prompt does (whole blocks of prefill_chunk rounded down to a
+        multiple of block_size, or, below one block, up to the next block boundary), so that each
+        block's tokens reach the caches in one store (`ModelRunner.store`)."""
+        left, bs = len(seq.prompt) - seq.computed, self.block_size
+        if self.prefill_chunk >= bs:
+            return min(left, self.prefill_chunk // bs * bs)
+        return min(left, self.prefill_chunk, bs - seq.computed % bs)
+
     def _prefill(self, pool: CachePool) -> list:
         todo = [s for s in pool.running if s.computed < len(s.prompt)][: self.prefill_batch]
         if not todo:
             return []
-        takes = [min(self.prefill_chunk, len(s.prompt) - s.computed) for s in todo]
+        takes = [self._take(s) for s in todo]
         p = _pow2(len(todo))
         c = min(_pow2(max(takes + [16])), self.prefill_chunk)
+        bs = self.block_size
         tokens = np.zeros((p, c), np.int32)
         slots = np.full((p, c), -1, np.int32)
         rows = todo + [None] * (p - len(todo))
         meta, fmeta = self._meta(rows, len(PREFILL_COLS))
         col = {n: i for i, n in enumerate(PREFILL_COLS)}
+        pieces = -(-c // bs)
+        store = np.full((pieces, p * bs, 3), -1, np.int32)   # per piece: slot, sequence slot, position per token
+        store[:, :, 1:] = 0
+        commits = np.full((pieces, p, 3), -1, np.int32)      # per piece: the block each row completes
+        commits[:, :, 1:] = 0
         finishing = []  # whether the row's sampled token is its first generated one
         for i, (s, t) in enumerate(zip(todo, takes)):
             pos = np.arange(s.computed, s.computed + t, dtype=np.int32)
             tokens[i, :t] = s.prompt[s.computed:s.computed + t]
             slots[i, :t] = self._slots(s, pos)
+            for j in range(-(-t // bs)):
+                part = slice(j * bs, min(t, (j + 1) * bs))
+                n = part.stop - part.start
+                store[j, i * bs:i * bs + n] = np.stack([slots[i, part], np.full(n, s.slot), pos[part]], axis=1)
+                last = int(pos[part.stop - 1])
+                if pool.quantized and last % bs == bs - 1 and s.blocks[last // bs] != NO_PAGE:
+                    commits[j, i] = (s.blocks[last // bs], s.slot, last - bs + 1)
             done = s.computed + t == len(s.prompt)
             meta[i, [col["seq_ids"], col["start"], col["last"], col["finishes"], col["seeds"], col["steps"]]] = (
                 s.slot, s.computed, t - 1, int(done), np.uint32(s.params.seed).view(np.int32), 0)
@@ -536,8 +561,10 @@ class Engine:
             if done:
                 s.scheduled = 1
             finishing.append(done)
-        tok, pool.caches, pool.last_tokens = self.runner.prefill(pool.caches, pool.last_tokens, tokens, slots,
-                                                                 meta, fmeta)
+        tok, pool.last_tokens, kp, vp = self.runner.prefill(pool.caches, pool.last_tokens, tokens, slots, meta, fmeta)
+        for j in range(pieces):
+            if (store[j, :, 0] != -1).any():
+                pool.caches = self.runner.store(pool.caches, kp[j], vp[j], store[j], commits[j])
         self.stats.prefill_tokens += sum(takes)
         self.stats.prefill_calls += 1
         return [(pool, todo, tok, "prefill", finishing)]

@@ -1,19 +1,24 @@
-"""Compiled whole-model steps: one executable per prefill chunk shape and per decode batch size.
+"""Compiled whole-model steps: one executable per prefill chunk shape and per decode batch size, and
+one that stores tokens and quantizes blocks.
 
 `ModelRunner` splits a `Decoder` into its graph and weights once. Each step is one call of one
-compiled function of (weights, caches, last tokens, packed metadata): the model's own `prefill` /
-`decode` (all layers: decode as a Python loop over the layers on GPUs and TPUs, a `lax.scan` on CPUs,
-`decode_loop`; prefill as a scan), the logits of the rows that need them, sampling, and the sampled tokens
-stored into `last_tokens` - a per-sequence-slot device array from which the next decode step reads
-its input tokens, so a step never waits for the host to learn the previous step's tokens. The
-caches and `last_tokens` are donated (updated in place). Host metadata travels as two or three
-packed arrays per call.
+compiled function of (weights, caches, last tokens, packed metadata): the model (all layers: decode
+as a Python loop over the layers on GPUs and TPUs, a `lax.scan` on CPUs, `decode_loop`; prefill as a
+scan), the logits of the rows that need them, sampling, and the sampled tokens stored into
+`last_tokens` - a per-sequence-slot device array from which the next decode step reads its input
+tokens, so a step never waits for the host to learn the previous step's tokens. The caches and
+`last_tokens` are donated (updated in place). Host metadata travels as two or three packed arrays
+per call.
 
-Blocks that a decode step completes are quantized by a separate compiled `commit` (the engine
-knows from positions alone when one is due: about once per `block_size` steps per sequence), so the
-decode step itself only scatters one token per sequence into high-precision storage. Nothing in a
-step branches on device data (whether any row samples is a static choice of the host's), so the
-host never waits for the device inside a step.
+Writes: a decode step scatters one token per sequence into high-precision storage. A prefill call
+only reads the caches and returns its chunk's keys and values in block-sized pieces, which `store`
+writes one piece at a time (the tokens staged, then the blocks they complete quantized); the blocks
+a decode step completes are quantized by the same executable with no tokens (`commit`; the engine
+knows from positions alone when one is due: about once per `block_size` steps per sequence). The
+quantization - most of what a quantized cache adds to compilation - is thus compiled once per
+(rows, blocks) size, not once per chunk length. Nothing in a step branches on device data (whether
+any row samples is a static choice of the host's), so the host never waits for the device inside
+a step.
 
 Executables are compiled ahead of time (so `stats` reports compile time apart from run time) and
 cached process-wide by the model's structure, `impl` and the argument shapes and dtypes: engines
@@ -37,7 +42,7 @@ from ..cache.layers import LayerCaches
 from ..cache.paged import carries_token
 from ..cache import sharding as cache_sharding
 from ..cache.sharding import HeadParallel
-from ..models.llama import LAYER_LOOPS, Decoder, DecodeBatch, PrefillBatch, commit_blocks, head_parallel_specs
+from ..models.llama import LAYER_LOOPS, Decoder, DecodeBatch, PrefillBatch, head_parallel_specs, store_tokens
 from .sampling import sample_rows
 
 _COMPILED: dict = {}       # (kind, model structure, impl, static args, argument shapes) -> executable
@@ -96,6 +101,7 @@ class ModelRunner:
         self.decode_loop = decode_loop if decode_loop != "auto" else (
             "scan" if jax.default_backend() == "cpu" else "unroll")
         self._structure = (self._graphdef, impl, self.decode_loop, tp)
+        self._zeros: dict = {}  # (tokens, dtype) -> zero k/v pieces (`commit`)
 
     @property
     def weights(self):
@@ -155,20 +161,34 @@ class ModelRunner:
     def _prefill_fn(self, weights, caches, last_tokens, tokens, slots, meta, fmeta, *, sampled: bool):
         model = nnx.merge(self._graphdef, weights)
         cols = {n: meta[:, i] for i, n in enumerate(PREFILL_COLS)}
-        c = tokens.shape[1]
+        p, c = tokens.shape
         batch = PrefillBatch(tokens=tokens, positions=cols["start"][:, None] + jnp.arange(c, dtype=jnp.int32)[None],
                              slot_mapping=slots, seq_ids=cols["seq_ids"], block_tables=meta[:, len(PREFILL_COLS):],
                              start=cols["start"], last=cols["last"])
-        before = _nonfinite(caches, cols["seq_ids"])
-        logits, caches = model.prefill(caches, batch, layer_loop="scan", tp=self.tp)
+        logits, (k, v) = model.prefill_kv(caches, batch, layer_loop="scan", tp=self.tp)
         tok = sample_rows(logits, fmeta[:, 0], fmeta[:, 1], _u32(cols["seeds"]), cols["steps"], sampled)
         # a row whose prompt ends in this chunk hands its first generated token to the decode steps
         idx = jnp.where(cols["finishes"] > 0, cols["seq_ids"], last_tokens.shape[0])
-        bad = jnp.any(carries_token(slots), axis=1) & (_nonfinite(caches, cols["seq_ids"]) > before)
-        return _with_flags(tok, bad), caches, last_tokens.at[idx].set(tok, mode="drop")
+        # what the caches' `nonfinite` count will say once the chunk is stored (`store_tokens`)
+        finite = jnp.all(jnp.isfinite(k), axis=(0, 3, 4)) & jnp.all(jnp.isfinite(v), axis=(0, 3, 4))  # [P, C]
+        bad = jnp.any(carries_token(slots) & ~finite, axis=1) & (cols["seq_ids"] >= 0) & (cols["seq_ids"] < caches.max_seqs)
+        bs = caches.block_size
+        return _with_flags(tok, bad), last_tokens.at[idx].set(tok, mode="drop"), self._pieces(k, bs), self._pieces(v, bs)
 
-    def _commit_fn(self, caches, blocks):
-        return commit_blocks(caches, blocks[:, 0], blocks[:, 1], blocks[:, 2], tp=self.tp)
+    def _pieces(self, x, bs: int):
+        """[layers, P, C, Hk, D] -> the chunk's block_size-token pieces, each [layers, P * block_size, Hk, D]
+        (C padded to a multiple of block_size): what `store` takes."""
+        n, p, c = x.shape[:3]
+        x = jnp.pad(x, ((0, 0), (0, 0), (0, -c % bs), (0, 0), (0, 0)))
+        out = tuple(x[:, :, i * bs:(i + 1) * bs].reshape((n, p * bs) + x.shape[3:]) for i in range(x.shape[2] // bs))
+        return tuple(self._kv_sharded(o) for o in out)
+
+    def _kv_sharded(self, x):
+        # token pieces and the zero pieces of `commit` have one placement: heads split, as the caches'
+        return x if self.tp is None else jax.lax.with_sharding_constraint(x, self._named(P(None, None, self.tp.axis)))
+
+    def _store_fn(self, caches, k, v, meta, blocks):
+        return store_tokens(caches, k, v, meta[:, 0], meta[:, 1], meta[:, 2], blocks, tp=self.tp)
 
     # ------------------------------------------------------------------ steps
     def decode(self, caches: LayerCaches, last_tokens, meta: np.ndarray, fmeta: np.ndarray):
@@ -185,13 +205,47 @@ class ModelRunner:
 
     def prefill(self, caches: LayerCaches, last_tokens, tokens: np.ndarray, slots: np.ndarray, meta: np.ndarray,
                 fmeta: np.ndarray):
-        """One prefill chunk per row: (int32 [2, P]: tokens sampled from each row's last real token and
-        the rows whose chunk had a NaN/Inf key or value, caches, last_tokens). tokens, slots: int32 [P, C]; meta: int32 [P, 6 + W] - columns `PREFILL_COLS`,
-        then the block table; fmeta: float32 [P, 2]. caches and last_tokens are donated."""
+        """The model over one prefill chunk per row, reading the caches (not storing the chunk):
+        (int32 [2, P]: tokens sampled from each row's last real token and the rows whose chunk had a
+        NaN/Inf key or value, last_tokens, k pieces, v pieces). tokens, slots: int32 [P, C]; meta:
+        int32 [P, 6 + W] - columns `PREFILL_COLS`, then the block table; fmeta: float32 [P, 2].
+        last_tokens is donated. The pieces - ceil(C / block_size) arrays [layers, P * block_size, Hk,
+        D], piece i holding tokens [i * block_size, (i + 1) * block_size) of each row's chunk - go to
+        `store`, in order."""
         args = (self._weights, caches, last_tokens, tokens, slots, meta, fmeta)
         sampled = bool((fmeta[:, 0] > 0).any())
         fn = functools.partial(self._prefill_fn, sampled=sampled)
-        return self._executable("prefill", fn, args, donate=(1, 2), static=(sampled,))(*args)
+        return self._executable("prefill", fn, args, donate=(2,), static=(sampled,))(*args)
+
+    def store(self, caches: LayerCaches, k, v, meta: np.ndarray, blocks: np.ndarray) -> LayerCaches:
+        """Store tokens of every layer (k, v: a prefill piece; meta int32 [T, 3] = slot, sequence slot,
+        position per token, slot -1 for padding) and quantize the blocks they complete (blocks int32
+        [M, 3] = block id, sequence slot, first position; block id -1 for padding): `store_tokens`.
+        One executable per (T, M) serves prefill chunks of every length. caches are donated."""
+        args = (caches, k, v, meta, blocks)
+        return self._executable("store", self._store_fn, args, donate=(0,))(*args)
+
+    def commit(self, caches: LayerCaches, blocks: np.ndarray) -> LayerCaches:
+        """Quantize completed blocks of every layer: blocks int32 [M, 3] = (block id, sequence slot,
+        first position), block id -1 for padding, M a power of two. caches are donated."""
+        args = self._commit_args(caches, blocks)
+        return self._executable("store", self._store_fn, args, donate=(0,))(*args)
+
+    def _commit_args(self, caches: LayerCaches, blocks: np.ndarray) -> tuple:
+        """`store`'s arguments for quantizing `blocks` with no tokens. On CPUs, where compiling costs
+        more than the work, the tokens are M blocks of padding, so the executable is the one that
+        stores M rows' prefill pieces; elsewhere one padding token per block (staging M blocks of
+        padding would cost each commit a pass over them)."""
+        m = blocks.shape[0]
+        tokens = m * caches.block_size if jax.default_backend() == "cpu" else m
+        key = (tokens, self.dtype)
+        z = self._zeros.get(key)
+        if z is None:
+            shape = (self.config.num_layers, tokens, self.config.num_kv_heads, self.config.head_dim)
+            z = self._zeros[key] = jax.jit(lambda: self._kv_sharded(jnp.zeros(shape, self.dtype)))()
+        meta = np.full((tokens, 3), -1, np.int32)
+        meta[:, 1:] = 0
+        return caches, z, z, meta, blocks
 
     def precompile_decode(self, caches: LayerCaches, last_tokens, batch: int, table_width: int) -> None:
         """Compile (not run) the decode step of `batch` rows and the commits of up to `batch` blocks."""
@@ -201,11 +255,5 @@ class ModelRunner:
                          donate=(1, 2), static=(False,))
         m = 1
         while m <= batch:
-            self._executable("commit", self._commit_fn, (caches, np.zeros((m, 3), np.int32)), donate=(0,))
+            self._executable("store", self._store_fn, self._commit_args(caches, np.zeros((m, 3), np.int32)), donate=(0,))
             m *= 2
-
-    def commit(self, caches: LayerCaches, blocks: np.ndarray) -> LayerCaches:
-        """Quantize completed blocks of every layer: blocks int32 [M, 3] = (block id, sequence slot,
-        first position), block id -1 for padding. caches are donated."""
-        args = (caches, blocks)
-        return self._executable("commit", self._commit_fn, args, donate=(0,))(*args)
