@@ -174,6 +174,9 @@ def run_one(model, scheme: str, prompts, args):
         "decode_ms_per_step": ms, "floor_ms_per_step": floor_ms, "floor_share": floor_ms / ms,
         "kv_bytes_per_step": b * cfg.num_layers * kv, "prefill_s": st.prefill_s, "decode_s": st.decode_s,
         "wall_s": wall, "decode_steps": st.decode_calls, "commit_calls": st.commit_calls,
+        # tokens decoded in steps that also prefilled (with --prefill-batch below the batch): not in the
+        # decode rate, whose time excludes those steps
+        "mixed_decode_tokens": st.mixed_decode_tokens,
         "compiles_during_timed_run": engine.runner.stats.compiles - c0, "compile_s": engine.runner.stats.compile_s,
         "kv_total_bytes": mem["total_bytes"], "kv_fp16_bytes": mem["fp16_bytes"],
         "kv_capacity_vs_fp16": mem["capacity_vs_fp16"], "decode_loop": engine.runner.decode_loop,

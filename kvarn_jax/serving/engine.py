@@ -123,9 +123,11 @@ class Result:
 class EngineStats:
     """Device time of the steps, measured as the interval between the arrivals of consecutive steps'
     tokens (the device works through the steps back to back), less compilation, which `compile_s` of
-    the runner counts. A step that ran a prefill call counts as prefill time; decode_tokens counts
-    the tokens decode calls generated (not those computed for a sequence already stopped, see
-    `Engine`), commit_calls the calls that quantized completed blocks."""
+    the runner counts. A step that ran a prefill call counts as prefill time; decode_tokens and
+    decode_calls count the tokens (not those computed for a sequence already stopped, see `Engine`)
+    and calls of the steps that only decoded, whose time is decode_s; mixed_decode_tokens the tokens
+    decode calls generated in steps that also prefilled (their time is in prefill_s); commit_calls
+    the calls that quantized completed blocks."""
 
     prefill_tokens: int = 0
     prefill_s: float = 0.0
@@ -133,6 +135,7 @@ class EngineStats:
     decode_tokens: int = 0
     decode_s: float = 0.0
     decode_calls: int = 0
+    mixed_decode_tokens: int = 0
     commit_calls: int = 0
     steps: int = 0
 
@@ -591,7 +594,6 @@ class Engine:
             blocks[len(commits):, 1:] = 0
             pool.caches = self.runner.commit(pool.caches, blocks)
             self.stats.commit_calls += 1
-        self.stats.decode_calls += 1
         return [(pool, todo, tok, "decode", [True] * len(todo))]
 
     def _generating(self, pool: CachePool) -> list:
@@ -618,6 +620,7 @@ class Engine:
         else:
             self.stats.decode_s += dt
         for (pool, rows, _, call, takes), (toks, bad) in zip(launched, arrived):
+            self.stats.decode_calls += call == "decode" and kind == "decode"
             for seq, t, b, take in zip(rows, toks, bad, takes):
                 if seq.finished:
                     continue
@@ -628,7 +631,10 @@ class Engine:
                                  "and the request stopped")
                 elif take:
                     self._accept(pool, seq, int(t))
-                    self.stats.decode_tokens += call == "decode"
+                    if call == "decode" and kind == "decode":
+                        self.stats.decode_tokens += 1
+                    elif call == "decode":
+                        self.stats.mixed_decode_tokens += 1
 
     def _drain(self) -> None:
         if self._inflight:
