@@ -8,7 +8,8 @@ would, only not packed), and the result is reported under the lever's name with 
 element computed for fp16 scales. Levers:
 
   k4v2              kvarn_k4v2_g128 as the cache stores it (the anchor of a run)
-  k4v2_clip_vonly   clip search on the values only (keys over min..max): does key clipping pay?
+  k4v2_clip         the shipped `_clip` (clip search on keys and values)
+  k4v2_clip_vonly   clip search on the values only (keys over min..max; the shipped `_clipv`)
   k4v2_clip_ef      error-feedback Sinkhorn: of the Sinkhorn iterates (the all-ones start
                     included) keep the one whose clipped RTN has the least squared error of the
                     tile, instead of the least variance imbalance
@@ -16,6 +17,17 @@ element computed for fp16 scales. Levers:
   k3v2_clip_ef      both
   k4v2_clip_unweighted  clip search on the balanced tile's own error, not weighted back to the
                     tile's scale (the shipped `_clip` weights it)
+  k4v2_clipk_fine   keys: 8 ratios 1 .. 0.93 (half the shipped step); values as `_clip`
+  k4v2_clipk_xfine  keys: 8 ratios 1 .. 0.965 (a quarter of the shipped step); values as `_clip`
+  k4v2_clipk_refit1 keys: min..max or its unbiased refit, no clipping; values as `_clip`
+  k4v2_clipk_p4     keys: candidates ranked by sum(err^4), which penalizes the few large errors
+                    clipping puts on a channel's extreme tokens; values as `_clip`
+  k4v2_clipk_p4_fine  both of the above on the keys
+  k4v2_clipv16      values: 16 ratios 1 .. 0.475 (half the shipped step); keys as `_clip`
+  k4v2_clip_p4      every side ranked by sum(err^4)
+  k3v3, k3v3_clip, k3v3_clipv  3-bit keys and values: k4v2's bits per element at any head_dim
+  k4v2_signs        rotation diag(s) @ H with fixed random signs s instead of H (a different
+                    rotation, same cost); k4v2_clip_signs: with `_clip`
 
     python benchmarks/accuracy_levers.py [--model PATH] [--tokens 4096] [--levers a,b] --json out.json
 
@@ -31,6 +43,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 import kvarn_jax as kj
@@ -64,11 +77,12 @@ def _sinkhorn_iterates(t, iters):
 
 
 def _rtn_dequant_matrix(t, lc, lr, bits, clip, weighted=True):
-    """Balanced RTN of t [..., R, C] under log scales (lc, lr), back in t's frame."""
+    """Balanced RTN of t [..., R, C] under log scales (lc, lr), back in t's frame. clip: None (min..max)
+    or the keyword arguments of `clip_search` ({} for its defaults)."""
     bal = t * jnp.exp2(-lc)[..., None, :] * jnp.exp2(-lr)[..., :, None]
-    if clip:
+    if clip is not None:
         w = jnp.exp2(2.0 * lc)[..., None, :] if weighted else None
-        q, mn, scale = clip_search(bal, bits, weights=w)
+        q, mn, scale = clip_search(bal, bits, weights=w, **clip)
     else:
         mn, scale = rtn_params(bal, bits)
         q = rtn_codes(bal, mn, scale, bits)
@@ -93,22 +107,28 @@ def _matrix(t, bits, clip, select, weighted=True):
     return best
 
 
-@jax.jit
-def _noop(x):
-    return x
+def _signs(d):
+    """A fixed random +-1 per channel (seed 0): the rotation diag(s) @ H instead of H."""
+    return jnp.asarray(np.random.default_rng(0).choice([-1.0, 1.0], d), jnp.float32)
 
 
-def make_lever(k_bits, v_bits, clip_k, clip_v, select="imbalance", weighted=True):
+def make_lever(k_bits, v_bits, clip_k, clip_v, select="imbalance", weighted=True, rotation="hadamard"):
+    def rot(x):
+        return rotate(x * _signs(x.shape[-1])) if rotation == "signs" else rotate(x)
+
+    def unrot(x):
+        return unrotate(x) * _signs(x.shape[-1]) if rotation == "signs" else unrotate(x)
+
     @jax.jit
     def roundtrip(k, v):  # [T, H, D] fp32, un-rotated
         out = []
         for x, bits, clip, side in ((k, k_bits, clip_k, "k"), (v, v_bits, clip_v, "v")):
             t, h, d = x.shape
-            tiles = rotate(x).reshape(t // G, G, h, d).transpose(0, 2, 1, 3)   # [n, H, G, D]
+            tiles = rot(x).reshape(t // G, G, h, d).transpose(0, 2, 1, 3)   # [n, H, G, D]
             m = jnp.swapaxes(tiles, -1, -2) if side == "k" else tiles
             r = _matrix(m, bits, clip, select, weighted)
             r = jnp.swapaxes(r, -1, -2) if side == "k" else r
-            out.append(unrotate(r.transpose(0, 2, 1, 3).reshape(t, h, d)))
+            out.append(unrot(r.transpose(0, 2, 1, 3).reshape(t, h, d)))
         return tuple(out)
     return roundtrip
 
@@ -121,18 +141,40 @@ def kvarn_bits(k_bits, v_bits, d):
     return (k + v) / 2
 
 
+def _ratios(step, n):
+    return tuple(1.0 - k * step for k in range(n))
+
+
+CLIP = {}                                   # the shipped search
+FINE4 = {"ratios": _ratios(0.01, 8)}        # 4-bit keys, half the shipped step
+XFINE4 = {"ratios": _ratios(0.005, 8)}      # a quarter
+P4 = {"power": 4}
+# name: (k_bits, v_bits, key clip, value clip, Sinkhorn iterate selection, weighted clip error[, rotation])
 LEVERS = {
-    "k4v2": (4, 2, False, False, "imbalance", True),   # kvarn_k4v2_g128 itself: the anchor
-    "k4v2_clip_vonly": (4, 2, False, True, "imbalance", True),
-    "k4v2_clip_ef": (4, 2, True, True, "error", True),
-    "k3v2_clip": (3, 2, True, True, "imbalance", True),
-    "k3v2_clip_ef": (3, 2, True, True, "error", True),
-    "k4v2_clip_unweighted": (4, 2, True, True, "imbalance", False),
+    "k4v2": (4, 2, None, None, "imbalance", True),   # kvarn_k4v2_g128 itself: the anchor
+    "k4v2_clip": (4, 2, CLIP, CLIP, "imbalance", True),
+    "k4v2_clip_vonly": (4, 2, None, CLIP, "imbalance", True),
+    "k4v2_clip_ef": (4, 2, CLIP, CLIP, "error", True),
+    "k3v2_clip": (3, 2, CLIP, CLIP, "imbalance", True),
+    "k3v2_clip_ef": (3, 2, CLIP, CLIP, "error", True),
+    "k4v2_clip_unweighted": (4, 2, CLIP, CLIP, "imbalance", False),
+    "k4v2_clipk_fine": (4, 2, FINE4, CLIP, "imbalance", True),
+    "k4v2_clipk_xfine": (4, 2, XFINE4, CLIP, "imbalance", True),
+    "k4v2_clipk_refit1": (4, 2, {"ratios": (1.0,)}, CLIP, "imbalance", True),
+    "k4v2_clipk_p4": (4, 2, P4, CLIP, "imbalance", True),
+    "k4v2_clipk_p4_fine": (4, 2, {**P4, **FINE4}, CLIP, "imbalance", True),
+    "k4v2_clipv16": (4, 2, CLIP, {"ratios": _ratios(0.035, 16)}, "imbalance", True),
+    "k4v2_clip_p4": (4, 2, P4, P4, "imbalance", True),
+    "k3v3": (3, 3, None, None, "imbalance", True),
+    "k3v3_clip": (3, 3, CLIP, CLIP, "imbalance", True),
+    "k3v3_clipv": (3, 3, None, CLIP, "imbalance", True),
+    "k4v2_signs": (4, 2, None, None, "imbalance", True, "signs"),
+    "k4v2_clip_signs": (4, 2, CLIP, CLIP, "imbalance", True, "signs"),
 }
 # Carriers: real schemes whose round trip the lever replaces (any KVarN G=128 scheme will do; the
 # carrier's own quantizer never runs).
 CARRIERS = ["kvarn_k8v8_g128", "kvarn_k8v4_g128", "kvarn_k8v2_g128", "kvarn_k4v8_g128", "kvarn_k2v8_g128",
-            "kvarn_k2v4_g128"]
+            "kvarn_k2v4_g128", "kvarn_k4v4_g128", "kvarn_k2v2_g128"]
 
 
 def main(argv=None):
@@ -180,7 +222,7 @@ def main(argv=None):
         rows.append({"scheme": name, "bits_per_element": kvarn_bits(kb, vb, geo["head_dim"]), "ppl": r.ppl,
                      "ppl_increase": r.ppl / ref.ppl - 1, "kl_mean": r.kl_mean, "top1_agreement": r.top1_agreement,
                      "simulated": True, "lever": dict(zip(("k_bits", "v_bits", "clip_k", "clip_v", "sinkhorn_select",
-                                                            "weighted_clip_error"), LEVERS[name]))})
+                                                            "weighted_clip_error", "rotation"), LEVERS[name]))})
         print(f"{name:24s} bits {rows[-1]['bits_per_element']:.3f}  PPL {r.ppl:.3f} ({100 * rows[-1]['ppl_increase']:+.2f}%)"
               f"  KL {r.kl_mean:.5f}  top-1 {100 * r.top1_agreement:.1f}%", flush=True)
     doc = {"argv": sys.argv, "model": str(folder), "geometry": geo, "window": args.window,

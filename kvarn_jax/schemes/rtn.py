@@ -61,7 +61,8 @@ def _unbiased_fit(x, c, w):
     return mx - scale * mc, scale, ok
 
 
-def clip_search(x: jnp.ndarray, bits: int, floor: float = 1e-10, ar: Arith = JNP, weights=None, stored=None):
+def clip_search(x: jnp.ndarray, bits: int, floor: float = 1e-10, ar: Arith = JNP, weights=None, stored=None,
+                ratios=None, power: int = 2):
     """(codes, zero, scale) per row of `x` (fp32) over the last axis, dequantized as codes * scale + zero.
 
     Candidates: RTN over min..max (`rtn_params`), and for each ratio of `clip_ratios(bits)`, RTN over
@@ -69,7 +70,9 @@ def clip_search(x: jnp.ndarray, bits: int, floor: float = 1e-10, ar: Arith = JNP
     scale (`_unbiased_fit`). The candidate with the least squared error sum(weights * err^2)
     (weights broadcast against x; None: 1) wins; min..max is first and keeps ties, so no row does
     worse than without the search. stored: the dtype zero and scale are stored in (the grid is rounded
-    to it before its codes are chosen, the refit before ranking). The codes are the winning candidate's: a refit grid is not re-rounded."""
+    to it before its codes are chosen, the refit before ranking). The codes are the winning candidate's: a refit grid is not re-rounded.
+    ratios: the clip ratios to try after min..max (None: `clip_ratios(bits)`); power: the error's
+    exponent in the ranking (2: squared error; 4 weighs a few large errors, as clipping makes, more)."""
     mn = jnp.min(x, axis=-1)
     mx = jnp.max(x, axis=-1)
     levels = jnp.asarray(2 ** bits - 1, mx.dtype)
@@ -80,7 +83,7 @@ def clip_search(x: jnp.ndarray, bits: int, floor: float = 1e-10, ar: Arith = JNP
         return a if stored is None else saturate(a, stored).astype(jnp.float32)
 
     best = None
-    for k, r in enumerate((1.0,) + clip_ratios(bits)):
+    for k, r in enumerate((1.0,) + tuple(clip_ratios(bits) if ratios is None else ratios)):
         if k == 0:   # min..max, as without the search
             lo, scale = mn, jnp.maximum(ar.div(mx - mn, levels), floor)
         else:
@@ -96,7 +99,8 @@ def clip_search(x: jnp.ndarray, bits: int, floor: float = 1e-10, ar: Arith = JNP
             scale = jnp.where(ok, jnp.maximum(fit, floor), scale)
         lo, scale = as_stored(lo), as_stored(scale)
         e = codes * scale[..., None] + lo[..., None] - x
-        err = jnp.sum(e * e if weights is None else e * e * weights, axis=-1)
+        e2 = e * e if power == 2 else (e * e) ** (power // 2)
+        err = jnp.sum(e2 if weights is None else e2 * (weights if power == 2 else weights ** (power // 2)), axis=-1)
         if best is None:
             best = (codes, lo, scale, err)
         else:
