@@ -26,6 +26,9 @@ element computed for fp16 scales. Levers:
   k4v2_clipv16      values: 16 ratios 1 .. 0.475 (half the shipped step); keys as `_clip`
   k4v2_clip_p4      every side ranked by sum(err^4)
   k3v3, k3v3_clip, k3v3_clipv  3-bit keys and values: k4v2's bits per element at any head_dim
+  k4v2_fine_colfit_k / _v / (both)  k4v2_clipk_fine, then each key token's (_k) or value channel's
+                    (_v) stored scale refit so that its error is orthogonal to it (no shrinkage along
+                    it; the same fields); _colfit_ls: least-squares refits; k4v2_colfit: refits alone
   k4v2_signs        rotation diag(s) @ H with fixed random signs s instead of H (a different
                     rotation, same cost); k4v2_clip_signs: with `_clip`
 
@@ -37,6 +40,7 @@ Runs on the CPU (the model's forward in torch, the levers in jnp).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -90,10 +94,22 @@ def _rtn_dequant_matrix(t, lc, lr, bits, clip, weighted=True):
     return (q * scale[..., None] + mn[..., None]) * jnp.exp2(lc)[..., None, :] * jnp.exp2(lr)[..., :, None]
 
 
-def _matrix(t, bits, clip, select, weighted=True):
+def _column_refit(t, d, how):
+    """d [..., R, C] times a factor per column (the stored column scale absorbs it): "ls" least squares,
+    "unbiased" the column's error orthogonal to the column (no shrinkage along it)."""
+    dt, tt, dd = (jnp.sum(a * b, axis=-2) for a, b in ((d, t), (t, t), (d, d)))
+    if how == "ls":
+        f = jnp.where(dd > 0, dt / jnp.where(dd > 0, dd, 1.0), 1.0)
+    else:
+        f = jnp.where(dt > 0, tt / jnp.where(dt > 0, dt, 1.0), 1.0)
+    return d * f[..., None, :]
+
+
+def _matrix(t, bits, clip, select, weighted=True, colfit=None):
     if select == "imbalance":
         lc, lr = K.sinkhorn_log_scales(t, 8)
-        return _rtn_dequant_matrix(t, lc, lr, bits, clip, weighted)
+        d = _rtn_dequant_matrix(t, lc, lr, bits, clip, weighted)
+        return d if colfit is None else _column_refit(t, d, colfit)
     best = best_err = None
     for lc, lr in _sinkhorn_iterates(t, 8):
         d = _rtn_dequant_matrix(t, lc, lr, bits, clip, weighted)
@@ -112,21 +128,36 @@ def _signs(d):
     return jnp.asarray(np.random.default_rng(0).choice([-1.0, 1.0], d), jnp.float32)
 
 
-def make_lever(k_bits, v_bits, clip_k, clip_v, select="imbalance", weighted=True, rotation="hadamard"):
+@dataclasses.dataclass(frozen=True)
+class Lever:
+    k_bits: int = 4
+    v_bits: int = 2
+    clip_k: dict | None = None            # None: min..max; else `clip_search` keyword arguments
+    clip_v: dict | None = None
+    sinkhorn_select: str = "imbalance"    # or "error"
+    weighted_clip_error: bool = True
+    rotation: str = "hadamard"            # or "signs"
+    colfit_k: str | None = None           # per-token key refit: None, "ls" or "unbiased"
+    colfit_v: str | None = None           # per-channel value refit
+
+
+def make_lever(lv: Lever):
     def rot(x):
-        return rotate(x * _signs(x.shape[-1])) if rotation == "signs" else rotate(x)
+        return rotate(x * _signs(x.shape[-1])) if lv.rotation == "signs" else rotate(x)
 
     def unrot(x):
-        return unrotate(x) * _signs(x.shape[-1]) if rotation == "signs" else unrotate(x)
+        return unrotate(x) * _signs(x.shape[-1]) if lv.rotation == "signs" else unrotate(x)
 
     @jax.jit
     def roundtrip(k, v):  # [T, H, D] fp32, un-rotated
         out = []
-        for x, bits, clip, side in ((k, k_bits, clip_k, "k"), (v, v_bits, clip_v, "v")):
+        for x, side in ((k, "k"), (v, "v")):
+            bits, clip, colfit = ((lv.k_bits, lv.clip_k, lv.colfit_k) if side == "k"
+                                  else (lv.v_bits, lv.clip_v, lv.colfit_v))
             t, h, d = x.shape
             tiles = rot(x).reshape(t // G, G, h, d).transpose(0, 2, 1, 3)   # [n, H, G, D]
             m = jnp.swapaxes(tiles, -1, -2) if side == "k" else tiles
-            r = _matrix(m, bits, clip, select, weighted)
+            r = _matrix(m, bits, clip, lv.sinkhorn_select, lv.weighted_clip_error, colfit)
             r = jnp.swapaxes(r, -1, -2) if side == "k" else r
             out.append(unrot(r.transpose(0, 2, 1, 3).reshape(t, h, d)))
         return tuple(out)
@@ -149,27 +180,32 @@ CLIP = {}                                   # the shipped search
 FINE4 = {"ratios": _ratios(0.01, 8)}        # 4-bit keys, half the shipped step
 XFINE4 = {"ratios": _ratios(0.005, 8)}      # a quarter
 P4 = {"power": 4}
-# name: (k_bits, v_bits, key clip, value clip, Sinkhorn iterate selection, weighted clip error[, rotation])
+C = CLIP
 LEVERS = {
-    "k4v2": (4, 2, None, None, "imbalance", True),   # kvarn_k4v2_g128 itself: the anchor
-    "k4v2_clip": (4, 2, CLIP, CLIP, "imbalance", True),
-    "k4v2_clip_vonly": (4, 2, None, CLIP, "imbalance", True),
-    "k4v2_clip_ef": (4, 2, CLIP, CLIP, "error", True),
-    "k3v2_clip": (3, 2, CLIP, CLIP, "imbalance", True),
-    "k3v2_clip_ef": (3, 2, CLIP, CLIP, "error", True),
-    "k4v2_clip_unweighted": (4, 2, CLIP, CLIP, "imbalance", False),
-    "k4v2_clipk_fine": (4, 2, FINE4, CLIP, "imbalance", True),
-    "k4v2_clipk_xfine": (4, 2, XFINE4, CLIP, "imbalance", True),
-    "k4v2_clipk_refit1": (4, 2, {"ratios": (1.0,)}, CLIP, "imbalance", True),
-    "k4v2_clipk_p4": (4, 2, P4, CLIP, "imbalance", True),
-    "k4v2_clipk_p4_fine": (4, 2, {**P4, **FINE4}, CLIP, "imbalance", True),
-    "k4v2_clipv16": (4, 2, CLIP, {"ratios": _ratios(0.035, 16)}, "imbalance", True),
-    "k4v2_clip_p4": (4, 2, P4, P4, "imbalance", True),
-    "k3v3": (3, 3, None, None, "imbalance", True),
-    "k3v3_clip": (3, 3, CLIP, CLIP, "imbalance", True),
-    "k3v3_clipv": (3, 3, None, CLIP, "imbalance", True),
-    "k4v2_signs": (4, 2, None, None, "imbalance", True, "signs"),
-    "k4v2_clip_signs": (4, 2, CLIP, CLIP, "imbalance", True, "signs"),
+    "k4v2": Lever(),   # kvarn_k4v2_g128 itself: the anchor
+    "k4v2_clip": Lever(clip_k=C, clip_v=C),
+    "k4v2_clip_vonly": Lever(clip_v=C),
+    "k4v2_clip_ef": Lever(clip_k=C, clip_v=C, sinkhorn_select="error"),
+    "k3v2_clip": Lever(k_bits=3, clip_k=C, clip_v=C),
+    "k3v2_clip_ef": Lever(k_bits=3, clip_k=C, clip_v=C, sinkhorn_select="error"),
+    "k4v2_clip_unweighted": Lever(clip_k=C, clip_v=C, weighted_clip_error=False),
+    "k4v2_clipk_fine": Lever(clip_k=FINE4, clip_v=C),
+    "k4v2_clipk_xfine": Lever(clip_k=XFINE4, clip_v=C),
+    "k4v2_clipk_refit1": Lever(clip_k={"ratios": (1.0,)}, clip_v=C),
+    "k4v2_clipk_p4": Lever(clip_k=P4, clip_v=C),
+    "k4v2_clipk_p4_fine": Lever(clip_k={**P4, **FINE4}, clip_v=C),
+    "k4v2_clipv16": Lever(clip_k=C, clip_v={"ratios": _ratios(0.035, 16)}),
+    "k4v2_clip_p4": Lever(clip_k=P4, clip_v=P4),
+    "k3v3": Lever(k_bits=3, v_bits=3),
+    "k3v3_clip": Lever(k_bits=3, v_bits=3, clip_k=C, clip_v=C),
+    "k3v3_clipv": Lever(k_bits=3, v_bits=3, clip_v=C),
+    "k4v2_signs": Lever(rotation="signs"),
+    "k4v2_clip_signs": Lever(clip_k=C, clip_v=C, rotation="signs"),
+    "k4v2_fine_colfit_k": Lever(clip_k=FINE4, clip_v=C, colfit_k="unbiased"),
+    "k4v2_fine_colfit_v": Lever(clip_k=FINE4, clip_v=C, colfit_v="unbiased"),
+    "k4v2_fine_colfit": Lever(clip_k=FINE4, clip_v=C, colfit_k="unbiased", colfit_v="unbiased"),
+    "k4v2_fine_colfit_ls": Lever(clip_k=FINE4, clip_v=C, colfit_k="ls", colfit_v="ls"),
+    "k4v2_colfit": Lever(colfit_k="unbiased", colfit_v="unbiased"),
 }
 # Carriers: real schemes whose round trip the lever replaces (any KVarN G=128 scheme will do; the
 # carrier's own quantizer never runs).
@@ -201,7 +237,7 @@ def main(argv=None):
     ids = text_token_ids(tok, load_text("persuasion"), 5000)
     windows = token_windows(ids, args.window, args.tokens // args.window)
     carriers = dict(zip(CARRIERS, levers))
-    fns = {c: make_lever(*LEVERS[name][:4], *LEVERS[name][4:]) for c, name in carriers.items()}
+    fns = {c: make_lever(LEVERS[name]) for c, name in carriers.items()}
     real = serving_attention.roundtrip_bhtd
 
     def roundtrip(k, v, cfg):
@@ -217,12 +253,11 @@ def main(argv=None):
     ref = res[REFERENCE]
     rows = []
     for c, name in carriers.items():
-        kb, vb = LEVERS[name][:2]
+        kb, vb = LEVERS[name].k_bits, LEVERS[name].v_bits
         r = res[name]
         rows.append({"scheme": name, "bits_per_element": kvarn_bits(kb, vb, geo["head_dim"]), "ppl": r.ppl,
                      "ppl_increase": r.ppl / ref.ppl - 1, "kl_mean": r.kl_mean, "top1_agreement": r.top1_agreement,
-                     "simulated": True, "lever": dict(zip(("k_bits", "v_bits", "clip_k", "clip_v", "sinkhorn_select",
-                                                            "weighted_clip_error", "rotation"), LEVERS[name]))})
+                     "simulated": True, "lever": dataclasses.asdict(LEVERS[name])})
         print(f"{name:24s} bits {rows[-1]['bits_per_element']:.3f}  PPL {r.ppl:.3f} ({100 * rows[-1]['ppl_increase']:+.2f}%)"
               f"  KL {r.kl_mean:.5f}  top-1 {100 * r.top1_agreement:.1f}%", flush=True)
     doc = {"argv": sys.argv, "model": str(folder), "geometry": geo, "window": args.window,
