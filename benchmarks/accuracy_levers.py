@@ -8,7 +8,7 @@ would, only not packed), and the result is reported under the lever's name with 
 element computed for fp16 scales. Levers:
 
   k4v2              kvarn_k4v2_g128 as the cache stores it (the anchor of a run)
-  k4v2_clip         the shipped `_clip` (clip search on keys and values)
+  k4v2_clip         the first `_clip`: clip search on keys and values, keys on the values' grid
   k4v2_clip_vonly   clip search on the values only (keys over min..max; the shipped `_clipv`)
   k4v2_clip_ef      error-feedback Sinkhorn: of the Sinkhorn iterates (the all-ones start
                     included) keep the one whose clipped RTN has the least squared error of the
@@ -17,13 +17,14 @@ element computed for fp16 scales. Levers:
   k3v2_clip_ef      both
   k4v2_clip_unweighted  clip search on the balanced tile's own error, not weighted back to the
                     tile's scale (the shipped `_clip` weights it)
-  k4v2_clipk_fine   keys: 8 ratios 1 .. 0.93 (half the shipped step); values as `_clip`
-  k4v2_clipk_xfine  keys: 8 ratios 1 .. 0.965 (a quarter of the shipped step); values as `_clip`
+  k4v2_clipk_fine   keys: 8 ratios 1 .. 0.93 (half the values' step); values as `_clip`: the
+                    shipped `_clip` (`rtn.clip_ratios(4, "k")`)
+  k4v2_clipk_xfine  keys: 8 ratios 1 .. 0.965 (a quarter of the values' step)
   k4v2_clipk_refit1 keys: min..max or its unbiased refit, no clipping; values as `_clip`
   k4v2_clipk_p4     keys: candidates ranked by sum(err^4), which penalizes the few large errors
                     clipping puts on a channel's extreme tokens; values as `_clip`
   k4v2_clipk_p4_fine  both of the above on the keys
-  k4v2_clipv16      values: 16 ratios 1 .. 0.475 (half the shipped step); keys as `_clip`
+  k4v2_clipv16      values: 16 ratios 1 .. 0.475 (half the values' step); keys as k4v2_clip
   k4v2_clip_p4      every side ranked by sum(err^4)
   k3v3, k3v3_clip, k3v3_clipv  3-bit keys and values: k4v2's bits per element at any head_dim
   k4v2_fine_colfit_k / _v / (both)  k4v2_clipk_fine, then each key token's (_k) or value channel's
@@ -176,8 +177,8 @@ def _ratios(step, n):
     return tuple(1.0 - k * step for k in range(n))
 
 
-CLIP = {}                                   # the shipped search
-FINE4 = {"ratios": _ratios(0.01, 8)}        # 4-bit keys, half the shipped step
+CLIP = {}                                   # the values' grid
+FINE4 = {"ratios": _ratios(0.01, 8)}        # 4-bit keys, half the values' step (the shipped key grid)
 XFINE4 = {"ratios": _ratios(0.005, 8)}      # a quarter
 P4 = {"power": 4}
 C = CLIP
