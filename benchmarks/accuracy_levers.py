@@ -8,7 +8,8 @@ would, only not packed), and the result is reported under the lever's name with 
 element computed for fp16 scales. Levers:
 
   k4v2              kvarn_k4v2_g128 as the cache stores it (the anchor of a run)
-  k4v2_clip_vonly   clip search on the values only (keys over min..max): does key clipping pay?
+  k4v2_clip         the first `_clip`: clip search on keys and values, keys on the values' grid
+  k4v2_clip_vonly   clip search on the values only (keys over min..max; the shipped `_clipv`)
   k4v2_clip_ef      error-feedback Sinkhorn: of the Sinkhorn iterates (the all-ones start
                     included) keep the one whose clipped RTN has the least squared error of the
                     tile, instead of the least variance imbalance
@@ -16,6 +17,21 @@ element computed for fp16 scales. Levers:
   k3v2_clip_ef      both
   k4v2_clip_unweighted  clip search on the balanced tile's own error, not weighted back to the
                     tile's scale (the shipped `_clip` weights it)
+  k4v2_clipk_fine   keys: 8 ratios 1 .. 0.93 (half the values' step); values as `_clip`: the
+                    shipped `_clip` (`rtn.clip_ratios(4, "k")`)
+  k4v2_clipk_xfine  keys: 8 ratios 1 .. 0.965 (a quarter of the values' step)
+  k4v2_clipk_refit1 keys: min..max or its unbiased refit, no clipping; values as `_clip`
+  k4v2_clipk_p4     keys: candidates ranked by sum(err^4), which penalizes the few large errors
+                    clipping puts on a channel's extreme tokens; values as `_clip`
+  k4v2_clipk_p4_fine  both of the above on the keys
+  k4v2_clipv16      values: 16 ratios 1 .. 0.475 (half the values' step); keys as k4v2_clip
+  k4v2_clip_p4      every side ranked by sum(err^4)
+  k3v3, k3v3_clip, k3v3_clipv  3-bit keys and values: k4v2's bits per element at any head_dim
+  k4v2_fine_colfit_k / _v / (both)  k4v2_clipk_fine, then each key token's (_k) or value channel's
+                    (_v) stored scale refit so that its error is orthogonal to it (no shrinkage along
+                    it; the same fields); _colfit_ls: least-squares refits; k4v2_colfit: refits alone
+  k4v2_signs        rotation diag(s) @ H with fixed random signs s instead of H (a different
+                    rotation, same cost); k4v2_clip_signs: with `_clip`
 
     python benchmarks/accuracy_levers.py [--model PATH] [--tokens 4096] [--levers a,b] --json out.json
 
@@ -25,12 +41,14 @@ Runs on the CPU (the model's forward in torch, the levers in jnp).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 import kvarn_jax as kj
@@ -64,11 +82,12 @@ def _sinkhorn_iterates(t, iters):
 
 
 def _rtn_dequant_matrix(t, lc, lr, bits, clip, weighted=True):
-    """Balanced RTN of t [..., R, C] under log scales (lc, lr), back in t's frame."""
+    """Balanced RTN of t [..., R, C] under log scales (lc, lr), back in t's frame. clip: None (min..max)
+    or the keyword arguments of `clip_search` ({} for its defaults)."""
     bal = t * jnp.exp2(-lc)[..., None, :] * jnp.exp2(-lr)[..., :, None]
-    if clip:
+    if clip is not None:
         w = jnp.exp2(2.0 * lc)[..., None, :] if weighted else None
-        q, mn, scale = clip_search(bal, bits, weights=w)
+        q, mn, scale = clip_search(bal, bits, weights=w, **clip)
     else:
         mn, scale = rtn_params(bal, bits)
         q = rtn_codes(bal, mn, scale, bits)
@@ -76,10 +95,22 @@ def _rtn_dequant_matrix(t, lc, lr, bits, clip, weighted=True):
     return (q * scale[..., None] + mn[..., None]) * jnp.exp2(lc)[..., None, :] * jnp.exp2(lr)[..., :, None]
 
 
-def _matrix(t, bits, clip, select, weighted=True):
+def _column_refit(t, d, how):
+    """d [..., R, C] times a factor per column (the stored column scale absorbs it): "ls" least squares,
+    "unbiased" the column's error orthogonal to the column (no shrinkage along it)."""
+    dt, tt, dd = (jnp.sum(a * b, axis=-2) for a, b in ((d, t), (t, t), (d, d)))
+    if how == "ls":
+        f = jnp.where(dd > 0, dt / jnp.where(dd > 0, dd, 1.0), 1.0)
+    else:
+        f = jnp.where(dt > 0, tt / jnp.where(dt > 0, dt, 1.0), 1.0)
+    return d * f[..., None, :]
+
+
+def _matrix(t, bits, clip, select, weighted=True, colfit=None):
     if select == "imbalance":
         lc, lr = K.sinkhorn_log_scales(t, 8)
-        return _rtn_dequant_matrix(t, lc, lr, bits, clip, weighted)
+        d = _rtn_dequant_matrix(t, lc, lr, bits, clip, weighted)
+        return d if colfit is None else _column_refit(t, d, colfit)
     best = best_err = None
     for lc, lr in _sinkhorn_iterates(t, 8):
         d = _rtn_dequant_matrix(t, lc, lr, bits, clip, weighted)
@@ -93,22 +124,43 @@ def _matrix(t, bits, clip, select, weighted=True):
     return best
 
 
-@jax.jit
-def _noop(x):
-    return x
+def _signs(d):
+    """A fixed random +-1 per channel (seed 0): the rotation diag(s) @ H instead of H."""
+    return jnp.asarray(np.random.default_rng(0).choice([-1.0, 1.0], d), jnp.float32)
 
 
-def make_lever(k_bits, v_bits, clip_k, clip_v, select="imbalance", weighted=True):
+@dataclasses.dataclass(frozen=True)
+class Lever:
+    k_bits: int = 4
+    v_bits: int = 2
+    clip_k: dict | None = None            # None: min..max; else `clip_search` keyword arguments
+    clip_v: dict | None = None
+    sinkhorn_select: str = "imbalance"    # or "error"
+    weighted_clip_error: bool = True
+    rotation: str = "hadamard"            # or "signs"
+    colfit_k: str | None = None           # per-token key refit: None, "ls" or "unbiased"
+    colfit_v: str | None = None           # per-channel value refit
+
+
+def make_lever(lv: Lever):
+    def rot(x):
+        return rotate(x * _signs(x.shape[-1])) if lv.rotation == "signs" else rotate(x)
+
+    def unrot(x):
+        return unrotate(x) * _signs(x.shape[-1]) if lv.rotation == "signs" else unrotate(x)
+
     @jax.jit
     def roundtrip(k, v):  # [T, H, D] fp32, un-rotated
         out = []
-        for x, bits, clip, side in ((k, k_bits, clip_k, "k"), (v, v_bits, clip_v, "v")):
+        for x, side in ((k, "k"), (v, "v")):
+            bits, clip, colfit = ((lv.k_bits, lv.clip_k, lv.colfit_k) if side == "k"
+                                  else (lv.v_bits, lv.clip_v, lv.colfit_v))
             t, h, d = x.shape
-            tiles = rotate(x).reshape(t // G, G, h, d).transpose(0, 2, 1, 3)   # [n, H, G, D]
+            tiles = rot(x).reshape(t // G, G, h, d).transpose(0, 2, 1, 3)   # [n, H, G, D]
             m = jnp.swapaxes(tiles, -1, -2) if side == "k" else tiles
-            r = _matrix(m, bits, clip, select, weighted)
+            r = _matrix(m, bits, clip, lv.sinkhorn_select, lv.weighted_clip_error, colfit)
             r = jnp.swapaxes(r, -1, -2) if side == "k" else r
-            out.append(unrotate(r.transpose(0, 2, 1, 3).reshape(t, h, d)))
+            out.append(unrot(r.transpose(0, 2, 1, 3).reshape(t, h, d)))
         return tuple(out)
     return roundtrip
 
@@ -121,18 +173,45 @@ def kvarn_bits(k_bits, v_bits, d):
     return (k + v) / 2
 
 
+def _ratios(step, n):
+    return tuple(1.0 - k * step for k in range(n))
+
+
+CLIP = {}                                   # the values' grid
+FINE4 = {"ratios": _ratios(0.01, 8)}        # 4-bit keys, half the values' step (the shipped key grid)
+XFINE4 = {"ratios": _ratios(0.005, 8)}      # a quarter
+P4 = {"power": 4}
+C = CLIP
 LEVERS = {
-    "k4v2": (4, 2, False, False, "imbalance", True),   # kvarn_k4v2_g128 itself: the anchor
-    "k4v2_clip_vonly": (4, 2, False, True, "imbalance", True),
-    "k4v2_clip_ef": (4, 2, True, True, "error", True),
-    "k3v2_clip": (3, 2, True, True, "imbalance", True),
-    "k3v2_clip_ef": (3, 2, True, True, "error", True),
-    "k4v2_clip_unweighted": (4, 2, True, True, "imbalance", False),
+    "k4v2": Lever(),   # kvarn_k4v2_g128 itself: the anchor
+    "k4v2_clip": Lever(clip_k=C, clip_v=C),
+    "k4v2_clip_vonly": Lever(clip_v=C),
+    "k4v2_clip_ef": Lever(clip_k=C, clip_v=C, sinkhorn_select="error"),
+    "k3v2_clip": Lever(k_bits=3, clip_k=C, clip_v=C),
+    "k3v2_clip_ef": Lever(k_bits=3, clip_k=C, clip_v=C, sinkhorn_select="error"),
+    "k4v2_clip_unweighted": Lever(clip_k=C, clip_v=C, weighted_clip_error=False),
+    "k4v2_clipk_fine": Lever(clip_k=FINE4, clip_v=C),
+    "k4v2_clipk_xfine": Lever(clip_k=XFINE4, clip_v=C),
+    "k4v2_clipk_refit1": Lever(clip_k={"ratios": (1.0,)}, clip_v=C),
+    "k4v2_clipk_p4": Lever(clip_k=P4, clip_v=C),
+    "k4v2_clipk_p4_fine": Lever(clip_k={**P4, **FINE4}, clip_v=C),
+    "k4v2_clipv16": Lever(clip_k=C, clip_v={"ratios": _ratios(0.035, 16)}),
+    "k4v2_clip_p4": Lever(clip_k=P4, clip_v=P4),
+    "k3v3": Lever(k_bits=3, v_bits=3),
+    "k3v3_clip": Lever(k_bits=3, v_bits=3, clip_k=C, clip_v=C),
+    "k3v3_clipv": Lever(k_bits=3, v_bits=3, clip_v=C),
+    "k4v2_signs": Lever(rotation="signs"),
+    "k4v2_clip_signs": Lever(clip_k=C, clip_v=C, rotation="signs"),
+    "k4v2_fine_colfit_k": Lever(clip_k=FINE4, clip_v=C, colfit_k="unbiased"),
+    "k4v2_fine_colfit_v": Lever(clip_k=FINE4, clip_v=C, colfit_v="unbiased"),
+    "k4v2_fine_colfit": Lever(clip_k=FINE4, clip_v=C, colfit_k="unbiased", colfit_v="unbiased"),
+    "k4v2_fine_colfit_ls": Lever(clip_k=FINE4, clip_v=C, colfit_k="ls", colfit_v="ls"),
+    "k4v2_colfit": Lever(colfit_k="unbiased", colfit_v="unbiased"),
 }
 # Carriers: real schemes whose round trip the lever replaces (any KVarN G=128 scheme will do; the
 # carrier's own quantizer never runs).
 CARRIERS = ["kvarn_k8v8_g128", "kvarn_k8v4_g128", "kvarn_k8v2_g128", "kvarn_k4v8_g128", "kvarn_k2v8_g128",
-            "kvarn_k2v4_g128"]
+            "kvarn_k2v4_g128", "kvarn_k4v4_g128", "kvarn_k2v2_g128"]
 
 
 def main(argv=None):
@@ -159,7 +238,7 @@ def main(argv=None):
     ids = text_token_ids(tok, load_text("persuasion"), 5000)
     windows = token_windows(ids, args.window, args.tokens // args.window)
     carriers = dict(zip(CARRIERS, levers))
-    fns = {c: make_lever(*LEVERS[name][:4], *LEVERS[name][4:]) for c, name in carriers.items()}
+    fns = {c: make_lever(LEVERS[name]) for c, name in carriers.items()}
     real = serving_attention.roundtrip_bhtd
 
     def roundtrip(k, v, cfg):
@@ -175,12 +254,11 @@ def main(argv=None):
     ref = res[REFERENCE]
     rows = []
     for c, name in carriers.items():
-        kb, vb = LEVERS[name][:2]
+        kb, vb = LEVERS[name].k_bits, LEVERS[name].v_bits
         r = res[name]
         rows.append({"scheme": name, "bits_per_element": kvarn_bits(kb, vb, geo["head_dim"]), "ppl": r.ppl,
                      "ppl_increase": r.ppl / ref.ppl - 1, "kl_mean": r.kl_mean, "top1_agreement": r.top1_agreement,
-                     "simulated": True, "lever": dict(zip(("k_bits", "v_bits", "clip_k", "clip_v", "sinkhorn_select",
-                                                            "weighted_clip_error"), LEVERS[name]))})
+                     "simulated": True, "lever": dataclasses.asdict(LEVERS[name])})
         print(f"{name:24s} bits {rows[-1]['bits_per_element']:.3f}  PPL {r.ppl:.3f} ({100 * rows[-1]['ppl_increase']:+.2f}%)"
               f"  KL {r.kl_mean:.5f}  top-1 {100 * r.top1_agreement:.1f}%", flush=True)
     doc = {"argv": sys.argv, "model": str(folder), "geometry": geo, "window": args.window,

@@ -166,8 +166,9 @@ class KVQuantConfig:
     static: scales come from a `Calibration` instead of being computed at write time (int, fp8).
     dtype: storage dtype name of passthrough configs.
     sinkhorn_iters: KVarN variance-normalization iterations (docs/design.md §1.2).
-    clip: RTN over the per-row range that minimizes squared error among a few clip ratios
-      (suffix `_clip`; docs/schemes.md) instead of the row's min..max. Same stored fields.
+    clip: RTN over the per-row range that minimizes squared error among a few clip ratios (keys: a
+      milder set, `schemes.rtn.clip_ratios`; suffix `_clip`; docs/schemes.md) instead of the row's
+      min..max. Same stored fields.
     clip_keys: with clip, whether keys are clipped too (False: suffix `_clipv`, values only).
     hp: how the cache keeps each sequence's sink and the block it is filling: "auto", "int8",
       "fp16", "bf16" or "fp32" (`kvarn_jax.cache.hp`). sink_tokens: tokens of the attention sink

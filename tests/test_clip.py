@@ -15,6 +15,9 @@ from hypothesis import strategies as st
 
 import kvarn_jax as kj
 from kvarn_jax import schemes
+from kvarn_jax.schemes import kivi as kivi_scheme
+from kvarn_jax.schemes import kvarn as kvarn_scheme
+from kvarn_jax.schemes import per_token
 from kvarn_jax.schemes.rtn import clip_ratios, clip_search, rtn_codes, rtn_params
 
 
@@ -75,6 +78,34 @@ def test_ratios_start_at_one_and_decrease():
     for b in (2, 3, 4, 8):
         r = clip_ratios(b)
         assert r[0] == 1.0 and all(a > c > 0 for a, c in zip(r, r[1:]))
+
+
+def test_key_grid_is_the_milder_one():
+    for b in (2, 3, 4, 8):
+        k, v = clip_ratios(b, "k"), clip_ratios(b, "v")
+        assert len(k) == len(v) and k[0] == v[0] == 1.0 and min(k) > min(v)
+        assert clip_ratios(b) == v
+    with pytest.raises(ValueError, match="side"):
+        clip_ratios(4, "q")
+
+
+@pytest.mark.parametrize("scheme", ["kvarn_k4v2_g128_clip", "kivi_k2v2_g32_clip", "int_k4v4_g32_clip"])
+def test_each_side_searches_its_own_grid(scheme, rng):
+    # heavy-tailed tiles, so that the two grids pick differently somewhere
+    cfg = kj.parse(scheme)
+    x = jnp.asarray(rng.standard_t(3, (2, 128, 64)), jnp.float32)
+    if cfg.method == "int":
+        x = x.reshape(-1, 64)
+    for side in ("k", "v"):
+        got = schemes.quantize_side(x, cfg, side)
+        b = cfg.bits(side)
+        own, other = ({"kvarn": kvarn_scheme.quantize(x, side, b, cfg.sinkhorn_iters, clip=r),
+                       "kivi": kivi_scheme.quantize(x, side, b, cfg.group, clip=r),
+                       "int": per_token.int_quantize(x, b, cfg.channel_group(side, 64), clip=r)}[cfg.method]
+                      for r in (clip_ratios(b, side), clip_ratios(b, "v" if side == "k" else "k")))
+        for name in got:
+            np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(own[name]), err_msg=f"{side} {name}")
+        assert any(not np.array_equal(np.asarray(got[n]), np.asarray(other[n])) for n in got), side
 
 
 @settings(max_examples=15, deadline=None)
@@ -148,6 +179,27 @@ def test_clip_scheme_lowers_round_trip_error(scheme, dtype, rng):
     for side, b in ((0, cfg.k_bits), (1, cfg.v_bits)):
         if b == 2:
             assert errs["clip"][side] < 0.75 * errs["base"][side], (errs, side)
+
+
+def test_kvarn_clip_codes_against_stored_bf16_scales(rng):
+    # Rotated keys far from zero (outlier channels with a bias, as Qwen2.5's): bf16 keeps 8 bits of
+    # a folded zero point, so codes must be chosen against it as stored, or every such channel is
+    # shifted by its rounding (the error then exceeded min..max's: 1.02x, and 1.22x float32's).
+    t, h, d = 512, 2, 128
+    off = np.zeros(d)
+    idx = rng.choice(d, 12, replace=False)
+    off[idx] = rng.uniform(8, 80, 12) * rng.choice([-1, 1], 12)
+    k = rng.standard_normal((t, h, d)) + off
+    v = rng.standard_normal((t, h, d))
+
+    def key_err(scheme, dtype):
+        kk, vv = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+        kh, _ = kj.dequantize(kj.quantize((kk, vv), scheme))
+        return float(jnp.mean((kh.astype(jnp.float32) - kk.astype(jnp.float32)) ** 2))
+
+    clip16, base16 = key_err("kvarn_k4v2_g128_clip", jnp.bfloat16), key_err("kvarn_k4v2_g128", jnp.bfloat16)
+    clip32 = key_err("kvarn_k4v2_g128_clip", jnp.float32)
+    assert clip16 < 0.95 * base16 and clip16 < 1.12 * clip32, (clip16, base16, clip32)
 
 
 def test_ascend_refuses_clip():

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from ..config import KVQuantConfig
 from . import kivi, kvarn, per_token
 from .arith import JNP, Arith, meta_dtype, saturate
+from .rtn import clip_ratios
 
 SIDES = ("k", "v")
 
@@ -66,7 +67,7 @@ def quantize_side(x: jnp.ndarray, cfg: KVQuantConfig, side: str, static: dict | 
     ar: the log2 and division the math uses (`arith.Arith`; a kernel may pass its own)."""
     b = cfg.bits(side)
     meta = meta_dtype(dtype)
-    clip = cfg.clip and (side == "v" or cfg.clip_keys)
+    clip = clip_ratios(b, side) if cfg.clip and (side == "v" or cfg.clip_keys) else None
     if cfg.method == "kvarn":
         return kvarn.quantize(x, side, b, cfg.sinkhorn_iters, ar, meta, clip)
     if cfg.method == "kivi":

@@ -23,8 +23,9 @@ def fields(side: str, bits: int, group: int, head_dim: int, meta=jnp.float16):
 
 
 def quantize(x: jnp.ndarray, side: str, bits: int, group: int, ar: Arith = JNP, meta=jnp.float16,
-             clip: bool = False) -> dict:
-    """x: tiles [..., G, D] -> fields (scales and zeros in `meta`; clip: `rtn.clip_search` ranges)."""
+             clip=None) -> dict:
+    """x: tiles [..., G, D] -> fields (scales and zeros in `meta`; clip: None or the `rtn.clip_search`
+    ratios)."""
     t = x.astype(jnp.float32)
     if side == "k":
         codes, scale, zero = rtn_stored(jnp.swapaxes(t, -1, -2), bits, meta, ar, clip)  # rows = channels

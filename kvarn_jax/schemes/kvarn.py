@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from ..packing import load_tiled, store_tiled
 from .arith import JNP, Arith, saturate
-from .rtn import clip_search, rtn_codes, rtn_params
+from .rtn import SCALE_FLOOR, clip_search, rtn_codes, rtn_params
 
 
 TIE_RTOL = 1e-6
@@ -113,18 +113,25 @@ def sinkhorn_log_scales(t: jnp.ndarray, iters: int, ar: Arith = JNP):
     return best_lc, best_lr
 
 
-def _quantize_matrix(t: jnp.ndarray, bits: int, iters: int, ar: Arith = JNP, meta=jnp.float16, clip: bool = False):
+def _quantize_matrix(t: jnp.ndarray, bits: int, iters: int, ar: Arith = JNP, meta=jnp.float16, clip=None):
     """Balance `t` [..., R, C], RTN per row. Returns codes [..., R, C], row scale/zero (folded), col scale
     (in `meta`, saturated to its range: a folded fp16 zero point can exceed the data's own range).
-    clip: each row's codes, zero and scale from `rtn.clip_search`, minimizing the squared error of `t`
-    itself (the balanced row's error weighted by the column scales squared; the row scale is common
-    to the row)."""
+    clip: None (min..max), or the ratios (`rtn.clip_ratios`) among which each row's codes, zero and
+    scale come from `rtn.clip_search`, minimizing the squared error of `t` itself."""
     lc, lr = sinkhorn_log_scales(t, iters, ar)
     s_col, s_row = jnp.exp2(lc), jnp.exp2(lr)
+    if clip is not None:
+        # The search ranks a row's candidates by their error relative to the row, the same with or
+        # without the Sinkhorn row scale: it runs on t over the stored column scales, so that its
+        # zero and scale are the stored (folded) ones and its codes are chosen against them as
+        # rounded to `meta`. Rounding them after (bf16 keeps 8 bits) put a bias on every key
+        # channel whose rotated values sit far from zero: 1.2x the error of the codes alone.
+        col = saturate(s_col, meta)
+        c = col.astype(jnp.float32)[..., None, :]
+        codes, zero, scale = clip_search(ar.div(t, c), bits, floor=SCALE_FLOOR, ar=ar, weights=c * c,
+                                         stored=meta, ratios=clip)
+        return codes, saturate(scale, meta), saturate(zero, meta), col
     bal = t * jnp.exp2(-lc)[..., None, :] * jnp.exp2(-lr)[..., :, None]
-    if clip:
-        codes, mn, scale = clip_search(bal, bits, ar=ar, weights=jnp.exp2(2.0 * lc)[..., None, :])
-        return (codes, saturate(s_row * scale, meta), saturate(s_row * mn, meta), saturate(s_col, meta))
     mn, scale = rtn_params(bal, bits, ar=ar)
     row_scale, row_zero, col = saturate(s_row * scale, meta), saturate(s_row * mn, meta), saturate(s_col, meta)
     if jnp.dtype(meta) == jnp.dtype(jnp.float16):
@@ -148,7 +155,7 @@ def fields(side: str, bits: int, group: int, head_dim: int, meta=jnp.float16):
 
 
 def quantize(x: jnp.ndarray, side: str, bits: int, iters: int, ar: Arith = JNP, meta=jnp.float16,
-             clip: bool = False) -> dict:
+             clip=None) -> dict:
     """x: rotated tiles [..., G, D] -> stored fields (see `fields`). ar: see `sinkhorn_log_scales`;
     clip: see `_quantize_matrix`."""
     if x.ndim > 3:  # XLA's CPU code runs the Sinkhorn loop on [M, H, 1, G, D] tiles ~14x slower than on [M*H, G, D]

@@ -25,7 +25,7 @@ def int_fields(bits: int, channel_group: int, head_dim: int, meta=jnp.float16):
 
 
 def int_quantize(x: jnp.ndarray, bits: int, channel_group: int, ar: Arith = JNP, meta=jnp.float16,
-                 clip: bool = False) -> dict:
+                 clip=None) -> dict:
     t = x.astype(jnp.float32)
     d = t.shape[-1]
     rows = t.reshape(*t.shape[:-1], d // channel_group, channel_group)

@@ -34,14 +34,21 @@ def rtn_params(x: jnp.ndarray, bits: int, floor: float = 1e-10, ar: Arith = JNP)
 # Clip search: CLIP_CANDIDATES ratios r = 1, 1 - s, 1 - 2s, ... of a row's range, shrunk about its
 # midpoint, with the step s per code width. On Gaussian and heavier-tailed rows of 128 values these
 # 8 candidates get within 1-2% of the best ratio on a fine grid (whose median is ~0.6 at 2 bits,
-# ~0.8 at 3, ~0.93 at 4 and 1.0 at 8).
+# ~0.8 at 3, ~0.93 at 4 and 1.0 at 8). Keys search half the step (ranges down to ~0.93 at 4 bits):
+# clipping a key row cuts the tokens that stand out in a channel, the ones a query may single out,
+# and on SmolLM2 and Qwen2.5 the milder key grid gave a lower KL than the squared-error-optimal one.
 CLIP_CANDIDATES = 8
 CLIP_STEP = {2: 0.07, 3: 0.045, 4: 0.02, 8: 0.002}
+KEY_CLIP_STEP_FACTOR = 0.5
 
 
-def clip_ratios(bits: int) -> tuple[float, ...]:
-    """The fractions of a row's min..max range `clip_search` tries, largest (1: no clipping) first."""
-    return tuple(1.0 - k * CLIP_STEP[bits] for k in range(CLIP_CANDIDATES))
+def clip_ratios(bits: int, side: str = "v") -> tuple[float, ...]:
+    """The fractions of a row's min..max range `clip_search` tries for `side` ("k" or "v"), largest
+    (1: no clipping) first."""
+    if side not in ("k", "v"):
+        raise ValueError(f"side must be 'k' or 'v', got {side!r}")
+    step = CLIP_STEP[bits] * (KEY_CLIP_STEP_FACTOR if side == "k" else 1.0)
+    return tuple(1.0 - k * step for k in range(CLIP_CANDIDATES))
 
 
 def _unbiased_fit(x, c, w):
@@ -61,7 +68,8 @@ def _unbiased_fit(x, c, w):
     return mx - scale * mc, scale, ok
 
 
-def clip_search(x: jnp.ndarray, bits: int, floor: float = 1e-10, ar: Arith = JNP, weights=None, stored=None):
+def clip_search(x: jnp.ndarray, bits: int, floor: float = 1e-10, ar: Arith = JNP, weights=None, stored=None,
+                ratios=None, power: int = 2):
     """(codes, zero, scale) per row of `x` (fp32) over the last axis, dequantized as codes * scale + zero.
 
     Candidates: RTN over min..max (`rtn_params`), and for each ratio of `clip_ratios(bits)`, RTN over
@@ -69,7 +77,9 @@ def clip_search(x: jnp.ndarray, bits: int, floor: float = 1e-10, ar: Arith = JNP
     scale (`_unbiased_fit`). The candidate with the least squared error sum(weights * err^2)
     (weights broadcast against x; None: 1) wins; min..max is first and keeps ties, so no row does
     worse than without the search. stored: the dtype zero and scale are stored in (the grid is rounded
-    to it before its codes are chosen, the refit before ranking). The codes are the winning candidate's: a refit grid is not re-rounded."""
+    to it before its codes are chosen, the refit before ranking). The codes are the winning candidate's: a refit grid is not re-rounded.
+    ratios: the clip ratios to try after min..max (None: `clip_ratios(bits)`); power: the error's
+    exponent in the ranking (2: squared error; 4 weighs a few large errors, as clipping makes, more)."""
     mn = jnp.min(x, axis=-1)
     mx = jnp.max(x, axis=-1)
     levels = jnp.asarray(2 ** bits - 1, mx.dtype)
@@ -80,7 +90,7 @@ def clip_search(x: jnp.ndarray, bits: int, floor: float = 1e-10, ar: Arith = JNP
         return a if stored is None else saturate(a, stored).astype(jnp.float32)
 
     best = None
-    for k, r in enumerate((1.0,) + clip_ratios(bits)):
+    for k, r in enumerate((1.0,) + tuple(clip_ratios(bits) if ratios is None else ratios)):
         if k == 0:   # min..max, as without the search
             lo, scale = mn, jnp.maximum(ar.div(mx - mn, levels), floor)
         else:
@@ -96,7 +106,8 @@ def clip_search(x: jnp.ndarray, bits: int, floor: float = 1e-10, ar: Arith = JNP
             scale = jnp.where(ok, jnp.maximum(fit, floor), scale)
         lo, scale = as_stored(lo), as_stored(scale)
         e = codes * scale[..., None] + lo[..., None] - x
-        err = jnp.sum(e * e if weights is None else e * e * weights, axis=-1)
+        e2 = e * e if power == 2 else (e * e) ** (power // 2)
+        err = jnp.sum(e2 if weights is None else e2 * (weights if power == 2 else weights ** (power // 2)), axis=-1)
         if best is None:
             best = (codes, lo, scale, err)
         else:
@@ -112,15 +123,15 @@ def rtn_codes(x: jnp.ndarray, mn: jnp.ndarray, scale: jnp.ndarray, bits: int, ar
     return jnp.clip(q, 0, 2 ** bits - 1).astype(jnp.uint8)
 
 
-def rtn_stored(x: jnp.ndarray, bits: int, dtype=jnp.float16, ar: Arith = JNP, clip: bool = False):
-    """RTN (over the `clip_search` range if `clip`) whose codes are computed against the (min, scale) rounded to `dtype`, as they get stored.
+def rtn_stored(x: jnp.ndarray, bits: int, dtype=jnp.float16, ar: Arith = JNP, clip=None):
+    """RTN (over the `clip_search` range among the ratios `clip`, if not None) whose codes are computed against the (min, scale) rounded to `dtype`, as they get stored.
 
     Rounding the metadata first and then choosing codes against it makes the stored triple
     self-consistent (strictly lower error than rounding scales after choosing codes).
     Returns codes [..., n] uint8, scale [...] and zero [...] in `dtype` (saturated to its range).
     """
-    if clip:
-        codes, mn, scale = clip_search(x, bits, floor=SCALE_FLOOR, ar=ar, stored=dtype)
+    if clip is not None:
+        codes, mn, scale = clip_search(x, bits, floor=SCALE_FLOOR, ar=ar, stored=dtype, ratios=clip)
         return codes, saturate(scale, dtype), saturate(mn, dtype)
     mn, scale = rtn_params(x, bits, floor=SCALE_FLOOR, ar=ar)
     scale_s = saturate(scale, dtype)
