@@ -336,14 +336,14 @@ def test_bad_values_are_stored_by_the_librarys_rule_and_counted(scheme, dtype, m
 
 
 def test_a_decode_step_without_completed_blocks_runs_no_jax(rng, monkeypatch):
-    """Most decode steps complete no block: the write is torch alone (the quantizer runs only for
-    completed blocks)."""
+    """Most decode steps complete no block: the write is torch alone (JAX - the storage rule, the
+    quantizer - runs only for prefill rows and completed blocks)."""
     bound, _ = _bind("kvarn_k4v2_g32", rng)
     tables = allocate_tables(rng, [40, 20], 32, 12)
     seqs, queries = _sequences(rng, [40, 20])
     _serve(bound, _snapshot(bound), seqs, queries, tables, [[(0, 38), (1, 20)]])
     calls = []
-    monkeypatch.setattr(torch_ops, "_completed_pages", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(
+    monkeypatch.setattr(torch_ops, "_write_step", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(
         AssertionError("quantized without a completed block")))
     plan, _, _, _ = _plan(bound, [(0, 1)], tables, [38, 20])  # position 38: block 1 not full
     k = torch.randn(1, 2, 32)

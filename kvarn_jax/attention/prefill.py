@@ -147,7 +147,7 @@ def _prefill(q, k, v, cache, block_tables, context_lens, q_lens, seq_ids, scale)
     t = jnp.arange(length)
     rel = t[None, :] - ctx[:, None]                                          # key's index in the chunk
     in_chunk = (rel >= 0) & (rel < ql[:, None])
-    stored = storage_values(cache.cfg, k.reshape(p * c, hk, d), v.reshape(p * c, hk, d), cache.dtype)[:2]
+    stored = storage_values(cache.cfg, k.reshape(p * c, hk, d), v.reshape(p * c, hk, d), cache.value_dtype)[:2]
     xs = [jnp.take_along_axis(x.reshape(p, c, hk, d).astype(jnp.float32), jnp.clip(rel, 0, c - 1)[:, :, None, None],
                               axis=1).transpose(0, 2, 1, 3) for x in stored]  # [P, Hk, L, D]
     kh = jnp.where(in_chunk[:, None, :, None], xs[0], kh)
