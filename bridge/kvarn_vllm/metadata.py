@@ -14,7 +14,7 @@ import inspect
 
 import numpy as np
 
-from . import torch_ops
+from . import failures, torch_ops
 from .checks import check_layer_order
 from .plan import KvarnMetadata, StepPlan
 
@@ -90,6 +90,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         self.block_size = kv_cache_spec.block_size
         self.table = SlotTable(self.max_seqs)
         self.runner = _find_runner()
+        failures.watch(self.runner, self.table, device, self.max_seqs)  # altered K/V: the request finishes with an error
         self.steps = 0
         self.reported = dict.fromkeys(torch_ops.ALTERED, 0)
 
