@@ -174,6 +174,26 @@ class BoundCache:
         return torch.bfloat16 if self.layout.dtype == "bfloat16" else torch.float32
 
     @functools.cached_property
+    def page_columns(self) -> tuple:
+        """How one completed block's fields land in `buffer`, for a write that stores them all with
+        one indexed copy of bytes (`_write_step`'s packed output: the fields in sorted key order,
+        each block's bytes of a field back to back): per byte column, (offset in the buffer of
+        block 0's byte, bytes per block of its field) - byte = offset + block * bytes per block; and
+        the key that identifies them (the plan caches the step's destinations under it)."""
+        base, mult = [], []
+        start = self.buffer.data_ptr()
+        for key in sorted(k for k in self.views if k.startswith("pages.")):
+            t = self.views[key]
+            if t.untyped_storage().data_ptr() != self.buffer.untyped_storage().data_ptr() or not t.is_contiguous():
+                return None  # fields outside the buffer: copied field by field
+            per = t[0].numel() * t.element_size()
+            base.append(t.data_ptr() - start + np.arange(per))
+            mult.append(np.full(per, per))
+        lay = self.layout
+        key = (lay.cfg.name, lay.dtype, lay.block_size, lay.num_kv_heads, lay.head_dim, lay.max_seqs, self.num_blocks)
+        return np.concatenate(base), np.concatenate(mult), key
+
+    @functools.cached_property
     def rotation(self) -> dict:
         """{input dtype: H} on the cache's device, as `kvarn_jax.rotate` uses it: for fp16 inputs the
         matrix rounded to fp16 first (the KVarN reference's rotated tiles), else fp32."""
@@ -471,14 +491,26 @@ def _own_rows(cache, rows, own, dtype):
     return tuple(out)
 
 
-@functools.partial(jax.jit, static_argnames=("size", "quantizer", "dtype"))
-def _write_step(cache, kv, ids, own=None, *, size: int, quantizer: str, dtype: str = "float32"):
+def _packed(fields: dict) -> jnp.ndarray:
+    """{leaf key: [size, ...]} -> [size, bytes] uint8: each block's fields as bytes, keys sorted
+    (`BoundCache.page_columns`)."""
+    parts = []
+    for key in sorted(fields):
+        f = fields[key]
+        b = f if f.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(f, jnp.uint8)
+        parts.append(b.reshape(f.shape[0], -1))
+    return jnp.concatenate(parts, axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("size", "quantizer", "dtype", "pack"))
+def _write_step(cache, kv, ids, own=None, *, size: int, quantizer: str, dtype: str = "float32", pack: bool = False):
     """A quantized cache's write in one XLA computation: the tokens as the cache stores them
     (`storage_values`: rotated, rounded, NaN/Inf tokens as zeros, saturated), the page fields of the
     blocks the write completes (`write_plan`, `completed_blocks`; size 0: none), per-slot counts of
     the altered tokens, and with `own` the prefill queries' own-block rows (`_own_rows`), read from
     the sink and ring as they were before this write. kv [2, nb, Hk, D] (padding: slot -1 in ids).
-    Returns (rows [2, nb, Hk, D], (block ids, fields) or None, counts [max_seqs + 1, 3], own K/V or None)."""
+    Returns (rows [2, nb, Hk, D], (block ids, fields - or with pack their bytes, `_packed`) or None,
+    counts [max_seqs + 1, 3], own K/V or None)."""
     k_s, v_s, nonfinite, saturated = storage_values(cache.cfg, kv[0], kv[1], cache.value_dtype)
     rows = jnp.stack((k_s, v_s))
     counts = _slot_counts(cache.max_seqs, ids[1], ids[0] >= 0, nonfinite, saturated)
@@ -486,9 +518,17 @@ def _write_step(cache, kv, ids, own=None, *, size: int, quantizer: str, dtype: s
     if size:
         p = write_plan(cache, k_s, v_s, ids[0], ids[1], ids[2])._replace(xs={"k": k_s, "v": v_s})
         c_m, fields, bad = _quantized_completions(cache, p, size, quantizer)
-        completed = (c_m, fields)
+        completed = (c_m, _packed(fields) if pack else fields)
         counts = counts.at[:, 2].add(bad)
     return rows, completed, counts, (None if own is None else _own_rows(cache, rows, own, dtype))
+
+
+def _page_byte_destinations(plan: StepPlan, base: np.ndarray, mult: np.ndarray) -> torch.Tensor:
+    """[completing * bytes] int64: where each byte of the step's completed blocks goes in a layer's
+    buffer (blocks in token order, as `completed_blocks` finds them; host-side, CPU plans only)."""
+    t = np.nonzero(plan._completes())[0]
+    blocks = plan.slot_mapping.numpy()[t].astype(np.int64) // plan.block_size
+    return torch.from_numpy((blocks[:, None] * mult[None, :] + base[None, :]).reshape(-1))
 
 
 def _write_jax(bound: BoundCache, key: torch.Tensor, value: torch.Tensor, plan: StepPlan):
@@ -509,13 +549,21 @@ def _write_jax(bound: BoundCache, key: torch.Tensor, value: torch.Tensor, plan: 
         own = plan.cached(("own_blocks",), lambda: plan.to_device(plan.own_blocks()[0], torch.int32))
     kv_j, ids_j = _to_jax(kv), _to_jax(ids)
     own_j = None if own is None else _to_jax(own)
+    # on the CPU the completed blocks' destinations are known on the host: every field in one copy
+    pack = bool(c) and plan.device.type == "cpu" and bound.page_columns is not None
     rows_j, completed, counts, own_kv = _write_step(bound.cache, kv_j, ids_j, own_j, size=size,
                                                      quantizer=auto_quantizer(bound.cache),
-                                                     dtype=str(bound.compute_dtype).split(".")[-1])
+                                                     dtype=str(bound.compute_dtype).split(".")[-1], pack=pack)
     counts_t = _to_torch(counts)
     _count_altered(bound, counts_t)
     held = [kv, ids, kv_j, ids_j, own_j, rows_j, completed, counts, counts_t, own_kv]
-    if completed is not None:  # before the rows: the pages came from the ring as it was
+    if pack:  # before the rows: the pages came from the ring as it was
+        base, mult, key_ = bound.page_columns
+        dst = plan.cached(("page_bytes", key_), lambda: _page_byte_destinations(plan, base, mult))
+        vals = _to_torch(completed[1])
+        bound.buffer.index_copy_(0, dst, vals[:c].reshape(-1))
+        held.append(vals)
+    elif completed is not None:
         blocks = _to_torch(completed[0])[:c].to(torch.int64)
         for key_, f in completed[1].items():
             vals = _to_torch(f)
