@@ -503,14 +503,16 @@ def _packed(fields: dict) -> jnp.ndarray:
 
 
 @functools.partial(jax.jit, static_argnames=("size", "quantizer", "dtype", "pack"))
-def _write_step(cache, kv, ids, own=None, *, size: int, quantizer: str, dtype: str = "float32", pack: bool = False):
+def _write_step(cache, kv, ids, keep, own=None, *, size: int, quantizer: str, dtype: str = "float32",
+                pack: bool = False):
     """A quantized cache's write in one XLA computation: the tokens as the cache stores them
     (`storage_values`: rotated, rounded, NaN/Inf tokens as zeros, saturated), the page fields of the
     blocks the write completes (`write_plan`, `completed_blocks`; size 0: none), per-slot counts of
     the altered tokens, and with `own` the prefill queries' own-block rows (`_own_rows`), read from
     the sink and ring as they were before this write. kv [2, nb, Hk, D] (padding: slot -1 in ids).
-    Returns (rows [2, nb, Hk, D], (block ids, fields - or with pack their bytes, `_packed`) or None,
-    counts [max_seqs + 1, 3], own K/V or None)."""
+    keep: the rows the sink and ring keep (`_kept_rows`). Returns (rows [2, nb, Hk, D], kept rows
+    [K, D], (block ids, fields - or with pack their bytes, `_packed`) or None, counts [max_seqs + 1, 3],
+    own K/V or None)."""
     k_s, v_s, nonfinite, saturated = storage_values(cache.cfg, kv[0], kv[1], cache.value_dtype)
     rows = jnp.stack((k_s, v_s))
     counts = _slot_counts(cache.max_seqs, ids[1], ids[0] >= 0, nonfinite, saturated)
@@ -520,7 +522,8 @@ def _write_step(cache, kv, ids, own=None, *, size: int, quantizer: str, dtype: s
         c_m, fields, bad = _quantized_completions(cache, p, size, quantizer)
         completed = (c_m, _packed(fields) if pack else fields)
         counts = counts.at[:, 2].add(bad)
-    return rows, completed, counts, (None if own is None else _own_rows(cache, rows, own, dtype))
+    kept = rows.reshape(-1, rows.shape[-1])[keep]
+    return rows, kept, completed, counts, (None if own is None else _own_rows(cache, rows, own, dtype))
 
 
 def _page_byte_destinations(plan: StepPlan, base: np.ndarray, mult: np.ndarray) -> torch.Tensor:
@@ -529,6 +532,21 @@ def _page_byte_destinations(plan: StepPlan, base: np.ndarray, mult: np.ndarray) 
     t = np.nonzero(plan._completes())[0]
     blocks = plan.slot_mapping.numpy()[t].astype(np.int64) // plan.block_size
     return torch.from_numpy((blocks[:, None] * mult[None, :] + base[None, :]).reshape(-1))
+
+
+def _kept_rows(plan: StepPlan, bound: BoundCache, stride: int):
+    """(destination rows [K], source rows [K] int32 into the write's rows [2 * stride * Hk, D]) of
+    the rows the sink and ring keep, padded to few shapes by repeating the last pair (the same row
+    written twice with the same value)."""
+    dst, src = _row_destinations(plan, bound, stride)
+    if src is None:
+        src = torch.arange(dst.shape[0], device=dst.device)
+    k = dst.shape[0]
+    pad = bucket_fine(k, 16) - k if k else 0
+    if pad:
+        dst = torch.cat((dst, dst[-1:].expand(pad)))
+        src = torch.cat((src, src[-1:].expand(pad)))
+    return dst, src.to(torch.int32)
 
 
 def _write_jax(bound: BoundCache, key: torch.Tensor, value: torch.Tensor, plan: StepPlan):
@@ -541,27 +559,30 @@ def _write_jax(bound: BoundCache, key: torch.Tensor, value: torch.Tensor, plan: 
     if size is None:  # cannot happen: the bound counts every completion a write can make
         raise RuntimeError(f"kvarn: {c} blocks complete in one write of {n} tokens, above the bound {sizes[-1]}")
     lay = bound.layout
-    kv = key.new_zeros((2, nb, lay.num_kv_heads, lay.head_dim))
+    # the step's padded K/V, one buffer for every layer of the step (each layer's JAX call has read
+    # it before the next layer's copies: its results are imported, which waits for them)
+    kv = plan.cached(("write_kv", nb, key.dtype), lambda: key.new_zeros((2, nb, lay.num_kv_heads, lay.head_dim)))
     kv[0, :n], kv[1, :n] = key, value
     ids = plan.cached(("write_ids", nb), lambda: _write_ids(plan, nb))
+    dst, keep = plan.cached(("kept_rows", nb, lay.max_seqs, lay.num_kv_heads), lambda: _kept_rows(plan, bound, nb))
     own = None
     if plan.num_rows > plan.num_decodes and _split_prefill(bound):
         own = plan.cached(("own_blocks",), lambda: plan.to_device(plan.own_blocks()[0], torch.int32))
-    kv_j, ids_j = _to_jax(kv), _to_jax(ids)
+    kv_j, ids_j, keep_j = _to_jax(kv), _to_jax(ids), _to_jax(keep)
     own_j = None if own is None else _to_jax(own)
     # on the CPU the completed blocks' destinations are known on the host: every field in one copy
     pack = bool(c) and plan.device.type == "cpu" and bound.page_columns is not None
-    rows_j, completed, counts, own_kv = _write_step(bound.cache, kv_j, ids_j, own_j, size=size,
-                                                     quantizer=auto_quantizer(bound.cache),
-                                                     dtype=str(bound.compute_dtype).split(".")[-1], pack=pack)
+    rows_j, kept_j, completed, counts, own_kv = _write_step(
+        bound.cache, kv_j, ids_j, keep_j, own_j, size=size, quantizer=auto_quantizer(bound.cache),
+        dtype=str(bound.compute_dtype).split(".")[-1], pack=pack)
     counts_t = _to_torch(counts)
     _count_altered(bound, counts_t)
-    held = [kv, ids, kv_j, ids_j, own_j, rows_j, completed, counts, counts_t, own_kv]
+    held = [kv_j, ids_j, keep_j, own_j, rows_j, kept_j, completed, counts, counts_t, own_kv]
     if pack:  # before the rows: the pages came from the ring as it was
         base, mult, key_ = bound.page_columns
-        dst = plan.cached(("page_bytes", key_), lambda: _page_byte_destinations(plan, base, mult))
+        pdst = plan.cached(("page_bytes", key_), lambda: _page_byte_destinations(plan, base, mult))
         vals = _to_torch(completed[1])
-        bound.buffer.index_copy_(0, dst, vals[:c].reshape(-1))
+        bound.buffer.index_copy_(0, pdst, vals[:c].reshape(-1))
         held.append(vals)
     elif completed is not None:
         blocks = _to_torch(completed[0])[:c].to(torch.int64)
@@ -569,13 +590,12 @@ def _write_jax(bound: BoundCache, key: torch.Tensor, value: torch.Tensor, plan: 
             vals = _to_torch(f)
             bound.views[key_].index_copy_(0, blocks, vals[:c])
             held.append(vals)
-    rows = _to_torch(rows_j)
-    if n:
-        dst, src = _row_destinations(plan, bound, nb)
-        flat = rows.reshape(-1, lay.head_dim)
-        bound.rows.index_copy_(0, dst, flat if src is None else flat.index_select(0, src))
+    rows, kept = _to_torch(rows_j), _to_torch(kept_j)
+    if dst.shape[0]:
+        bound.rows.index_copy_(0, dst, kept)
+    held += [rows, kept]
     own_t = None if own_kv is None else tuple(_to_torch(x) for x in own_kv)
-    return rows, own_t, held + [rows, own_t]
+    return rows, own_t, held + [own_t]
 
 
 def write(bound: BoundCache, key: torch.Tensor, value: torch.Tensor, plan: StepPlan) -> Written:
