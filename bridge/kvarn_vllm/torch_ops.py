@@ -527,11 +527,12 @@ def _write_step(cache, kv, ids, keep, own=None, *, size: int, quantizer: str, dt
 
 
 def _page_byte_destinations(plan: StepPlan, base: np.ndarray, mult: np.ndarray) -> torch.Tensor:
-    """[completing * bytes] int64: where each byte of the step's completed blocks goes in a layer's
-    buffer (blocks in token order, as `completed_blocks` finds them; host-side, CPU plans only)."""
-    t = np.nonzero(plan._completes())[0]
-    blocks = plan.slot_mapping.numpy()[t].astype(np.int64) // plan.block_size
-    return torch.from_numpy((blocks[:, None] * mult[None, :] + base[None, :]).reshape(-1))
+    """[completing * bytes] int64 on the plan's device: where each byte of the step's completed blocks
+    goes in a layer's buffer (blocks in token order, as `completed_blocks` finds them). Nothing is
+    read back: the completing tokens are known on the host, their slots are gathered on the device."""
+    t = plan.to_device(np.nonzero(plan._completes())[0])
+    blocks = plan.slot_mapping[t].to(torch.int64) // plan.block_size
+    return (blocks[:, None] * plan.to_device(mult)[None, :] + plan.to_device(base)[None, :]).reshape(-1)
 
 
 def _kept_rows(plan: StepPlan, bound: BoundCache, stride: int):
@@ -570,8 +571,7 @@ def _write_jax(bound: BoundCache, key: torch.Tensor, value: torch.Tensor, plan: 
         own = plan.cached(("own_blocks",), lambda: plan.to_device(plan.own_blocks()[0], torch.int32))
     kv_j, ids_j, keep_j = _to_jax(kv), _to_jax(ids), _to_jax(keep)
     own_j = None if own is None else _to_jax(own)
-    # on the CPU the completed blocks' destinations are known on the host: every field in one copy
-    pack = bool(c) and plan.device.type == "cpu" and bound.page_columns is not None
+    pack = bool(c) and bound.page_columns is not None  # every field of every completed block in one copy
     rows_j, kept_j, completed, counts, own_kv = _write_step(
         bound.cache, kv_j, ids_j, keep_j, own_j, size=size, quantizer=auto_quantizer(bound.cache),
         dtype=str(bound.compute_dtype).split(".")[-1], pack=pack)
