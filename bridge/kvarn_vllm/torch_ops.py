@@ -4,21 +4,26 @@
 that tensor (no copy; checked by data pointer). A step is described once by a `plan.StepPlan`
 (every layer shares it); per layer:
 
-- `write(bound, key, value, plan)` stores the step's tokens in place. The tokens' stored rows (the
-  storage frame: rotated for KVarN, rounded to the cache dtype) are computed by torch and copied
-  into the high-precision sink/tail (or, for passthrough schemes, the pages) with one indexed copy
-  whose destinations the plan computed once for the step. Only when the step completes blocks does
-  JAX run: `kvarn_jax`'s own write plan and quantizer turn the completed blocks (ring + new rows)
-  into page fields, which torch copies into the pages. XLA cannot write into a buffer it imported
-  from torch, hence the split; what is copied is the new rows and the completed blocks' bytes.
+- `write(bound, key, value, plan)` stores the step's tokens in place. For a quantized cache, a step
+  with prefill rows or completed blocks runs one XLA computation (`_write_step`): the tokens as
+  the cache stores them (`kvarn_jax.storage`'s rule: rotated for KVarN, rounded to the value dtype,
+  NaN/Inf tokens as zeros), the rows the sink and tail ring keep, the completed blocks' page fields
+  (`kvarn_jax`'s own write plan and quantizer), per-slot counts of the tokens stored altered, and
+  the prefill queries' own-block rows; torch then copies the kept rows and the fields' bytes, one
+  indexed copy each, to destinations the plan computed once for the step. XLA cannot write into a
+  buffer it imported from torch, hence the split. Other steps (a decode step completing no block,
+  passthrough caches) compute the rows with torch.
 - `attend(bound, query, plan, written=...)` attends every row with the semantics of
   `kvarn_jax.attention.prefill`: each query sees the sink and its own block in high precision and
   the full blocks before its own block quantized - the decode rule, so the result of a query does
-  not depend on how its prompt was cut into chunks. The blocks a step's rows read are dequantized by
-  one JAX call per layer (`dequantize_blocks` plus the sink/ring rows); the attention itself runs in
-  torch (fused SDPA for prefill rows, a block-wise softmax for decode rows). Decode rows go through
-  `kvarn_jax.paged_decode_attention` instead with impl "pallas" (NVIDIA GPUs: the fused kernel reads
-  the pages itself) or "reference".
+  not depend on how its prompt was cut into chunks. Prefill rows of a quantized cache on the CPU
+  (`_prefill_split`): one XLA call dequantizes the blocks the step's rows read and rotates the
+  queries, torch's flash attention runs the rule's three parts (earlier blocks, the chunk's earlier
+  blocks block-causally, the own block causally) and one XLA call merges them by log-sum-exp.
+  Elsewhere one masked SDPA per prefill row. Decode rows: on the CPU one XLA computation per layer
+  (`_decode_served`, with a decode-only step's write), else `kvarn_jax.paged_decode_attention`
+  with impl "pallas" (NVIDIA GPUs: the fused kernel reads the pages itself) or "reference".
+- The per-slot counts are what fails a request (`failures`): `take_altered_slots`.
 
 JAX functions are jitted and called through JAX's C++ dispatch (as fast as an AOT-compiled
 executable, ~10 us); shapes are padded to few sizes so that few compile.
