@@ -224,7 +224,7 @@ class StepPlan:
             fb, last = ctx // bs, (lens - 1) // bs
             nq = np.where((np.arange(r) >= nd) & (self.q_len > 0), last - fb + 1, 0)
             base = np.concatenate([[0], np.cumsum(nq)]) * bs
-            m = bucket_fine(max(1, int(nq.sum())), 1) * bs
+            m = _bucket(int(nq.sum()), 1) * bs
             own = np.zeros((4, m), np.int32)
             own[0] = 3
             q_src = np.full(m, -1, np.int32)
@@ -271,7 +271,7 @@ class StepPlan:
         sink = np.zeros(r, bool) if passthrough else n > 0
         hp_idx, hp_seq = offsets[:-1][sink], self.seq_id[sink]
         count, m = int(offsets[-1]), int(hp_idx.shape[0])
-        entries = np.zeros((2, bucket_fine(count)), np.int32)
+        entries = np.zeros((2, _bucket(count, 4)), np.int32)
         entries[0, :count], entries[1, :count] = ent_row, ent_col
         hp = np.zeros((3, _bucket(m, 4)), np.int32)
         hp[0] = entries.shape[1]

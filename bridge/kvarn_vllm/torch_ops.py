@@ -58,7 +58,7 @@ from kvarn_jax.hadamard import hadamard_matrix_np, rotate, unrotate
 from kvarn_jax.storage import QUANT_MAX, storage_values
 
 from .layout import PageLayout, allocate_hp, carve, to_jax
-from .plan import StepPlan, _bucket, bucket_fine
+from .plan import StepPlan, _bucket
 
 IMPLS = ("auto", "pallas", "reference")
 
@@ -548,7 +548,7 @@ def _kept_rows(plan: StepPlan, bound: BoundCache, stride: int):
     if src is None:
         src = torch.arange(dst.shape[0], device=dst.device)
     k = dst.shape[0]
-    pad = bucket_fine(k, 16) - k if k else 0
+    pad = _bucket(k, 16) - k if k else 0
     if pad:
         dst = torch.cat((dst, dst[-1:].expand(pad)))
         src = torch.cat((src, src[-1:].expand(pad)))
@@ -559,7 +559,7 @@ def _write_jax(bound: BoundCache, key: torch.Tensor, value: torch.Tensor, plan: 
     """A quantized cache's write through `_write_step`; torch stores the completed blocks' fields and
     the rows the sink and ring keep. Returns (rows [2, nb, Hk, D], own K/V or None, what to keep alive)."""
     n, c = plan.num_tokens, plan.completing
-    nb = bucket_fine(n, 16)
+    nb = _bucket(n)
     sizes = completion_sizes(bound.cache, nb)
     size = next((m for m in sizes if m >= c), None) if c else 0
     if size is None:  # cannot happen: the bound counts every completion a write can make
@@ -993,7 +993,7 @@ def _prefill_split(bound, query, plan, written, scale, out):
     lay = bound.layout
     hk, bs, d = lay.num_kv_heads, lay.block_size, lay.head_dim
     hq, n, nd = query.shape[1], plan.num_tokens, plan.num_decodes
-    nb = bucket_fine(n, 16)
+    nb = _bucket(n)
     cdt = bound.compute_dtype
     dtype = str(cdt).split(".")[-1]
 
