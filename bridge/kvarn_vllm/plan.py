@@ -217,14 +217,14 @@ class StepPlan:
         row in the sink, 2 one in the ring, 3 none; the step token; the seq id; the position in the
         sink or ring - q_src [M] int32: the step token whose query sits in the slot, -1 for none;
         tok_slot [num_tokens] int32: each prefill token's slot (0 for decode tokens)). M = NQB *
-        block_size with NQB padded to few shapes."""
+        block_size with NQB = `query_block_bound`."""
         def make():
             bs, tl, nd, r = self.block_size, self.tail_len, self.num_decodes, self.num_rows
             ctx, lens = self.context, self.seq_len
             fb, last = ctx // bs, (lens - 1) // bs
             nq = np.where((np.arange(r) >= nd) & (self.q_len > 0), last - fb + 1, 0)
             base = np.concatenate([[0], np.cumsum(nq)]) * bs
-            m = _bucket(int(nq.sum()), 1) * bs
+            m = self.query_block_bound() * bs
             own = np.zeros((4, m), np.int32)
             own[0] = 3
             q_src = np.full(m, -1, np.int32)
@@ -242,6 +242,13 @@ class StepPlan:
                 tok_slot[tok[new]] = slot[new]
             return own, q_src, tok_slot
         return self.cached("own_blocks", make)
+
+    def query_block_bound(self) -> int:
+        """How many own-block slots (`own_blocks`) a step of this many tokens pads to: a bound that
+        depends only on the padded token count, so the shapes do not vary with how the step's
+        tokens split into rows (each distinct shape compiles)."""
+        n = _bucket(self.num_tokens)
+        return _bucket(n // self.block_size + min(self.max_seqs, n), 1)
 
     def prefill_parts(self) -> list:
         """Per prefill row with queries, what the split prefill attention reads from the served blocks

@@ -542,16 +542,18 @@ def _page_byte_destinations(plan: StepPlan, base: np.ndarray, mult: np.ndarray) 
 
 def _kept_rows(plan: StepPlan, bound: BoundCache, stride: int):
     """(destination rows [K], source rows [K] int32 into the write's rows [2 * stride * Hk, D]) of
-    the rows the sink and ring keep, padded to few shapes by repeating the last pair (the same row
-    written twice with the same value)."""
+    the rows the sink and ring keep. K is a bound that depends only on the padded token count (each
+    sequence keeps at most its sink and ring), so the shape does not vary with the step's rows; the
+    real pairs repeat cyclically to fill it (a row written again with the same value)."""
+    lay = bound.layout
     dst, src = _row_destinations(plan, bound, stride)
     if src is None:
         src = torch.arange(dst.shape[0], device=dst.device)
     k = dst.shape[0]
-    pad = _bucket(k, 16) - k if k else 0
-    if pad:
-        dst = torch.cat((dst, dst[-1:].expand(pad)))
-        src = torch.cat((src, src[-1:].expand(pad)))
+    bound_k = 2 * lay.num_kv_heads * min(stride, lay.max_seqs * (lay.block_size + plan.tail_len))
+    if 0 < k < bound_k:
+        cyc = plan.to_device(np.arange(bound_k) % k)
+        dst, src = dst[cyc], src[cyc]
     return dst, src.to(torch.int32)
 
 
