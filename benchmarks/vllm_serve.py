@@ -17,7 +17,8 @@ rounds, so a change in the machine's load hits both), waits for /health, and sen
   batch again --repeats times (determinism: each repeat's texts against the first; requests that
   arrive apart may be scheduled in other step groupings, whose matrix products vLLM rounds
   differently on CPUs); then the batch as one request, --same-schedule-repeats times more (the same
-  grouping every time);
+  grouping every time, as far as vLLM's timing allows: each repeat's texts against the first and
+  against the one before);
 - with --long-prompt N: one request of N prompt tokens (default vLLM timeouts), timed, sent
   --long-repeats times (the first request of a new length compiles the plugin's shapes for it).
 Every server is stopped (SIGINT, then SIGKILL) however the run ends; every request has a timeout.
@@ -259,8 +260,10 @@ def main(argv=None):
                     same = [one_request(srv.base, a.model, batch, a.max_tokens, a.request_timeout)
                             for _ in range(1 + a.same_schedule_repeats)]
                     row["same_schedule"] = [_agreement(same[0], t) for t in same[1:]]
+                    row["same_schedule_consecutive"] = [_agreement(a, b) for a, b in zip(same, same[1:])]
                     row["same_schedule_texts"] = same[0]
-                    print(f"  one request, repeated: identical {[x['identical'] for x in row['same_schedule']]}", flush=True)
+                    print(f"  one request, repeated: identical to the first {[x['identical'] for x in row['same_schedule']]}, "
+                          f"to the one before {[x['identical'] for x in row['same_schedule_consecutive']]}", flush=True)
                 print(f"  batch: {b0['wall_s']:.1f} s, {b0['requests_per_s']:.3f} req/s, "
                       f"{b0['generated_tokens_per_s']:.1f} tok/s, TTFT median {b0['ttft_median_s']}, "
                       f"failed {b0['failed']}; repeats identical {[r['identical'] for r in row['repeats']]}", flush=True)
@@ -333,7 +336,7 @@ def _ratios(runs, configs) -> str:
 
 def _table(runs, configs) -> str:
     lines = ["| config | round | start s | batch wall s | req/s | gen tok/s | TTFT median / max s | repeats identical "
-             "| one request repeated | equal to " + configs[0] + " | long prompt s, first / again (server up) |",
+             "| one request repeated: vs the first (vs the one before) | equal to " + configs[0] + " | long prompt s, first / again (server up) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         if "batch" not in r:
@@ -342,6 +345,7 @@ def _table(runs, configs) -> str:
         b = r["batch"]
         rep = ", ".join(f"{x['identical']}/{x['of']}" for x in r["repeats"]) or "-"
         same = ", ".join(f"{x['identical']}/{x['of']}" for x in r.get("same_schedule", [])) or "-"
+        same += " (consecutive: " + ", ".join(f"{x['identical']}/{x['of']}" for x in r.get("same_schedule_consecutive", [])) + ")"
         vs = r.get("vs_first_config")
         longs = r.get("long_runs") or []
         long_s = " / ".join(f"{x['latency_s']:.1f} ({'up' if x['server_alive_after'] else 'DOWN'})"

@@ -185,13 +185,14 @@ def _engine_runs(model):
         if name == SCHEME:  # the same batch again, and the chapter prompt alone: determinism
             again = {"batch": [list(g.outputs[0].token_ids) for g in llm.generate(PROMPTS, params, use_tqdm=False)],
                      "alone": list(llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids)}
+        failing = _poisoned_batch(llm, params) if name == SCHEME else None
         first = gen[0].outputs[0].logprobs[0]  # the chapter prompt's first generated position
         out[name] = {"tokens": [list(g.outputs[0].token_ids) for g in gen],
                      "text": [g.outputs[0].text for g in gen],
                      "chapter_first": {tok.decode([i]): lp.logprob for i, lp in first.items()},
                      "prompt_tokens": [len(g.prompt_token_ids) for g in gen],
                      "blocks": cfg.cache_config.num_gpu_blocks, "counters": counters,
-                     "zero_copy": zero_copy, "again": again,
+                     "zero_copy": zero_copy, "again": again, "failing": failing,
                      "start_s": round(t1 - t0, 1), "generate_s": round(t2 - t1, 1),
                      "num_layers": cfg.model_config.get_num_layers(cfg.parallel_config),
                      "heads": cfg.model_config.get_num_kv_heads(cfg.parallel_config),
@@ -205,6 +206,37 @@ def _hp_blocks(llm) -> int:
     """The blocks each request holds for its sink and tail, as the engine core's block manager has it."""
     groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
     return getattr(groups[0].kv_cache_spec, "hp_blocks", 0)
+
+
+def _poisoned_batch(llm, params):
+    """Three short prompts, the middle one's second token given a NaN key in every layer (the
+    bridge's forward patched, as a model that overflows would hand it): that request must finish
+    with an error and no tokens, its neighbours exactly as in the same batch where it stops after
+    one token (the same steps, so vLLM's own matrix products see the same batch shapes)."""
+    prompts = PROMPTS[1:4]
+    short = vllm.SamplingParams(temperature=0.0, max_tokens=1, logprobs=TOP_LOGPROBS)
+    ref = llm.generate(prompts, [params, short, params], use_tqdm=False)
+    target = len(ref[1].prompt_token_ids)
+    forward = torch_ops.forward
+
+    def poisoned(bound, query, key, value, plan, **kw):
+        for r in range(plan.num_decodes, plan.num_rows):
+            if plan.context[r] == 0 and plan.q_len[r] == target:
+                key = key.clone()
+                key[int(plan.q_start[r]) + 1] = float("nan")
+        return forward(bound, query, key, value, plan, **kw)
+
+    torch_ops.forward = poisoned
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        torch_ops.forward = forward
+
+    def view(outs):
+        return [{"tokens": list(o.outputs[0].token_ids), "finish": o.outputs[0].finish_reason,
+                 "logprobs": [{i: lp.logprob for i, lp in pos.items()} for pos in o.outputs[0].logprobs or []]}
+                for o in outs]
+    return {"prompt_tokens": [len(o.prompt_token_ids) for o in ref], "ref": view(ref), "got": view(got)}
 
 
 def _layers_bound_zero_copy(cfg) -> bool:
@@ -556,3 +588,16 @@ def test_report(runs, capsys):
     if os.environ.get("KVARN_VLLM_REPORT"):
         pathlib.Path(os.environ["KVARN_VLLM_REPORT"]).write_text(text)
     assert rows[SCHEME]["blocks"] > rows["vllm"]["blocks"]
+
+
+def test_a_request_whose_kv_went_non_finite_fails_alone(runs):
+    """A NaN reaches one request's keys: the cache stores that token as zeros, the request finishes
+    with finish_reason="error" (its token of that step dropped), and the requests beside it in the
+    batch get the same tokens and log-probabilities, bit for bit, as without it."""
+    f = runs[SCHEME]["failing"]
+    assert len(set(f["prompt_tokens"])) == 3, f["prompt_tokens"]  # the poisoned row is found by its length
+    ref, got = f["ref"], f["got"]
+    assert got[1]["finish"] == "error" and got[1]["tokens"] == [], got[1]
+    for i in (0, 2):
+        assert got[i]["finish"] == "length" and got[i]["tokens"] == ref[i]["tokens"]
+        assert got[i]["logprobs"] == ref[i]["logprobs"]

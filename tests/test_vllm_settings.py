@@ -186,7 +186,7 @@ def _full_config(additional=None, **change):
              cache_config=ns(cache_dtype="auto", enable_prefix_caching=False, block_size=128, kv_cache_memory_bytes=2 ** 30),
              model_config=model, speculative_config=None, kv_transfer_config=None,
              parallel_config=ns(pipeline_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1),
-             scheduler_config=ns(max_num_seqs=8),
+             scheduler_config=ns(max_num_seqs=8, scheduler_cls=None, async_scheduling=False),
              compilation_config=ns(cudagraph_mode=None, splitting_ops=None, use_inductor_graph_partition=False))
     for key, value in change.items():
         obj = cfg
@@ -216,6 +216,7 @@ def _full_config(additional=None, **change):
     ({"comp.cudagraph_mode": types.SimpleNamespace(name="FULL")}, "cudagraph_mode=FULL"),
     ({"comp.cudagraph_mode": types.SimpleNamespace(name="PIECEWISE"), "comp.splitting_ops": ["vllm::other"]},
      "splitting_ops"),
+    ({"sched.scheduler_cls": "vllm.v1.core.sched.scheduler.Scheduler"}, "custom scheduler_cls"),
 ])
 def test_the_config_hook_refuses_what_the_bridge_cannot_serve(change, match):
     from kvarn_vllm import checks, runtime
@@ -241,3 +242,22 @@ def test_the_config_hook_refuses_bad_settings_and_versions(monkeypatch, tmp_path
     monkeypatch.setattr(plugin, "installed_version", lambda: (0, 40))
     with pytest.raises(ValueError, match="0.40 is outside"):
         checks.check_config(_full_config())
+
+
+def test_the_config_hook_selects_the_scheduler_that_fails_altered_requests():
+    """A kvarn engine gets `failures.KvarnScheduler` (the async one under async scheduling); a
+    subclass of it is kept; an engine without kvarn keeps vLLM's."""
+    pytest.importorskip("vllm")
+    from kvarn_vllm import checks, failures
+
+    for async_ in (False, True):
+        cfg = _full_config(**{"sched.async_scheduling": async_})
+        checks.check_config(cfg)
+        assert cfg.scheduler_config.scheduler_cls == failures.SCHEDULERS[async_]
+    mine = type("Mine", (failures.KvarnScheduler,), {})
+    cfg = _full_config(**{"sched.scheduler_cls": mine})
+    checks.check_config(cfg)
+    assert cfg.scheduler_config.scheduler_cls is mine
+    cfg = _full_config({})
+    checks.check_config(cfg)
+    assert cfg.scheduler_config.scheduler_cls is None

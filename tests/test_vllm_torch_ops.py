@@ -314,14 +314,14 @@ def test_bad_values_are_stored_by_the_librarys_rule_and_counted(scheme, dtype, m
 
 
 def test_a_decode_step_without_completed_blocks_runs_no_jax(rng, monkeypatch):
-    """Most decode steps complete no block: the write is torch alone (the quantizer runs only for
-    completed blocks)."""
+    """Most decode steps complete no block: the write is torch alone (JAX - the storage rule, the
+    quantizer - runs only for prefill rows and completed blocks)."""
     bound, _ = _bind("kvarn_k4v2_g32", rng)
     tables = allocate_tables(rng, [40, 20], 32, 12)
     seqs, queries = _sequences(rng, [40, 20])
     _serve(bound, _snapshot(bound), seqs, queries, tables, [[(0, 38), (1, 20)]])
     calls = []
-    monkeypatch.setattr(torch_ops, "_completed_pages", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(
+    monkeypatch.setattr(torch_ops, "_write_step", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(
         AssertionError("quantized without a completed block")))
     plan, _, _, _ = _plan(bound, [(0, 1)], tables, [38, 20])  # position 38: block 1 not full
     k = torch.randn(1, 2, 32)
@@ -452,3 +452,75 @@ def test_the_write_targets_are_one_row_view(scheme, hp_in_buffer, rng):
     assert bound.rows.data_ptr() == first.data_ptr() and bound.rows.shape[1] == 32
     assert bound.rows.numel() * bound.rows.element_size() == (last.data_ptr() + last.numel() * last.element_size()
                                                                - first.data_ptr())
+
+
+# ------------------------------------------------------------------------------------- failing requests
+@pytest.mark.parametrize("scheme", ["kvarn_k4v2_g32", "fp16"])
+def test_altered_tokens_are_counted_per_sequence_and_never_reach_the_neighbours(scheme, rng):
+    """A NaN key in one sequence's prefill chunk and an Inf value in another's decode step: the
+    per-slot counts name exactly those sequences (and are handed out once), and every other row's
+    output is the same bits as in the same steps without them."""
+    lens = [73, 49, 90]
+    seqs, queries = _sequences(rng, lens)
+    tables = allocate_tables(rng, lens, 32, 12)
+    steps = [[(0, 40), (1, 45), (2, 64)], [(0, 30), (1, 1), (2, 26)]] + [[(0, 1), (1, 1)]] * 3
+    poisoned = [(k.copy(), v.copy()) for k, v in seqs]
+    poisoned[1][0][20, 1, 3] = np.nan          # sequence 1, its prefill
+    poisoned[0][1][70, 0, 0] = np.inf          # sequence 0, its first decode step
+    outs, slots = [], []
+    for data in (seqs, poisoned):
+        bound, _ = _bind(scheme, rng)
+        torch_ops.reset_counters()
+        got, _, _ = _serve(bound, None, data, queries, tables, steps)
+        outs.append(got)
+        slots.append(torch_ops.take_altered_slots("cpu", bound.layout.max_seqs))
+        assert not torch_ops.take_altered_slots("cpu", bound.layout.max_seqs).any()  # handed out once
+    assert not slots[0].any()
+    assert slots[1][1, 0] == 1 and slots[1][0, 0] == 1 and slots[1][2:].sum() == 0, slots[1]
+    assert torch_ops.altered_tokens()["nonfinite_tokens"] == 2  # the totals keep what was handed out
+    np.testing.assert_array_equal(outs[1][2], outs[0][2])          # never touched either
+    np.testing.assert_array_equal(outs[1][0][:70], outs[0][0][:70])  # sequence 0 before its Inf
+    np.testing.assert_array_equal(outs[1][1][:20], outs[0][1][:20])  # sequence 1 before its NaN token
+    assert all(np.all(np.isfinite(o)) for o in outs[1])
+
+
+def test_failed_requests_lose_their_token_and_are_named_in_the_output():
+    """The worker side of failing a request (`failures`): the slots' counts map to request ids, the
+    step's output drops their sampled token and names them, and vLLM's shared outputs stay untouched."""
+    pytest.importorskip("vllm")
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+    from kvarn_vllm import failures
+    from kvarn_vllm.metadata import SlotTable
+
+    table = SlotTable(4)
+    table.slot_of.update({"a": 0, "b": 2, "c": 3})
+    counts = np.zeros((4, 3), np.int64)
+    counts[2] = (1, 0, 32)
+    failed = failures.failed_requests(table.slot_of, counts)
+    assert list(failed) == ["b"] and "1 token(s) with NaN/Inf" in failed["b"] and "32 token(s)" in failed["b"]
+    out = ModelRunnerOutput(req_ids=["a", "b", "c"], req_id_to_index={"a": 0, "b": 1, "c": 2},
+                            sampled_token_ids=[[5], [6], [7]])
+    marked = failures.mark(out, failed)
+    assert marked.sampled_token_ids == [[5], [], [7]] and getattr(marked, failures.FAILED) == failed
+    assert out.sampled_token_ids == [[5], [6], [7]] and not hasattr(out, failures.FAILED)
+    assert failures.mark(EMPTY_MODEL_RUNNER_OUTPUT, failed) is not EMPTY_MODEL_RUNNER_OUTPUT
+    assert not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, failures.FAILED)
+
+    class Runner:  # the model runner's output methods, wrapped by `watch`
+        def sample_tokens(self, grammar):
+            return out
+
+        def execute_model(self, scheduler_output):
+            return None
+
+    runner = Runner()
+    torch_ops.reset_counters()
+    failures.watch(runner, table, "cpu", 4)
+    failures.watch(runner, table, "cpu", 4)  # once
+    assert runner.execute_model(None) is None
+    assert runner.sample_tokens(None) is out  # nothing altered
+    torch_ops._altered(torch.device("cpu"), 4)[3, 1] += 2
+    got = runner.sample_tokens(None)
+    assert got.sampled_token_ids == [[5], [6], []] and list(getattr(got, failures.FAILED)) == ["c"]
+    assert runner.sample_tokens(None) is out  # reported once

@@ -126,6 +126,25 @@ def check_config(vllm_config) -> None:
             kvarn_jax.Calibration.load(settings.calibration)
         except (OSError, ValueError) as e:
             raise ValueError(f"kvarn: kvarn_calibration {settings.calibration!r} cannot be loaded: {e}") from None
+    _select_scheduler(vllm_config)
+
+
+def _select_scheduler(vllm_config) -> None:
+    """The scheduler that finishes requests whose K/V the cache stored altered with an error
+    (`failures.KvarnScheduler`, vLLM's own with that added); another custom scheduler is refused."""
+    from .failures import SCHEDULERS, failing_scheduler
+
+    sched = vllm_config.scheduler_config
+    current = sched.scheduler_cls
+    if current is None:
+        sched.scheduler_cls = SCHEDULERS[bool(sched.async_scheduling)]
+        return
+    if failing_scheduler(current):
+        return
+    name = current if isinstance(current, str) else f"{current.__module__}.{current.__qualname__}"
+    refuse(f"a custom scheduler_cls ({name})", "kvarn finishes requests whose K/V the cache stored altered "
+           f"(NaN/Inf, beyond its range) with an error through its own scheduler, {SCHEDULERS[False]}; "
+           "subclass that one")
 
 
 def layer_index(name: str) -> int:

@@ -10,11 +10,12 @@ has to be unique within the step.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import numpy as np
 import torch
 
-from . import torch_ops
+from . import failures, torch_ops
 from .checks import check_layer_order
 from .hp_pool import HP_BLOCKS, HP_FRESH
 from .plan import KvarnMetadata, StepPlan
@@ -33,6 +34,32 @@ ALTERED_WORDS = {"nonfinite_tokens": "token(s) with NaN/Inf in K or V as zeros",
                  "metadata_saturated_tokens": "token(s) in blocks whose KVarN scales saturated"}
 
 
+def _find_runner():
+    """The model runner building this builder: the first caller that holds the batch and requests."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            obj = frame.f_locals.get("self")
+            if obj is not None and hasattr(obj, "input_batch") and hasattr(obj, "requests"):
+                return obj
+            frame = frame.f_back
+    finally:
+        del frame
+    return None
+
+
+class _StepRows:
+    """Request id -> its high-precision slot in the step just run: its row in the runner's batch
+    (`hp_pool` stages row r's sink and tail in slot r)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    @property
+    def slot_of(self) -> dict:
+        return {rid: i for i, rid in enumerate(self.runner.input_batch.req_ids) if rid is not None}
+
+
 class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
     _cudagraph_support = AttentionCGSupport.NEVER  # the JAX calls cannot be captured in vLLM's graphs
 
@@ -43,6 +70,8 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         self.max_seqs = vllm_config.scheduler_config.max_num_seqs
         self.block_size = kv_cache_spec.block_size
         self.hp_blocks = getattr(kv_cache_spec, "hp_blocks", 0)
+        runner = _find_runner()
+        failures.watch(runner, _StepRows(runner), device, self.max_seqs)  # altered K/V: the request finishes with an error
         self.steps = 0
         self.reported = dict.fromkeys(torch_ops.ALTERED, 0)
 

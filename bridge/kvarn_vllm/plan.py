@@ -200,13 +200,73 @@ class StepPlan:
             info[4, :nd] = np.where(last == 0, lens - 1, lens - 1 - last * bs)
             info[5, :nd] = np.cumsum(n) - 1
             info[6, :nd] = (lens - 1) % bs
+            info[0, :nd] = self.seq_id[:nd]
             if not passthrough:
-                info[0, :nd] = self.seq_id[:nd]
                 info[1, :nd] = np.where(last == 0, lens, bs)
                 info[2, :nd] = (last * bs) % self.tail_len
                 info[3, :nd] = np.where(last == 0, 0, lens - last * bs)
             return entries, info
         return self.cached(("decode_entries", passthrough), make)
+
+    def own_blocks(self) -> tuple:
+        """The prefill queries' own blocks, for the split prefill attention (`torch_ops`): the step's
+        query blocks are each prefill row's blocks fb .. last (fb: the block its chunk starts in), in
+        row order, block_size slots each; slot j of a query block holds position block * bs + j.
+
+        Returns (own [4, M] int32 per slot, the key side - kind: 0 a token of this step, 1 an earlier
+        row in the sink, 2 one in the ring, 3 none; the step token; the seq id; the position in the
+        sink or ring - q_src [M] int32: the step token whose query sits in the slot, -1 for none;
+        tok_slot [num_tokens] int32: each prefill token's slot (0 for decode tokens)). M = NQB *
+        block_size with NQB = `query_block_bound`."""
+        def make():
+            bs, tl, nd, r = self.block_size, self.tail_len, self.num_decodes, self.num_rows
+            ctx, lens = self.context, self.seq_len
+            fb, last = ctx // bs, (lens - 1) // bs
+            nq = np.where((np.arange(r) >= nd) & (self.q_len > 0), last - fb + 1, 0)
+            base = np.concatenate([[0], np.cumsum(nq)]) * bs
+            m = self.query_block_bound() * bs
+            own = np.zeros((4, m), np.int32)
+            own[0] = 3
+            q_src = np.full(m, -1, np.int32)
+            tok_slot = np.zeros(self.num_tokens, np.int32)
+            for i in np.nonzero(nq)[0]:
+                slot = base[i] + np.arange(nq[i] * bs)
+                p = fb[i] * bs + np.arange(nq[i] * bs)
+                new, old = (p >= ctx[i]) & (p < lens[i]), p < ctx[i]
+                tok = self.q_start[i] + p - ctx[i]
+                own[0, slot] = np.where(new, 0, np.where(old, np.where(p < bs, 1, 2), 3))
+                own[1, slot] = np.where(new, tok, 0)
+                own[2, slot] = self.seq_id[i]
+                own[3, slot] = np.where(p < bs, p, p % tl)
+                q_src[slot] = np.where(new, tok, -1)
+                tok_slot[tok[new]] = slot[new]
+            return own, q_src, tok_slot
+        return self.cached("own_blocks", make)
+
+    def query_block_bound(self) -> int:
+        """How many own-block slots (`own_blocks`) a step of this many tokens pads to: a bound that
+        depends only on the padded token count, so the shapes do not vary with how the step's
+        tokens split into rows (each distinct shape compiles)."""
+        n = _bucket(self.num_tokens)
+        return _bucket(n // self.block_size + min(self.max_seqs, n), 1)
+
+    def prefill_parts(self) -> list:
+        """Per prefill row with queries, what the split prefill attention reads from the served blocks
+        (`served_entries`): (row, first token, queries, entry offset, fb, last, skip) - keys of
+        blocks [0, fb) are seen by every query of the chunk, those of blocks [fb, last) by the queries
+        of later blocks (the first `skip` queries sit in block fb and see none of them)."""
+        def make():
+            bs, offsets = self.block_size, self.served_entries(False)[2]
+            out = []
+            for r in range(self.num_decodes, self.num_rows):
+                ql = int(self.q_len[r])
+                if ql == 0:
+                    continue
+                ctx = int(self.seq_len[r] - ql)
+                fb, last = ctx // bs, (int(self.seq_len[r]) - 1) // bs
+                out.append((r, int(self.q_start[r]), ql, int(offsets[r]), fb, last, min(ql, (fb + 1) * bs - ctx)))
+            return out
+        return self.cached("prefill_parts", make)
 
     def _served_entries(self, passthrough: bool):
         bs, r, nd = self.block_size, self.num_rows, self.num_decodes
@@ -218,7 +278,7 @@ class StepPlan:
         sink = np.zeros(r, bool) if passthrough else n > 0
         hp_idx, hp_seq = offsets[:-1][sink], self.seq_id[sink]
         count, m = int(offsets[-1]), int(hp_idx.shape[0])
-        entries = np.zeros((2, bucket_fine(count)), np.int32)
+        entries = np.zeros((2, _bucket(count, 4)), np.int32)
         entries[0, :count], entries[1, :count] = ent_row, ent_col
         hp = np.zeros((3, _bucket(m, 4)), np.int32)
         hp[0] = entries.shape[1]

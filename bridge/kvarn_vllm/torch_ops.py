@@ -4,21 +4,26 @@
 that tensor (no copy; checked by data pointer). A step is described once by a `plan.StepPlan`
 (every layer shares it); per layer:
 
-- `write(bound, key, value, plan)` stores the step's tokens in place. The tokens' stored rows (the
-  storage frame: rotated for KVarN, rounded to the cache dtype) are computed by torch and copied
-  into the high-precision sink/tail (or, for passthrough schemes, the pages) with one indexed copy
-  whose destinations the plan computed once for the step. Only when the step completes blocks does
-  JAX run: `kvarn_jax`'s own write plan and quantizer turn the completed blocks (ring + new rows)
-  into page fields, which torch copies into the pages. XLA cannot write into a buffer it imported
-  from torch, hence the split; what is copied is the new rows and the completed blocks' bytes.
+- `write(bound, key, value, plan)` stores the step's tokens in place. For a quantized cache, a step
+  with prefill rows or completed blocks runs one XLA computation (`_write_step`): the tokens as
+  the cache stores them (`kvarn_jax.storage`'s rule: rotated for KVarN, rounded to the value dtype,
+  NaN/Inf tokens as zeros), the rows the sink and tail ring keep, the completed blocks' page fields
+  (`kvarn_jax`'s own write plan and quantizer), per-slot counts of the tokens stored altered, and
+  the prefill queries' own-block rows; torch then copies the kept rows and the fields' bytes, one
+  indexed copy each, to destinations the plan computed once for the step. XLA cannot write into a
+  buffer it imported from torch, hence the split. Other steps (a decode step completing no block,
+  passthrough caches) compute the rows with torch.
 - `attend(bound, query, plan, written=...)` attends every row with the semantics of
   `kvarn_jax.attention.prefill`: each query sees the sink and its own block in high precision and
   the full blocks before its own block quantized - the decode rule, so the result of a query does
-  not depend on how its prompt was cut into chunks. The blocks a step's rows read are dequantized by
-  one JAX call per layer (`dequantize_blocks` plus the sink/ring rows); the attention itself runs in
-  torch (fused SDPA for prefill rows, a block-wise softmax for decode rows). Decode rows go through
-  `kvarn_jax.paged_decode_attention` instead with impl "pallas" (NVIDIA GPUs: the fused kernel reads
-  the pages itself) or "reference".
+  not depend on how its prompt was cut into chunks. Prefill rows of a quantized cache on the CPU
+  (`_prefill_split`): one XLA call dequantizes the blocks the step's rows read and rotates the
+  queries, torch's flash attention runs the rule's three parts (earlier blocks, the chunk's earlier
+  blocks block-causally, the own block causally) and one XLA call merges them by log-sum-exp.
+  Elsewhere one masked SDPA per prefill row. Decode rows: on the CPU one XLA computation per layer
+  (`_decode_served`, with a decode-only step's write), else `kvarn_jax.paged_decode_attention`
+  with impl "pallas" (NVIDIA GPUs: the fused kernel reads the pages itself) or "reference".
+- The per-slot counts are what fails a request (`failures`): `take_altered_slots`.
 
 JAX functions are jitted and called through JAX's C++ dispatch (as fast as an AOT-compiled
 executable, ~10 us); shapes are padded to few sizes so that few compile.
@@ -72,17 +77,20 @@ def count(**kw) -> None:
 
 
 # Tokens the writes did not store as given (`kvarn_jax.storage`'s rule), counted on the device of
-# the caches so that counting never waits for it: per device an int64 [3] tensor in ALTERED order.
+# the caches so that counting never waits for it, per high-precision slot (the sequence that wrote
+# them): per (device, max_seqs) an int64 [max_seqs + 1, 3] tensor in ALTERED order (the last row
+# takes padding). `take_altered_slots` hands the per-slot counts to whoever fails those requests.
 ALTERED = ("nonfinite_tokens", "saturated_tokens", "metadata_saturated_tokens")
 _ALTERED: dict = {}
+_TAKEN = np.zeros(len(ALTERED), np.int64)  # counts handed out by take_altered_slots (still in the totals)
 
 
-def _altered(device: torch.device) -> torch.Tensor:
-    key = str(device)
+def _altered(device: torch.device, num_slots: int) -> torch.Tensor:
+    key = (str(device), int(num_slots))
     with _LOCK:
         if key not in _ALTERED:
             with torch.inference_mode(False):  # vLLM runs the model in inference mode; the totals outlive it
-                _ALTERED[key] = torch.zeros(len(ALTERED), dtype=torch.int64, device=device)
+                _ALTERED[key] = torch.zeros((num_slots + 1, len(ALTERED)), dtype=torch.int64, device=device)
         return _ALTERED[key]
 
 
@@ -93,10 +101,23 @@ def altered_tokens() -> dict:
     quantized blocks whose KVarN scales saturated. Reads the device counters (waits for them)."""
     with _LOCK:
         tensors = list(_ALTERED.values())
-    total = np.zeros(len(ALTERED), np.int64)
+        total = _TAKEN.copy()
     for t in tensors:
-        total += t.cpu().numpy()
+        total += t[:-1].sum(0).cpu().numpy()  # the last row takes padding
     return dict(zip(ALTERED, (int(x) for x in total)))
+
+
+def take_altered_slots(device, max_seqs: int) -> np.ndarray:
+    """[max_seqs, 3] int64: per high-precision slot, the tokens stored altered (ALTERED order) since
+    the last call, and zero them (the totals of `altered_tokens` keep them). Waits for the device."""
+    acc = _altered(torch.device(device), max_seqs)
+    with _LOCK:
+        got = acc[:max_seqs].cpu().numpy().copy()
+        if got.any():
+            with torch.inference_mode(False):
+                acc[:max_seqs].zero_()
+            _TAKEN[:] += got.sum(0)
+    return got
 
 
 def counters() -> dict:
@@ -114,6 +135,7 @@ def reset_counters() -> None:
         for k in _COUNTERS:
             _COUNTERS[k] = 0.0 if k.endswith("_s") else 0
         _ALTERED.clear()
+        _TAKEN[:] = 0
 
 
 # ------------------------------------------------------------------------------------- binding
@@ -155,6 +177,26 @@ class BoundCache:
         the dequantized pages are rounded to it, the high-precision rows already are), float32
         otherwise (float16 attention is slow or emulated on CPUs; float32 models stay exact)."""
         return torch.bfloat16 if self.layout.dtype == "bfloat16" else torch.float32
+
+    @functools.cached_property
+    def page_columns(self) -> tuple:
+        """How one completed block's fields land in `buffer`, for a write that stores them all with
+        one indexed copy of bytes (`_write_step`'s packed output: the fields in sorted key order,
+        each block's bytes of a field back to back): per byte column, (offset in the buffer of
+        block 0's byte, bytes per block of its field) - byte = offset + block * bytes per block; and
+        the key that identifies them (the plan caches the step's destinations under it)."""
+        base, mult = [], []
+        start = self.buffer.data_ptr()
+        for key in sorted(k for k in self.views if k.startswith("pages.")):
+            t = self.views[key]
+            if t.untyped_storage().data_ptr() != self.buffer.untyped_storage().data_ptr() or not t.is_contiguous():
+                return None  # fields outside the buffer: copied field by field
+            per = t[0].numel() * t.element_size()
+            base.append(t.data_ptr() - start + np.arange(per))
+            mult.append(np.full(per, per))
+        lay = self.layout
+        key = (lay.cfg.name, lay.dtype, lay.block_size, lay.num_kv_heads, lay.head_dim, lay.max_seqs, self.num_blocks)
+        return np.concatenate(base), np.concatenate(mult), key
 
     @functools.cached_property
     def rotation(self) -> dict:
@@ -281,10 +323,25 @@ def stored_rows(bound: BoundCache, key: torch.Tensor, value: torch.Tensor):
     return y.to(store), nonfinite, saturated & ~nonfinite
 
 
-def _count_altered(device, counts: torch.Tensor, first: int = 0) -> None:
-    """Add counts (a device tensor, `ALTERED[first:]` order) to the device's totals without waiting."""
-    acc = _altered(device)
-    acc[first:first + counts.shape[0]] += counts
+def _count_altered(bound: BoundCache, counts: torch.Tensor) -> None:
+    """Add per-slot counts (a [max_seqs + 1, 3] device tensor, `ALTERED` order) to the totals
+    without waiting."""
+    _altered(bound.buffer.device, bound.layout.max_seqs).add_(counts)
+
+
+def _count_altered_tokens(bound: BoundCache, plan: StepPlan, nonfinite: torch.Tensor, saturated: torch.Tensor):
+    """Per-token flags [tokens] (torch's write) added to their sequences' slots."""
+    seq = plan.cached(("token_seq_dev",), lambda: plan.to_device(plan.token_seq))
+    acc = _altered(bound.buffer.device, bound.layout.max_seqs)
+    acc[:, :2].index_add_(0, seq, torch.stack((nonfinite, saturated), 1).to(torch.int64))
+
+
+def _slot_counts(s: int, seq, live, nonfinite, saturated):
+    """[s + 1, 3] int32 per-slot counts of a write's tokens (padding to the last row); s: the
+    layout's max_seqs (a passthrough cache has no slots of its own)."""
+    at = jnp.where(live, jnp.clip(seq, 0, s - 1), s)
+    flags = jnp.stack((nonfinite & live, saturated & live, jnp.zeros_like(live)), 1).astype(jnp.int32)
+    return jnp.zeros((s + 1, 3), jnp.int32).at[at].add(flags)
 
 
 def _check_plan(bound: BoundCache, plan: StepPlan):
@@ -327,16 +384,19 @@ def _check_tokens(bound: BoundCache, x: torch.Tensor, name: str, n: int, heads: 
 # ------------------------------------------------------------------------------------- write
 @dataclasses.dataclass
 class Written:
-    """What a write hands the same step's attention: the stored rows [2, tokens, Hk, D] and, per
-    prefill row whose chunk starts inside a block, that block's earlier rows as they were before
-    the write ({row: (k, v) [Hk, n, D]})."""
+    """What a write hands the same step's attention: the stored rows [2, tokens, Hk, D]; for the
+    split prefill (`_split_prefill`) the prefill queries' own-block rows (K, V) [NQB, Hk, bs, D]
+    (`StepPlan.own_blocks`); otherwise, per prefill row whose chunk starts inside a block, that
+    block's earlier rows as they were before the write ({row: (k, v) [Hk, n, D]})."""
 
     rows: torch.Tensor
     before: dict
+    own: tuple | None = None
 
 
-def _row_destinations(plan: StepPlan, bound: BoundCache):
-    """(destination rows, source rows or None for all) of the write's indexed copy, per step."""
+def _row_destinations(plan: StepPlan, bound: BoundCache, stride: int):
+    """(destination rows, source rows or None for all) of the write's indexed copy from rows
+    [2, stride, Hk, D] (the step's tokens first), per step."""
     lay = bound.layout
     hk, bs, n = lay.num_kv_heads, lay.block_size, plan.num_tokens
     heads = np.arange(hk)
@@ -346,8 +406,12 @@ def _row_destinations(plan: StepPlan, bound: BoundCache):
             base = (sm // bs * hk)[:, None] * bs + (sm % bs)[:, None]             # [n, 1]
             h = torch.arange(hk, device=sm.device)[None, :] * bs
             page = bound.num_blocks * hk * bs                                    # rows of one side
-            return torch.stack((base + h, base + h + page)).reshape(-1), None
-        return plan.cached(("rows", "pages", bound.num_blocks, hk), make)
+            src = None
+            if stride != n:
+                src = (np.arange(2)[:, None, None] * stride + np.arange(n)[None, :, None]) * hk + heads[None, None, :]
+                src = plan.to_device(src.reshape(-1))
+            return torch.stack((base + h, base + h + page)).reshape(-1), src
+        return plan.cached(("rows", "pages", bound.num_blocks, hk, stride), make)
 
     def make():
         s, tl = lay.max_seqs, plan.tail_len
@@ -357,15 +421,15 @@ def _row_destinations(plan: StepPlan, bound: BoundCache):
         dst, src = [], []
         for side in (0, 1):
             # row of (token, head 0) in the [sink.k | sink.v | tail.k | tail.v] rows, and the head stride
-            for mask, base, stride in ((in_sink, side * sink_rows + seq * hk * bs + pos % bs, bs),
-                                       (in_ring, 2 * sink_rows + side * tail_rows + seq * hk * tl + pos % tl, tl)):
+            for mask, base, head_rows in ((in_sink, side * sink_rows + seq * hk * bs + pos % bs, bs),
+                                          (in_ring, 2 * sink_rows + side * tail_rows + seq * hk * tl + pos % tl, tl)):
                 t = np.nonzero(mask)[0]
-                dst.append((base[t][:, None] + heads[None, :] * stride).reshape(-1))
-                src.append(((side * n + t)[:, None] * hk + heads[None, :]).reshape(-1))
+                dst.append((base[t][:, None] + heads[None, :] * head_rows).reshape(-1))
+                src.append(((side * stride + t)[:, None] * hk + heads[None, :]).reshape(-1))
         dst, src = np.concatenate(dst), np.concatenate(src)
-        every = src.shape[0] == 2 * n * hk and np.array_equal(src, np.arange(src.shape[0]))
+        every = src.shape[0] == 2 * stride * hk and np.array_equal(src, np.arange(src.shape[0]))
         return plan.to_device(dst), None if every else plan.to_device(src)
-    return plan.cached(("rows", "hp", lay.max_seqs, hk, bs), make)
+    return plan.cached(("rows", "hp", lay.max_seqs, hk, bs, stride), make)
 
 
 def _before(bound: BoundCache, plan: StepPlan) -> dict:
@@ -390,23 +454,17 @@ def _before(bound: BoundCache, plan: StepPlan) -> dict:
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("size", "quantizer"))
-def _completed_pages(cache, rows, ids, *, size: int, quantizer: str):
-    """The page fields of the blocks a write completes (the library's `write_plan` and
-    `completed_blocks`, with the stored rows torch computed): (block ids [size], {leaf key: [size,
-    ...]}); the first `completing` entries are the completed blocks, in token order."""
-    p = write_plan(cache, rows[0], rows[1], ids[0], ids[1], ids[2])
-    p = p._replace(xs={"k": rows[0], "v": rows[1]})  # already in the storage frame and dtype
-    return _quantized_completions(cache, p, size, quantizer)
-
-
 def _quantized_completions(cache, p, size, quantizer):
-    """(block ids [size], {leaf key: fields [size, ...]}, [1] int32 tokens of blocks whose metadata
-    saturated) for the blocks of write plan `p` (`completed_blocks`)."""
+    """(block ids [size], {leaf key: fields [size, ...]}, [max_seqs + 1] int32 tokens per slot of
+    blocks whose metadata saturated) for the blocks of write plan `p` (`completed_blocks`)."""
     c_m, fields = completed_blocks(cache, p, size, quantizer)
-    bad = jnp.sum(saturated_blocks(cache, fields) & (c_m < cache.num_blocks), dtype=jnp.int32) * cache.block_size
+    n = p.blk.shape[0]
+    (ti,) = jnp.nonzero(p.completes, size=size, fill_value=n)  # the same completions, in the same order
+    bad = saturated_blocks(cache, fields) & (c_m < cache.num_blocks)
+    at = jnp.where(bad, p.seq_c[jnp.minimum(ti, n - 1)], cache.max_seqs)
+    per_slot = jnp.zeros((cache.max_seqs + 1,), jnp.int32).at[at].add(cache.block_size)
     return c_m, {f"pages.{s}.{name}": f.astype(cache.pages[s][name].dtype)
-                 for s in schemes.SIDES for name, f in fields[s].items()}, bad[None]
+                 for s in schemes.SIDES for name, f in fields[s].items()}, per_slot
 
 
 def _write_ids(plan: StepPlan, nb: int) -> torch.Tensor:
@@ -420,29 +478,131 @@ def _write_ids(plan: StepPlan, nb: int) -> torch.Tensor:
     return ids
 
 
-def _store_completed(bound: BoundCache, rows: torch.Tensor, plan: StepPlan) -> list:
-    """Quantize the blocks the step completes (JAX) and copy their fields into the pages (torch, one
-    copy of whole blocks per field)."""
+def _own_rows(cache, rows, own, dtype):
+    """The high-precision rows of the prefill queries' own blocks, [NQB, Hk, bs, D] in `dtype` for K
+    and V (`StepPlan.own_blocks`): each slot a token of this write (rows), an earlier row of the
+    block from the sink or the ring, or zeros."""
+    kind, tok, seq, pos = own
+    bs, tl = cache.block_size, cache.tail_len
+    seq = jnp.clip(seq, 0, cache.max_seqs - 1)
+    out = []
+    for i, side in enumerate(schemes.SIDES):
+        new = rows[i][jnp.clip(tok, 0, rows.shape[1] - 1)].astype(dtype)                      # [M, Hk, D]
+        sink = cache.sink[side][seq, :, jnp.clip(pos, 0, bs - 1)].astype(dtype)
+        ring = cache.tail[side][seq, :, pos % tl].astype(dtype)
+        x = jnp.where((kind == 0)[:, None, None], new, jnp.where((kind == 1)[:, None, None], sink, ring))
+        x = jnp.where((kind > 2)[:, None, None], jnp.zeros((), dtype), x)
+        out.append(x.reshape(-1, bs, x.shape[1], x.shape[2]).transpose(0, 2, 1, 3))
+    return tuple(out)
+
+
+def _packed(fields: dict) -> jnp.ndarray:
+    """{leaf key: [size, ...]} -> [size, bytes] uint8: each block's fields as bytes, keys sorted
+    (`BoundCache.page_columns`)."""
+    parts = []
+    for key in sorted(fields):
+        f = fields[key]
+        b = f if f.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(f, jnp.uint8)
+        parts.append(b.reshape(f.shape[0], -1))
+    return jnp.concatenate(parts, axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("size", "quantizer", "dtype", "pack"))
+def _write_step(cache, kv, ids, keep, own=None, *, size: int, quantizer: str, dtype: str = "float32",
+                pack: bool = False):
+    """A quantized cache's write in one XLA computation: the tokens as the cache stores them
+    (`storage_values`: rotated, rounded, NaN/Inf tokens as zeros, saturated), the page fields of the
+    blocks the write completes (`write_plan`, `completed_blocks`; size 0: none), per-slot counts of
+    the altered tokens, and with `own` the prefill queries' own-block rows (`_own_rows`), read from
+    the sink and ring as they were before this write. kv [2, nb, Hk, D] (padding: slot -1 in ids).
+    keep: the rows the sink and ring keep (`_kept_rows`). Returns (rows [2, nb, Hk, D], kept rows
+    [K, D], (block ids, fields - or with pack their bytes, `_packed`) or None, counts [max_seqs + 1, 3],
+    own K/V or None)."""
+    k_s, v_s, nonfinite, saturated = storage_values(cache.cfg, kv[0], kv[1], cache.value_dtype)
+    rows = jnp.stack((k_s, v_s))
+    counts = _slot_counts(cache.max_seqs, ids[1], ids[0] >= 0, nonfinite, saturated)
+    completed = None
+    if size:
+        p = write_plan(cache, k_s, v_s, ids[0], ids[1], ids[2])._replace(xs={"k": k_s, "v": v_s})
+        c_m, fields, bad = _quantized_completions(cache, p, size, quantizer)
+        completed = (c_m, _packed(fields) if pack else fields)
+        counts = counts.at[:, 2].add(bad)
+    kept = rows.reshape(-1, rows.shape[-1])[keep]
+    return rows, kept, completed, counts, (None if own is None else _own_rows(cache, rows, own, dtype))
+
+
+def _page_byte_destinations(plan: StepPlan, base: np.ndarray, mult: np.ndarray) -> torch.Tensor:
+    """[completing * bytes] int64 on the plan's device: where each byte of the step's completed blocks
+    goes in a layer's buffer (blocks in token order, as `completed_blocks` finds them). Nothing is
+    read back: the completing tokens are known on the host, their slots are gathered on the device."""
+    t = plan.to_device(np.nonzero(plan._completes())[0])
+    blocks = plan.slot_mapping[t].to(torch.int64) // plan.block_size
+    return (blocks[:, None] * plan.to_device(mult)[None, :] + plan.to_device(base)[None, :]).reshape(-1)
+
+
+def _kept_rows(plan: StepPlan, bound: BoundCache, stride: int):
+    """(destination rows [K], source rows [K] int32 into the write's rows [2 * stride * Hk, D]) of
+    the rows the sink and ring keep. K is a bound that depends only on the padded token count (each
+    sequence keeps at most its sink and ring), so the shape does not vary with the step's rows; the
+    real pairs repeat cyclically to fill it (a row written again with the same value)."""
+    lay = bound.layout
+    dst, src = _row_destinations(plan, bound, stride)
+    if src is None:
+        src = torch.arange(dst.shape[0], device=dst.device)
+    k = dst.shape[0]
+    bound_k = 2 * lay.num_kv_heads * min(stride, lay.max_seqs * (lay.block_size + plan.tail_len))
+    if 0 < k < bound_k:
+        cyc = plan.to_device(np.arange(bound_k) % k)
+        dst, src = dst[cyc], src[cyc]
+    return dst, src.to(torch.int32)
+
+
+def _write_jax(bound: BoundCache, key: torch.Tensor, value: torch.Tensor, plan: StepPlan):
+    """A quantized cache's write through `_write_step`; torch stores the completed blocks' fields and
+    the rows the sink and ring keep. Returns (rows [2, nb, Hk, D], own K/V or None, what to keep alive)."""
     n, c = plan.num_tokens, plan.completing
     nb = _bucket(n)
     sizes = completion_sizes(bound.cache, nb)
-    size = next(m for m in sizes if m >= c) if c <= sizes[-1] else None
+    size = next((m for m in sizes if m >= c), None) if c else 0
     if size is None:  # cannot happen: the bound counts every completion a write can make
         raise RuntimeError(f"kvarn: {c} blocks complete in one write of {n} tokens, above the bound {sizes[-1]}")
-
+    lay = bound.layout
+    # the step's padded K/V, one buffer for every layer of the step (each layer's JAX call has read
+    # it before the next layer's copies: its results are imported, which waits for them)
+    kv = plan.cached(("write_kv", nb, key.dtype), lambda: key.new_zeros((2, nb, lay.num_kv_heads, lay.head_dim)))
+    kv[0, :n], kv[1, :n] = key, value
     ids = plan.cached(("write_ids", nb), lambda: _write_ids(plan, nb))
-    padded = rows if nb == n else torch.cat((rows, rows.new_zeros((2, nb - n) + tuple(rows.shape[2:]))), 1)
-    rows_j, ids_j = _to_jax(padded), _to_jax(ids)
-    c_m, fields, bad = _completed_pages(bound.cache, rows_j, ids_j, size=size, quantizer=auto_quantizer(bound.cache))
-    blocks = _to_torch(c_m)[:c].to(torch.int64)
-    bad_t = _to_torch(bad)
-    _count_altered(blocks.device, bad_t, 2)
-    held = [padded, rows_j, ids_j, c_m, fields, blocks, bad, bad_t]
-    for key, f in fields.items():
-        vals = _to_torch(f)
-        bound.views[key].index_copy_(0, blocks, vals[:c])
+    dst, keep = plan.cached(("kept_rows", nb, lay.max_seqs, lay.num_kv_heads), lambda: _kept_rows(plan, bound, nb))
+    own = None
+    if plan.num_rows > plan.num_decodes and _split_prefill(bound):
+        own = plan.cached(("own_blocks",), lambda: plan.to_device(plan.own_blocks()[0], torch.int32))
+    kv_j, ids_j, keep_j = _to_jax(kv), _to_jax(ids), _to_jax(keep)
+    own_j = None if own is None else _to_jax(own)
+    pack = bool(c) and bound.page_columns is not None  # every field of every completed block in one copy
+    rows_j, kept_j, completed, counts, own_kv = _write_step(
+        bound.cache, kv_j, ids_j, keep_j, own_j, size=size, quantizer=auto_quantizer(bound.cache),
+        dtype=str(bound.compute_dtype).split(".")[-1], pack=pack)
+    counts_t = _to_torch(counts)
+    _count_altered(bound, counts_t)
+    held = [kv_j, ids_j, keep_j, own_j, rows_j, kept_j, completed, counts, counts_t, own_kv]
+    if pack:  # before the rows: the pages came from the ring as it was
+        base, mult, key_ = bound.page_columns
+        pdst = plan.cached(("page_bytes", key_), lambda: _page_byte_destinations(plan, base, mult))
+        vals = _to_torch(completed[1])
+        bound.buffer.index_copy_(0, pdst, vals[:c].reshape(-1))
         held.append(vals)
-    return held
+    elif completed is not None:
+        blocks = _to_torch(completed[0])[:c].to(torch.int64)
+        for key_, f in completed[1].items():
+            vals = _to_torch(f)
+            bound.views[key_].index_copy_(0, blocks, vals[:c])
+            held.append(vals)
+    rows, kept = _to_torch(rows_j), _to_torch(kept_j)
+    if dst.shape[0]:
+        bound.rows.index_copy_(0, dst, kept)
+    held += [rows, kept]
+    own_t = None if own_kv is None else tuple(_to_torch(x) for x in own_kv)
+    return rows, own_t, held + [own_t]
 
 
 def write(bound: BoundCache, key: torch.Tensor, value: torch.Tensor, plan: StepPlan) -> Written:
@@ -453,21 +613,25 @@ def write(bound: BoundCache, key: torch.Tensor, value: torch.Tensor, plan: StepP
     n = plan.num_tokens
     _check_tokens(bound, key, "key", n, bound.layout.num_kv_heads)
     _check_tokens(bound, value, "value", n, bound.layout.num_kv_heads)
-    rows, nonfinite, saturated = stored_rows(bound, key, value)
-    _count_altered(rows.device, torch.stack((nonfinite, saturated)).sum(1))
-    before = _before(bound, plan)
-    held = []
     quantized = not bound.cfg.is_passthrough
-    if quantized and plan.completing:  # reads the ring before the rows below overwrite it
-        held = _store_completed(bound, rows, plan)
-    if n:
-        dst, src = _row_destinations(plan, bound)
-        flat = rows.reshape(-1, bound.layout.head_dim)
-        bound.rows.index_copy_(0, dst, flat if src is None else flat.index_select(0, src))
+    prefill = plan.num_rows > plan.num_decodes
+    before = _before(bound, plan) if prefill and not _split_prefill(bound) else {}
+    own = None
+    if quantized and (prefill or plan.completing):
+        rows, own, held = _write_jax(bound, key, value, plan)
+        rows = rows[:, :n]
+    else:  # a decode step completing no block (GPUs: cheaper in torch than a JAX call), passthrough caches
+        rows, nonfinite, saturated = stored_rows(bound, key, value)
+        _count_altered_tokens(bound, plan, nonfinite, saturated)
+        held = []
+        if n:
+            dst, src = _row_destinations(plan, bound, n)
+            flat = rows.reshape(-1, bound.layout.head_dim)
+            bound.rows.index_copy_(0, dst, flat if src is None else flat.index_select(0, src))
     bound.held_write = (rows, held)
     count(write_calls=1, write_tokens=n, blocks_quantized=plan.completing if quantized else 0,
           write_s=time.perf_counter() - t0)
-    return Written(rows, before)
+    return Written(rows, before, own)
 
 
 # ------------------------------------------------------------------------------------- attention
@@ -530,8 +694,7 @@ def _entry_blocks(plan: StepPlan, entries: np.ndarray) -> torch.Tensor:
     return t[rows, cols].to(torch.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype",))
-def _served(cache, blk, hp, *, dtype: str):
+def _served_jnp(cache, blk, hp, dtype: str):
     """The blocks a step's rows read, as attention sees them, heads first: [Hk, N, bs, D] in `dtype`
     for K and V (see `StepPlan.served_entries`) - pages dequantized, sink entries from the sink, ring
     entries from the tail ring."""
@@ -547,6 +710,48 @@ def _served(cache, blk, hp, *, dtype: str):
         val = jnp.where((kind == 0)[:, None, None, None], sink, ring).astype(dtype)
         out.append(x.at[:, idx].set(val.transpose(1, 0, 2, 3), mode="drop"))
     return tuple(out)
+
+
+_served = functools.partial(jax.jit, static_argnames=("dtype",))(_served_jnp)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _served_split(cache, blk, hp, q, q_src, *, dtype: str):
+    """The split prefill's inputs in one XLA computation: the served blocks (`_served_jnp`) and the
+    queries in the storage frame (rotated for KVarN) in `dtype`, as [Hq, nb, D] (against the
+    served blocks) and in their own-block slots [NQB, Hq, bs, D] (`StepPlan.own_blocks`; zeros where
+    no query sits)."""
+    k, v = _served_jnp(cache, blk, hp, dtype)
+    qf = q.astype(jnp.float32)
+    if cache.cfg.rotated:
+        qf = rotate(qf)
+    n, hq, d = q.shape
+    q2 = jnp.where((q_src >= 0)[:, None, None], qf[jnp.clip(q_src, 0, n - 1)], 0.0)
+    q2 = q2.reshape(-1, cache.block_size, hq, d).transpose(0, 2, 1, 3)
+    return k, v, qf.transpose(1, 0, 2).astype(dtype), q2.astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("rotated", "dtype"))
+def _merge_split(oa, la, ob, lb, o2, l2, tok_slot, *, rotated: bool, dtype: str):
+    """The split prefill's three softmax parts merged by their log-sum-exps: the blocks before the
+    chunk's first block and the chunk's earlier blocks (oa/ob [Hq, nb, D], la/lb [Hq, nb]; -inf where
+    a query has none) and the own block (o2 [NQB, Hq, bs, D], l2 [NQB, Hq, bs], each token's slot
+    in tok_slot [nb]). Returns [nb, Hq, D] in `dtype`, out of the storage frame."""
+    hq, d = oa.shape[0], oa.shape[2]
+    o2t = o2.transpose(0, 2, 1, 3).reshape(-1, hq, d)[tok_slot].astype(jnp.float32)   # [nb, Hq, D]
+    l2t = l2.transpose(0, 2, 1).reshape(-1, hq)[tok_slot]
+    parts = [(oa.transpose(1, 0, 2).astype(jnp.float32), la.T), (ob.transpose(1, 0, 2).astype(jnp.float32), lb.T),
+             (o2t, l2t)]
+    m = jnp.maximum(jnp.maximum(parts[0][1], parts[1][1]), parts[2][1])
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    num, den = 0.0, 0.0
+    for o, lse in parts:
+        w = jnp.exp(lse - m)[..., None]
+        num, den = num + jnp.where(w > 0, w * o, 0.0), den + w
+    o = num / jnp.where(den > 0, den, 1.0)
+    if rotated:
+        o = unrotate(o)
+    return o.astype(dtype)
 
 
 def _served_blocks(bound: BoundCache, plan: StepPlan):
@@ -567,8 +772,9 @@ def _served_blocks(bound: BoundCache, plan: StepPlan):
     return k, v, offsets, (b_j, h_j, k_j, v_j)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "size", "quantizer"))
-def _decode_served(q, cache, blk, entries, info, kv=None, ids=None, *, scale, size=0, quantizer="reference"):
+@functools.partial(jax.jit, static_argnames=("scale", "size", "quantizer", "slots"))
+def _decode_served(q, cache, blk, entries, info, kv=None, ids=None, *, scale, size=0, quantizer="reference",
+                   slots=1):
     """Decode rows on the CPU in one XLA computation: dequantize the pages each row reads, attend
     with the sink and the ring's last block (quantized caches), softmax over all of a row's blocks.
     q [B, Hq, D]; entries / info: `StepPlan.decode_entries`. Each row's sums run over its own blocks
@@ -578,8 +784,9 @@ def _decode_served(q, cache, blk, entries, info, kv=None, ids=None, *, scale, si
     write is done here too: it returns (rows, out, completed, altered) - the rows as the cache stores
     them ([2, B, Hk, D], `kvarn_jax.storage.storage_values`), the attention computed as if they were written
     (each row's new token in its sink, ring or page), and with size > 0 the page fields of the
-    blocks the write completes (`_completed_pages`, ids: the write's [3, B] slots, slots' sequences,
-    positions); altered: int32 [3] counts in `ALTERED` order. The caller stores rows and pages afterwards."""
+    blocks the write completes (`_quantized_completions`, ids: the write's [3, B] slots, slots'
+    sequences, positions); altered: int32 [slots + 1, 3] per-slot counts in `ALTERED` order. The
+    caller stores rows and pages afterwards."""
     b, hq, d = q.shape
     hk, bs = cache.num_kv_heads, cache.block_size
     g = hq // hk
@@ -593,7 +800,7 @@ def _decode_served(q, cache, blk, entries, info, kv=None, ids=None, *, scale, si
         k_s, v_s, nonfinite, saturated = storage_values(cache.cfg, kv[0], kv[1], store)
         rows = jnp.stack((k_s, v_s))
         live = info[4] >= 0                                                   # padding rows write nothing
-        altered = jnp.stack([jnp.sum(m & live, dtype=jnp.int32) for m in (nonfinite, saturated)] + [jnp.int32(0)])
+        altered = _slot_counts(slots, info[0], live, nonfinite, saturated)
     row = entries[0]
     k, v = dequantize_blocks(cache, blk)                                  # [Hk, N, bs, D]
     pos = jnp.arange(bs)
@@ -625,7 +832,7 @@ def _decode_served(q, cache, blk, entries, info, kv=None, ids=None, *, scale, si
             p = write_plan(cache, rows[0], rows[1], ids[0], ids[1], ids[2])._replace(xs={"k": rows[0], "v": rows[1]})
             c_m, fields, bad = _quantized_completions(cache, p, size, quantizer)
             completed = (c_m, fields)
-            altered = altered.at[2].add(bad[0])
+            altered = altered.at[:, 2].add(bad)
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
     p = jnp.exp(s - jnp.concatenate([mx, jnp.zeros((1, hk, g))])[jnp.clip(row, 0, b)][..., None])
     den = jax.ops.segment_sum(p.sum(-1), row, num_segments=b + 1, indices_are_sorted=True)[:b]
@@ -680,9 +887,9 @@ def _decode_step_served(bound, query, key, value, plan, scale, out):
         ids_j = plan.cached(("decode_write_ids", bb), lambda: _to_jax(_write_ids(plan, bb)))
         quantizer = auto_quantizer(bound.cache)
     rows_j, res, completed, altered = _decode_served(q_j, bound.cache, b_j, e_j, i_j, kv_j, ids_j, scale=scale,
-                                                     size=size, quantizer=quantizer)
+                                                     size=size, quantizer=quantizer, slots=bound.layout.max_seqs)
     altered_t = _to_torch(altered)
-    _count_altered(q.device, altered_t)
+    _count_altered(bound, altered_t)
     held = [q, kv, q_j, kv_j, rows_j, res, completed, altered, altered_t]
     if completed is not None:  # before the rows: the pages came from the ring as it was
         blocks = _to_torch(completed[0])[:c].to(torch.int64)
@@ -690,8 +897,8 @@ def _decode_step_served(bound, query, key, value, plan, scale, out):
             vals = _to_torch(f)
             bound.views[key_].index_copy_(0, blocks, vals[:c])
             held.append(vals)
-    rows = _to_torch(rows_j)[:, :nd]
-    dst, src = _row_destinations(plan, bound)
+    rows = _to_torch(rows_j)
+    dst, src = _row_destinations(plan, bound, bb)
     flat = rows.reshape(-1, bound.layout.head_dim)
     bound.rows.index_copy_(0, dst, flat if src is None else flat.index_select(0, src))
     o = _to_torch(res)
@@ -759,6 +966,80 @@ def _prefill_rows(bound, query, plan, k, v, offsets, written, scale, out):
         out[a:a + ql].copy_(o)
 
 
+def _split_prefill(bound: BoundCache) -> bool:
+    """Whether prefill rows take the split attention (`_prefill_split`): quantized caches on the CPU,
+    where torch's fused attention returns the log-sum-exp that merging the parts needs."""
+    return not bound.cfg.is_passthrough and bound.buffer.device.type == "cpu"
+
+
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (out, logsumexp); GQA heads interleaved
+
+
+def _block_causal_mask(plan: StepPlan, part: tuple, dtype) -> torch.Tensor:
+    """Additive mask [queries after skip, (last - fb) * bs] of a row's chunk-internal part: a query
+    sees the blocks of its chunk before its own block."""
+    r, _, ql, _, fb, last, skip = part
+    bs = plan.block_size
+    qblk = (int(plan.context[r]) + np.arange(skip, ql)) // bs
+    ok = (fb + np.arange((last - fb) * bs) // bs)[None, :] < qblk[:, None]
+    return torch.from_numpy(np.where(ok, 0.0, -np.inf).astype(np.float32)).to(dtype)
+
+
+def _prefill_split(bound, query, plan, written, scale, out):
+    """Prefill rows of a quantized cache, each query over the rule's three parts, every part torch's
+    fused attention without materialized scores: (a) the blocks before its chunk's first block,
+    dequantized, no mask; (b) its chunk's earlier blocks, dequantized, a block-causal mask; (c) its
+    own block in high precision, causal - every query block of the step in one batched call. The
+    parts are merged by their log-sum-exps (`_merge_split`). One XLA computation makes the inputs
+    (`_served_split`), one merges; a row's result depends only on its own keys."""
+    lay = bound.layout
+    hk, bs, d = lay.num_kv_heads, lay.block_size, lay.head_dim
+    hq, n, nd = query.shape[1], plan.num_tokens, plan.num_decodes
+    nb = _bucket(n)
+    cdt = bound.compute_dtype
+    dtype = str(cdt).split(".")[-1]
+
+    def inputs():
+        entries, hp, _, count_ = plan.served_entries(False)
+        _, q_src, tok_slot = plan.own_blocks()
+        tok = np.zeros(nb, np.int32)
+        tok[:n] = tok_slot
+        bufs = []
+        for _ in range(2):
+            bufs += [torch.zeros((hq, nb, d), dtype=cdt, device=query.device),
+                     torch.full((hq, nb), -math.inf, dtype=torch.float32, device=query.device)]
+        return (_entry_blocks(plan, entries), plan.to_device(hp, torch.int32), plan.to_device(q_src, torch.int32),
+                plan.to_device(tok, torch.int32), count_, bufs)
+    blk, hp, q_src, tok, count_, bufs = plan.cached(("split_inputs", hq, d, dtype), inputs)
+    q = _pad_rows(query, nb)
+    arrays = [_to_jax(x) for x in (blk, hp, q, q_src)]  # imported per call: a fence for JAX's reads of the cache
+    k_j, v_j, q1_j, q2_j = _served_split(bound.cache, *arrays, dtype=dtype)
+    count(blocks_dequantized=count_)
+    k, v = (_to_torch(x).view(hk, -1, d) for x in (k_j, v_j))
+    q1, q2 = _to_torch(q1_j), _to_torch(q2_j)
+    oa, la, ob, lb = bufs
+    for part in plan.prefill_parts():
+        _, a, ql, off, fb, last, skip = part
+        if fb > 0:
+            o, lse = _FLASH_CPU(q1[None, :, a:a + ql], k[None, :, off * bs:(off + fb) * bs],
+                                v[None, :, off * bs:(off + fb) * bs], 0.0, False, scale=scale)
+            oa[:, a:a + ql].copy_(o[0])
+            la[:, a:a + ql].copy_(lse[0])
+        if last > fb:
+            mask = plan.cached(("block_causal", part, cdt), lambda: _block_causal_mask(plan, part, cdt))
+            o, lse = _FLASH_CPU(q1[None, :, a + skip:a + ql], k[None, :, (off + fb) * bs:(off + last) * bs],
+                                v[None, :, (off + fb) * bs:(off + last) * bs], 0.0, False, attn_mask=mask, scale=scale)
+            ob[:, a + skip:a + ql].copy_(o[0])
+            lb[:, a + skip:a + ql].copy_(lse[0])
+    k2, v2 = written.own
+    o2, l2 = _FLASH_CPU(q2, k2, v2, 0.0, True, scale=scale)
+    exchanged = [_to_jax(x) for x in (oa, la, ob, lb, o2, l2, tok)]
+    res = _merge_split(*exchanged, rotated=bound.cfg.rotated, dtype=str(query.dtype).split(".")[-1])
+    o = _to_torch(res)
+    out[nd:n].copy_(o[nd:n])
+    return [q, arrays, k_j, v_j, q1_j, q2_j, k, v, q1, q2, o2, l2, exchanged, res, o]
+
+
 def attend(bound: BoundCache, query: torch.Tensor, plan: StepPlan, *, written: Written | None = None,
            scale: float | None = None, impl: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the step's queries ([tokens, Hq, D]) over the bound cache, after this step's
@@ -785,7 +1066,9 @@ def attend(bound: BoundCache, query: torch.Tensor, plan: StepPlan, *, written: W
         held.append(_decode_rows_library(bound, query, plan, sm, which, out))
     elif which == "served":
         held.append(_decode_rows_served(bound, query, plan, sm, out))
-    if prefill:
+    if prefill and _split_prefill(bound):
+        held += _prefill_split(bound, query, plan, written, sm, out)
+    elif prefill:
         k, v, offsets, keep = _served_blocks(bound, plan)
         held += [k, v, keep]
         _prefill_rows(bound, query, plan, k, v, offsets, written, sm, out)
