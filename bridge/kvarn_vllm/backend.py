@@ -21,7 +21,6 @@ used the largest scheme (logged once at engine start).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import ClassVar
 
 import torch

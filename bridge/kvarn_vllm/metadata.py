@@ -93,7 +93,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KvarnMetadata:
         cm = common_attn_metadata
-        n, r = cm.num_actual_tokens, cm.num_reqs
+        r = cm.num_reqs
         qsl = cm.query_start_loc_cpu[: r + 1].numpy().astype(np.int64)
         # vLLM's host copy of the lengths is exact without speculative decoding (which the bridge
         # refuses); reading the device tensor instead would wait for the GPU
