@@ -491,10 +491,13 @@ def test_failed_requests_lose_their_token_and_are_named_in_the_output():
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
     from kvarn_vllm import failures
-    from kvarn_vllm.metadata import SlotTable
+    from kvarn_vllm.metadata import _StepRows
 
-    table = SlotTable(4)
-    table.slot_of.update({"a": 0, "b": 2, "c": 3})
+    class Batch:  # the runner's batch: row r is high-precision slot r
+        req_ids = ["a", None, "b", "c"]
+
+    table = _StepRows(type("Runner", (), {"input_batch": Batch})())
+    assert table.slot_of == {"a": 0, "b": 2, "c": 3}
     counts = np.zeros((4, 3), np.int64)
     counts[2] = (1, 0, 32)
     failed = failures.failed_requests(table.slot_of, counts)
