@@ -19,7 +19,9 @@ def test_batched_greedy_equals_one_kvarn_cache_loop_per_scheme():
     model = tiny_llama(num_layers=2, seed=1, init=0.5)
     x = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(5))
     # 40 + 60 tokens cross blocks 1 and 2 mid-generation: each is stored quantized from the next step on
-    schemes = ["fp16", "kvarn_k4v2_g32", "int2_g32", ["int8", "int2_g32"]]
+    # ServingCache keeps each row's sink and tail exact (the model dtype), as `_hpfp32` does; a float32
+    # model's default (float16) sink and tail would differ from it by their rounding
+    schemes = ["fp16", "kvarn_k4v2_g32_hpfp32", "int2_g32_hpfp32", ["int8_hpfp32", "int2_g32_hpfp32"]]
     got = greedy_continuations(model, x, schemes, 60, block_size=BS)
     loops = [greedy_continuation(model, x, s, 60, block_size=BS) for s in schemes]
     for scheme, g, want in zip(schemes, got, loops):
