@@ -22,7 +22,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_serve import Server, complete  # noqa: E402
+from vllm_serve import Server, add_server_args, complete, resolve_model  # noqa: E402
 
 
 def blocks_of(base: str) -> dict:
@@ -57,16 +57,8 @@ def main(argv=None):
     p.add_argument("--cases", default="1@128,1@256,4@256", help="GIB@MAX_NUM_SEQS, comma-separated")
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--start-timeout", type=float, default=900)
-    p.add_argument("--request-timeout", type=float, default=600)
-    p.add_argument("--log-dir", default="/tmp")
-    p.add_argument("--json", default=None)
-    p.add_argument("--markdown", default=None)
-    a = p.parse_args(argv)
-    if a.model is None:
-        from kvarn_jax.models.checkpoints import hf_folder_from_gguf
-
-        a.model = str(hf_folder_from_gguf())
+    add_server_args(p, request_timeout=600)
+    a = resolve_model(p.parse_args(argv))
     rows = []
     for case in a.cases.split(","):
         gib, seqs = (int(x) for x in case.split("@"))

