@@ -130,11 +130,11 @@ def variant_kwargs(var: str, scheme: str) -> dict | None:
                 maxnreg=int(m.group(7)) if m.group(7) else None, **({"chunk": int(m.group(6))} if m.group(6) else {}))
 
 
-def check(cfg, hq, hk, d, bs, kw=None, window=None):
+def check(cfg, hq, hk, d, bs, kw=None, window=None, dtype=jnp.float16):
     """Kernel (with launch/variant keywords `kw`) vs reference on a moderately sized random cache:
     max |kernel - reference| / max |reference|."""
     from kvarn_jax.hadamard import rotate, unrotate
-    cache, tables, lens = random_cache(cfg, 4, 4 * bs + 37, hk, d, bs, jnp.float16, seed=7)
+    cache, tables, lens = random_cache(cfg, 4, 4 * bs + 37, hk, d, bs, dtype, seed=7)
     lens = jnp.array([4 * bs + 37, 3 * bs, bs - 5, 2 * bs + 1], jnp.int32)
     q = jax.random.normal(jax.random.PRNGKey(5), (4, hq, d), jnp.float32)
     ref = kj.paged_decode_attention(q, cache, tables, lens, impl="reference", window=window)
@@ -164,6 +164,8 @@ def main():
     p.add_argument("--check", action="store_true",
                    help="first compare every scheme and variant with the reference (with and without a window); "
                         "a scheme that fails is not timed")
+    p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"),
+                   help="the cache's (model's) dtype; bfloat16 caches take the kernel's wide products (default: %(default)s)")
     p.add_argument("--json", default="", help="write every measurement here (rewritten after each shape)")
     args = p.parse_args()
     hq, hk, d, bs = args.hq, args.hk, args.head_dim, args.block_size
@@ -171,7 +173,7 @@ def main():
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
     bw = copy_bandwidth()
     table = pdp.launch_table()
-    results = {**run_info(), "copy_bandwidth_Bps": bw, "hq": hq, "hk": hk, "head_dim": d, "block_size": bs,
+    results = {**run_info(), "copy_bandwidth_Bps": bw, "dtype": args.dtype, "hq": hq, "hk": hk, "head_dim": d, "block_size": bs,
                "launch_table": {"measured_on": table.measured_on, "num_sms": table.num_sms,
                                 "this_family_measured": pdp.is_measured()},
                "checks": {}, "rows": []}
@@ -188,7 +190,7 @@ def main():
                 for window in (None, 2 * bs + 3):
                     key = f"{s}/{var}" + (f"/window{window}" if window else "")
                     try:
-                        err = check(s, hq, hk, d, bs, kw if kw else None, window)
+                        err = check(s, hq, hk, d, bs, kw if kw else None, window, jnp.dtype(args.dtype))
                     except Exception as e:  # noqa: BLE001 - report and go on with the other schemes
                         print(f"check {key}: FAILED {type(e).__name__}: {str(e)[:2000]}")
                         results["checks"][key] = f"error: {type(e).__name__}"
@@ -204,8 +206,8 @@ def main():
         for s in schemes:
             if any(isinstance(v, str) for k, v in results["checks"].items() if k.split("/")[0] == s):
                 continue  # the kernel failed its check: timing it would mean nothing
-            cache, tables, lens = random_cache(s, batch, ctx, hk, d, bs, jnp.float16)
-            q = jax.random.normal(jax.random.PRNGKey(9), (batch, hq, d), jnp.float16)
+            cache, tables, lens = random_cache(s, batch, ctx, hk, d, bs, jnp.dtype(args.dtype))
+            q = jax.random.normal(jax.random.PRNGKey(9), (batch, hq, d), jnp.dtype(args.dtype))
             nbytes = decode_bytes(cache, batch, ctx)
             best = None
             variants = {}

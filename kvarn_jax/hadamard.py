@@ -29,34 +29,41 @@ def hadamard_matrix(n: int, dtype=jnp.float32) -> jnp.ndarray:
     return jnp.asarray(hadamard_matrix_np(n), dtype=dtype)
 
 
-# Tokens whose largest magnitude exceeds this are rotated scaled down by a power of two (exactly):
-# |x @ H| <= sqrt(D) * max|x| could overflow fp32 on the way, and a row with both signs of overflow
-# would come out NaN.
-_SCALE_DOWN_ABOVE = 2.0 ** 100
+# Rows within this magnitude rotate in fp32 without overflow (|x @ H| <= sqrt(D) * max|x|); larger
+# ones are rotated scaled down by a power of two (exactly), as a row with both signs of overflow would
+# come out NaN.
+SAFE_ABS = 2.0 ** 100
 
 
-def _matmul(x: jnp.ndarray, h: jnp.ndarray) -> jnp.ndarray:
-    """x [..., D] (fp32) @ h in fp32, safe from intermediate overflow."""
-    big = jnp.max(jnp.abs(x), axis=-1, keepdims=True) > _SCALE_DOWN_ABOVE
+def _matmul(x: jnp.ndarray, h: jnp.ndarray, max_abs: float | None) -> jnp.ndarray:
+    """x [..., D] (fp32) @ h in fp32, safe from intermediate overflow. With `max_abs` (at most
+    `SAFE_ABS`) x is clipped to it, which needs no reduction over D: on GPUs the test of
+    each row's largest value is a kernel of its own per call."""
+    if max_abs is not None:
+        if not 0 < max_abs <= SAFE_ABS:
+            raise ValueError(f"max_abs must be in (0, 2^100], got {max_abs}")
+        return jnp.matmul(jnp.clip(x, -max_abs, max_abs), h, precision="highest")
+    big = jnp.max(jnp.abs(x), axis=-1, keepdims=True) > SAFE_ABS
     s = jnp.where(big, 2.0 ** -16, 1.0)
     return jnp.matmul(x * s, h, precision="highest") / s
 
 
-def rotate(x: jnp.ndarray, out_dtype=None) -> jnp.ndarray:
+def rotate(x: jnp.ndarray, out_dtype=None, *, max_abs: float | None = None) -> jnp.ndarray:
     """Rotate along the last axis: `x @ H`, accumulated in fp32 and rounded to `out_dtype`, with
     results beyond its range saturated to its largest finite value (`schemes.arith.saturate`).
 
     For fp16 inputs the matrix itself is rounded to fp16 first, as the KVarN reference does
     (`fp16(x_fp16 @ fp16(H))`); this reproduces its rotated tiles bit for bit. Other dtypes use the
-    fp32 matrix, which is exactly orthonormal up to fp32 rounding.
+    fp32 matrix, which is exactly orthonormal up to fp32 rounding. max_abs: clip x to ±max_abs first
+    (exact where x is within it; the cheaper overflow guard for hot paths, e.g. `storage.QUANT_MAX`).
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
     h_dtype = jnp.float16 if x.dtype == jnp.float16 else jnp.float32
     h = hadamard_matrix(x.shape[-1], h_dtype).astype(jnp.float32)
-    return saturate(_matmul(x.astype(jnp.float32), h), out_dtype)
+    return saturate(_matmul(x.astype(jnp.float32), h, max_abs), out_dtype)
 
 
-def unrotate(x: jnp.ndarray, out_dtype=None) -> jnp.ndarray:
-    """Inverse of `rotate` (H is its own inverse), in fp32 with the exact matrix."""
+def unrotate(x: jnp.ndarray, out_dtype=None, *, max_abs: float | None = None) -> jnp.ndarray:
+    """Inverse of `rotate` (H is its own inverse), in fp32 with the exact matrix; max_abs as in `rotate`."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    return saturate(_matmul(x.astype(jnp.float32), hadamard_matrix(x.shape[-1], jnp.float32)), out_dtype)
+    return saturate(_matmul(x.astype(jnp.float32), hadamard_matrix(x.shape[-1], jnp.float32), max_abs), out_dtype)

@@ -263,3 +263,17 @@ def test_bytes_per_token_follows_the_metadata_dtype():
                                    dtype=dtype)
         assert kj.memory_report(c)["bytes_per_token_per_head"] == kj.bytes_per_token("int4", 64, dtype)
         assert c.pages["k"]["scale"].dtype == jnp.dtype(dtype)
+
+
+@pytest.mark.parametrize("fn", [kj.rotate, kj.unrotate])
+def test_rotation_bound_clips_instead_of_testing_rows(fn, rng):
+    """`max_abs` (the hot paths' overflow guard): exact where the row is within it, the clipped row's
+    rotation beyond it, finite for any finite input; the default (per-row test) also stays finite."""
+    x = jnp.asarray(rng.standard_normal((5, 64)) * 10.0 ** rng.uniform(-3, 6, (5, 1)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(fn(x, max_abs=QUANT_MAX)), np.asarray(fn(x)))
+    huge = x.at[2, 7].set(3e38).at[3].set(-3e38)
+    got = fn(huge, max_abs=QUANT_MAX)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(fn(jnp.clip(huge, -QUANT_MAX, QUANT_MAX))))
+    assert bool(jnp.all(jnp.isfinite(got))) and bool(jnp.all(jnp.isfinite(fn(huge))))
+    with pytest.raises(ValueError, match="max_abs"):
+        fn(x, max_abs=2.0 ** 101)

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from ..config import KVQuantConfig
-from ..hadamard import rotate, unrotate
+from ..hadamard import SAFE_ABS, rotate, unrotate
+from ..storage import QUANT_MAX
 from ..schemes.arith import saturate
 from ..impl import IMPLS, check_impl, resolve_impl  # noqa: F401  (IMPLS: the model and runner import it from here)
 from ..validation import require_compiled_backend
@@ -85,7 +86,9 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, scale: float | None
 @functools.partial(jax.jit, static_argnames=("scale", "window", "interpret", "num_splits", "kernel"))
 def _pallas(q, cache, block_tables, seq_lens, seq_ids, *, scale, window, interpret, num_splits, kernel):
     # rotate once before and un-rotate once after: the kernels work in the stored frame
-    qr = rotate(q.astype(jnp.float32)) if cache.cfg.rotated else q
+    # (the bounds skip a per-row overflow test: queries beyond QUANT_MAX are clipped to it, and the
+    # output is a weighted mean of stored values, which are far below SAFE_ABS)
+    qr = rotate(q.astype(jnp.float32), max_abs=QUANT_MAX) if cache.cfg.rotated else q
     if kernel == "tpu":
         if seq_ids is None:  # built here, not eagerly: an eager op would be one more dispatch per call
             seq_ids = jnp.arange(q.shape[0], dtype=jnp.int32)
@@ -96,5 +99,5 @@ def _pallas(q, cache, block_tables, seq_lens, seq_ids, *, scale, window, interpr
                                                     window=window, interpret=interpret,
                                                     launch=paged_decode_pallas.Launch(num_splits=num_splits))
     if cache.cfg.rotated:
-        o = unrotate(o)
+        o = unrotate(o, max_abs=SAFE_ABS)
     return saturate(o, q.dtype)

@@ -33,8 +33,8 @@ import jax.numpy as jnp
 from .. import schemes
 from ..cache import hp as hp_storage
 from ..cache.paged import PagedKVCache, fields_from_pages, gather_dense, write_reference
-from ..hadamard import rotate, unrotate
-from ..storage import storage_values
+from ..hadamard import SAFE_ABS, rotate, unrotate
+from ..storage import QUANT_MAX, storage_values
 from ..validation import check_array, check_finite, check_range, is_concrete
 
 
@@ -157,7 +157,7 @@ def _prefill(q, k, v, cache, block_tables, context_lens, q_lens, seq_ids, scale)
     vh = jnp.where(in_chunk[:, None, :, None], xs[1], vh)
     qf = q.astype(jnp.float32)
     if cache.cfg.rotated:
-        qf = rotate(qf)
+        qf = rotate(qf, max_abs=QUANT_MAX)
     qg = qf.reshape(p, c, hk, hq // hk, d)
     qblk, kblk = pos // bs, t // bs
     from_pages = kblk[None, None, :] < qblk[:, :, None]                      # [P, C, L]
@@ -174,7 +174,7 @@ def _prefill(q, k, v, cache, block_tables, context_lens, q_lens, seq_ids, scale)
          + jnp.einsum("phgcl,phld->pchgd", jnp.where(ow, w, 0.0), vh, precision="highest"))
     o = o.reshape(p, c, hq, d)
     if cache.cfg.rotated:
-        o = unrotate(o)
+        o = unrotate(o, max_abs=SAFE_ABS)
     return o.astype(q.dtype)
 
 

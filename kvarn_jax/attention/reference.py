@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from ..cache.paged import PagedKVCache, check_read_args, gather_dense
-from ..hadamard import rotate, unrotate
+from ..hadamard import SAFE_ABS, rotate, unrotate
+from ..storage import QUANT_MAX
 from ..schemes.arith import saturate
 from ..validation import check_array, check_finite
 
@@ -63,7 +64,7 @@ def attend(q, cache, block_tables, seq_lens, scale, seq_ids, window, rotated_io)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     qf = q.astype(jnp.float32)
     if cache.cfg.rotated and not rotated_io:
-        qf = rotate(qf)
+        qf = rotate(qf, max_abs=QUANT_MAX)  # the kernels' bounds (`paged_decode._pallas`)
     k, v = gather_dense(cache, block_tables, seq_lens, seq_ids)  # [B, Hk, L, D]
     length = k.shape[2]
     qg = qf.reshape(nbt, hk, hq // hk, d)
@@ -80,6 +81,6 @@ def attend(q, cache, block_tables, seq_lens, scale, seq_ids, window, rotated_io)
     o = jnp.einsum("bhgl,bhld->bhgd", p, v, precision="highest") / jnp.where(denom > 0, denom, 1.0)
     o = o.reshape(nbt, hq, d)
     if cache.cfg.rotated and not rotated_io:
-        o = unrotate(o)
+        o = unrotate(o, max_abs=SAFE_ABS)
     return saturate(o, q.dtype)
 

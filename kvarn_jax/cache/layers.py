@@ -12,7 +12,9 @@ parameters stacked beside the group.
 a static index, or (group, index in the group) with a traced index; `write_all` stores tokens and
 `commit` quantizes completed blocks of every layer at once. Writes count, per sequence slot, the
 tokens with a NaN or Inf key or value (`nonfinite`; stored as zeros, see `kvarn_jax.storage`), so
-that a server can tell which request's model output went bad. A group's buffers stay under 2^31
+that a server can tell which request's model output went bad. A step that stages one write per
+layer counts them all at once (`open_tally` / `close_tally`): per layer the counts are then only
+flags, not a reduction and a scatter each (on GPUs, two kernels per layer). A group's buffers stay under 2^31
 elements (the kernels' 32-bit offsets): a scheme's layers are split into several groups if needed.
 """
 
@@ -51,6 +53,9 @@ class LayerCaches:
     layer_index: tuple = dataclasses.field(metadata=dict(static=True))
     num_blocks: int = dataclasses.field(metadata=dict(static=True))
     max_seqs: int = dataclasses.field(metadata=dict(static=True))
+    # per group while a tally is open: int32 [tokens] pairs, the (token, layer) writes since
+    # `open_tally` with a non-finite value, and those `dropped_tokens` counts
+    tally: tuple | None = None
 
     @classmethod
     def create(cls, schemes: Union[str, KVQuantConfig, Sequence], num_layers: int, *, num_blocks: int,
@@ -149,8 +154,12 @@ class LayerCaches:
         a NaN or Inf (those the cache writes count: a slot and a sequence slot in range)."""
         bad = token_absmax(k, v) == jnp.inf  # the write's own test (one reduction, shared with it)
         bad = bad.reshape(-1, bad.shape[-1]).sum(0, dtype=jnp.int32)           # per token, over layers
-        ok = paged.carries_token(slot_mapping) & (seq_ids >= 0) & (seq_ids < self.max_seqs)
+        ok = self._counted(slot_mapping, seq_ids)
         return self.nonfinite.at[jnp.where(ok, seq_ids, self.max_seqs)].add(bad, mode="drop")
+
+    def _counted(self, slot_mapping, seq_ids):
+        """The tokens whose non-finite values `nonfinite` counts: a slot and a sequence slot in range."""
+        return paged.carries_token(slot_mapping) & (seq_ids >= 0) & (seq_ids < self.max_seqs)
 
     # ---------------------------------------------------------------- one layer
     def locate(self, layer):
@@ -181,11 +190,40 @@ class LayerCaches:
         return slots, None if seq_ids is None else seq_ids + soff
 
     def stage(self, layer, k, v, slot_mapping, seq_ids, positions) -> "LayerCaches":
-        """`paged.stage_tokens` into one layer (the decode step's write; blocks committed later)."""
+        """`paged.stage_tokens` into one layer (the decode step's write; blocks committed later).
+        While a tally is open (`open_tally`) the counts are kept as the layer's flags instead."""
         cache, boff, soff = self.layer_cache(layer)
         slots, sid = self._ids(cache, boff, soff, slot_mapping, seq_ids)
-        out = self._replace(layer, paged.stage_tokens(cache, k, v, slots, seq_ids=sid, positions=positions))
-        return dataclasses.replace(out, nonfinite=self._count_nonfinite(k, v, slot_mapping, seq_ids))
+        if self.tally is None:
+            out = self._replace(layer, paged.stage_tokens(cache, k, v, slots, seq_ids=sid, positions=positions))
+            return dataclasses.replace(out, nonfinite=self._count_nonfinite(k, v, slot_mapping, seq_ids))
+        staged, changed = paged.stage_tokens_uncounted(cache, k, v, slots, seq_ids=sid, positions=positions)
+        g, _ = self.locate(layer)
+        bad = (token_absmax(k, v) == jnp.inf) & self._counted(slot_mapping, seq_ids)
+        tally = list(self.tally)
+        # running sums, elementwise: GPUs fuse them into the write's own reduction
+        tally[g] = tuple(t + f.astype(jnp.int32) for t, f in zip(tally[g], (bad, changed)))
+        return dataclasses.replace(self._replace(layer, staged), tally=tuple(tally))
+
+    def open_tally(self, tokens: int) -> "LayerCaches":
+        """Start counting staged writes of `tokens` tokens as flags (see `close_tally`)."""
+        if self.tally is not None:
+            raise ValueError("a tally is already open")
+        z = jnp.zeros((tokens,), jnp.int32)
+        return dataclasses.replace(self, tally=tuple((z, z) for _ in self.groups))
+
+    def close_tally(self, slot_mapping, seq_ids) -> "LayerCaches":
+        """Add the flags staged since `open_tally` to `nonfinite` (per sequence slot: slot_mapping and
+        seq_ids, the writes' own) and each group's `dropped_tokens`, in one scatter and one sum per
+        group; the tally is closed."""
+        if self.tally is None:
+            raise ValueError("no tally is open")
+        groups = tuple(dataclasses.replace(c, dropped_tokens=c.dropped_tokens + jnp.sum(ch, dtype=jnp.int32))
+                       for c, (_, ch) in zip(self.groups, self.tally))
+        bad = sum(nf for nf, _ in self.tally)
+        ok = self._counted(slot_mapping, seq_ids)
+        nonfinite = self.nonfinite.at[jnp.where(ok, seq_ids, self.max_seqs)].add(bad, mode="drop")
+        return dataclasses.replace(self, groups=groups, nonfinite=nonfinite, tally=None)
 
     def write_all(self, k, v, slot_mapping, seq_ids, positions, *, max_completed: int,
                   quantizer: str = "auto") -> "LayerCaches":

@@ -266,7 +266,7 @@ class WritePlan(NamedTuple):
     block `blk` and offset `off` of its slot; for quantized schemes the clipped sequence id `seq_c`,
     and masks: to the sink, to the tail ring, and `completes` (fills a block's last slot). Counts of
     the tokens stored (not padding): `dropped` invalid ones (not stored), `nonfinite` stored as zeros,
-    `saturated` stored clipped."""
+    `saturated` stored clipped; `changed` [tokens] marks the tokens those three count."""
     xs: dict
     blk: jnp.ndarray
     off: jnp.ndarray
@@ -281,6 +281,7 @@ class WritePlan(NamedTuple):
     completes: jnp.ndarray | None = None
     nonfinite: jnp.ndarray | None = None
     saturated: jnp.ndarray | None = None
+    changed: jnp.ndarray | None = None
 
 
 def write_plan(cache: PagedKVCache, k, v, slot_mapping, seq_ids, positions) -> WritePlan:
@@ -296,7 +297,8 @@ def write_plan(cache: PagedKVCache, k, v, slot_mapping, seq_ids, positions) -> W
     count = lambda m: jnp.sum(m, dtype=jnp.int32)  # noqa: E731
     if cache.cfg.is_passthrough:
         return WritePlan(xs, blk, off, in_range, count(~in_range & (slot != -1)),
-                         nonfinite=count(in_range & nonfinite), saturated=count(in_range & saturated))
+                         nonfinite=count(in_range & nonfinite), saturated=count(in_range & saturated),
+                         changed=(~in_range & (slot != -1)) | (in_range & (nonfinite | saturated)))
     ns, r = cache.max_seqs, cache.tail_len
     seq = seq_ids.astype(jnp.int32)
     pos = positions.astype(jnp.int32)
@@ -311,7 +313,8 @@ def write_plan(cache: PagedKVCache, k, v, slot_mapping, seq_ids, positions) -> W
     return WritePlan(xs, blk, off, in_range, count(~valid & (slot != -1)), seq=seq,
                      seq_c=seq_c, pos=pos, is_sink=valid & (pos < cache.sink_len), rest=rest,
                      in_ring=rest & (pos > maxpos[seq_c] - r), completes=rest & in_range & (off == bs - 1),
-                     nonfinite=count(valid & nonfinite), saturated=count(valid & saturated))
+                     nonfinite=count(valid & nonfinite), saturated=count(valid & saturated),
+                     changed=(~valid & (slot != -1)) | (valid & (nonfinite | saturated)))
 
 
 def _store_hp(cache: PagedKVCache, p: WritePlan) -> dict:
@@ -471,14 +474,20 @@ def stage_tokens(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mappi
     from the ring. Passthrough schemes store into the pages directly (nothing to commit). Invalid
     tokens are dropped and counted as by `write`.
     """
+    cache, changed = stage_tokens_uncounted(cache, k, v, slot_mapping, seq_ids=seq_ids, positions=positions)
+    return dataclasses.replace(cache, dropped_tokens=cache.dropped_tokens + jnp.sum(changed, dtype=jnp.int32))
+
+
+def stage_tokens_uncounted(cache: PagedKVCache, k, v, slot_mapping, *, seq_ids=None, positions=None):
+    """`stage_tokens` without adding to `dropped_tokens`: (cache, bool [tokens] - the tokens it
+    would count). For callers that count many writes at once (`LayerCaches.open_tally`)."""
     p = write_plan(cache, k, v, slot_mapping, seq_ids, positions)
-    dropped = cache.dropped_tokens + p.dropped + p.nonfinite + p.saturated
     if cache.cfg.is_passthrough:
         b_idx = jnp.where(p.in_range, p.blk, cache.num_blocks)
         pages = {s: {"values": cache.pages[s]["values"].at[b_idx, :, p.off].set(p.xs[s], mode="drop")}
                  for s in schemes.SIDES}
-        return dataclasses.replace(cache, pages=pages, dropped_tokens=dropped)
-    return dataclasses.replace(cache, dropped_tokens=dropped, **_store_hp(cache, p))
+        return dataclasses.replace(cache, pages=pages), p.changed
+    return dataclasses.replace(cache, **_store_hp(cache, p)), p.changed
 
 
 def commit_blocks(cache: PagedKVCache, block_ids: jnp.ndarray, seq_ids: jnp.ndarray, first_positions: jnp.ndarray,

@@ -86,7 +86,8 @@ def _agree(caches: LayerCaches, axis: str) -> LayerCaches:
     live on several devices): a non-finite key or value seen on one device's heads counts everywhere."""
     if isinstance(caches, PagedKVCache):
         return dataclasses.replace(caches, dropped_tokens=jax.lax.pmax(caches.dropped_tokens, axis))
-    return dataclasses.replace(caches, nonfinite=jax.lax.pmax(caches.nonfinite, axis),
+    tally = None if caches.tally is None else jax.tree.map(lambda t: jax.lax.pmax(t, axis), caches.tally)
+    return dataclasses.replace(caches, nonfinite=jax.lax.pmax(caches.nonfinite, axis), tally=tally,
                                groups=tuple(_agree(c, axis) for c in caches.groups))
 
 

@@ -43,7 +43,8 @@ from ..attention.paged_decode import IMPLS, paged_decode_attention
 from ..cache.sharding import HeadParallel, on_heads
 from ..cache.layers import LayerCaches
 from ..cache.paged import carries_token
-from ..hadamard import rotate, unrotate
+from ..hadamard import SAFE_ABS, rotate, unrotate
+from ..storage import QUANT_MAX
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -345,7 +346,7 @@ class Attention(nnx.Module):
         qf = q.astype(jnp.float32).reshape(p, c, hk, hq // hk, d)
         # earlier tokens as the cache serves them (storage frame: rotated for KVarN)
         kc, vc = caches.gather_dense(layer, batch.block_tables, batch.start, batch.seq_ids)  # [P, Hk, L, D]
-        qc = rotate(qf) if cache.cfg.rotated else qf
+        qc = rotate(qf, max_abs=QUANT_MAX) if cache.cfg.rotated else qf
         s_cache = _product("pchgd,phld->phgcl", qc, kc, dtype) * scale
         cached = jnp.arange(kc.shape[2])[None, :] < batch.start[:, None]                   # [P, L]
         s_cache = jnp.where(cached[:, None, None, None, :], s_cache, -jnp.inf)
@@ -359,7 +360,7 @@ class Attention(nnx.Module):
         p_cache, p_self = prob[..., :kc.shape[2]], prob[..., kc.shape[2]:]
         o_cache = _product("phgcl,phld->pchgd", p_cache, vc, dtype)
         if cache.cfg.rotated:
-            o_cache = unrotate(o_cache)
+            o_cache = unrotate(o_cache, max_abs=SAFE_ABS)
         o = o_cache + _product("phgct,pthd->pchgd", p_self, v, dtype)
         return o.reshape(p, c, hq, d)
 
@@ -544,7 +545,10 @@ class Decoder(nnx.Module):
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
         self._check_caches(caches)
+        # the layers' writes counted once for the step (`LayerCaches.open_tally`)
+        caches = caches.open_tally(batch.tokens.shape[0])
         x, caches = self._run_layers("decode", self.embed(batch.tokens), caches, batch, layer_loop, impl, tp)
+        caches = caches.close_tally(batch.slot_mapping, batch.seq_ids)
         if commit:
             caches = commit_blocks(caches, *batch.completions(caches.block_size, caches.paged_from), tp=tp)
         return self.logits(x), caches
@@ -567,13 +571,14 @@ def store_tokens(caches: LayerCaches, k, v, slot_mapping, seq_ids, positions, bl
     most one block's tokens per sequence and commits the blocks those tokens complete (or, with no
     tokens, blocks an earlier call completed)."""
     def fn(caches, k, v, slots, seq, pos, blocks):
+        caches = caches.open_tally(slots.shape[0])
         for g, first, n in caches.runs():
             j0 = caches.layer_index[first]
 
             def stage(i, caches, g=g, first=first, j0=j0):
                 return caches.stage((g, j0 + i), k[first + i], v[first + i], slots, seq, pos)
             caches = jax.lax.fori_loop(0, n, stage, caches)
-        return caches.commit(blocks[:, 0], blocks[:, 1], blocks[:, 2])
+        return caches.close_tally(slots, seq).commit(blocks[:, 0], blocks[:, 1], blocks[:, 2])
     return on_heads(tp, fn, (caches, k, v, slot_mapping, seq_ids, positions, blocks),
                     ("caches", 2, 2, "rep", "rep", "rep", "rep"), ("caches",))
 
