@@ -58,15 +58,16 @@ def storage_values(cfg: KVQuantConfig, k: jnp.ndarray, v: jnp.ndarray, dtype, ro
     saturated = m > QUANT_MAX
     big = float(jnp.finfo(jnp.dtype(dtype)).max)
     rotate_here = cfg.rotated and not rotated
-    out = []
+    ys = []
     for x in (k, v):
         x = jnp.where(nonfinite[:, None, None], jnp.zeros((), x.dtype), x)
         if float(jnp.finfo(x.dtype).max) > QUANT_MAX:
             x = jnp.clip(x, -QUANT_MAX, QUANT_MAX)
         # in fp32 first (for fp16 input KVarN's rotation keeps the reference's fp16 matrix), then
         # rounded once to the storage dtype
-        y = rotate(x, jnp.float32, max_abs=QUANT_MAX) if rotate_here else x.astype(jnp.float32)
-        if _reach(x.dtype, rotate_here, x.shape[-1]) > big:  # else no value can exceed the range
-            saturated |= _per_token(jnp.abs(y) > big)
-        out.append(saturate(y, dtype))
-    return out[0], out[1], nonfinite, saturated & ~nonfinite
+        ys.append(rotate(x, jnp.float32, max_abs=QUANT_MAX) if rotate_here else x.astype(jnp.float32))
+    if max(_reach(x.dtype, rotate_here, x.shape[-1]) for x in (k, v)) > big:  # else no value can exceed it
+        # unrotated, a stored value is an input value clipped below QUANT_MAX > big: the input's
+        # largest already tells; rotated, one more reduction (K and V together)
+        saturated |= (_per_token(jnp.abs(jnp.concatenate(ys, axis=-2)) > big) if rotate_here else m > big)
+    return saturate(ys[0], dtype), saturate(ys[1], dtype), nonfinite, saturated & ~nonfinite
