@@ -131,16 +131,25 @@ def exclude_sink(cfg: KVQuantConfig, blocks: jnp.ndarray, first_positions: jnp.n
     return jnp.where(first, mean, blocks)
 
 
+def held(cfg: KVQuantConfig, k: jnp.ndarray, v: jnp.ndarray, dtype) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """What a `dtype` cache of `cfg` (not passthrough) holds in its sink and ring for tokens k, v
+    [tokens, Hk, D] (the model's frame): stored as a write stores them (`storage.storage_values`:
+    rotated for KVarN, rounded to `value_dtype`), kept as `cfg.hp` says and loaded back: float32 in
+    the storage frame. A full block is quantized from exactly these values (after `exclude_sink`)."""
+    from ..storage import storage_values
+
+    if cfg.is_passthrough:
+        raise ValueError(f"{cfg.name} keeps no high-precision sink or ring (passthrough: every token is in its page)")
+    ks, vs, _, _ = storage_values(cfg, k, v, value_dtype(cfg, dtype))
+    return roundtrip(cfg, ks, dtype), roundtrip(cfg, vs, dtype)
+
+
 def served(cfg: KVQuantConfig, k: jnp.ndarray, v: jnp.ndarray, dtype) -> tuple[jnp.ndarray, jnp.ndarray]:
     """What a `dtype` cache of `cfg` serves from its sink and ring for tokens k, v [tokens, Hk, D]
-    (the model's frame, float32 out): stored as a write stores them (`storage.storage_values`:
-    rotated for KVarN, rounded to `value_dtype`), kept as `cfg.hp` says, rotated back. For
-    evaluations that reproduce the cache's reads outside it (`evaluation.serving_attention`)."""
+    (the model's frame, float32 out): `held`, rotated back. For evaluations that reproduce the
+    cache's reads outside it (`evaluation.serving_attention`)."""
     from ..hadamard import unrotate
-    from ..storage import storage_values
 
     if cfg.is_passthrough:  # no high-precision storage: every token is in its page
         return k.astype(jnp.float32), v.astype(jnp.float32)
-    ks, vs, _, _ = storage_values(cfg, k, v, value_dtype(cfg, dtype))
-    out = [roundtrip(cfg, x, dtype) for x in (ks, vs)]
-    return tuple(unrotate(x, jnp.float32) if cfg.rotated else x for x in out)
+    return tuple(unrotate(x, jnp.float32) if cfg.rotated else x for x in held(cfg, k, v, dtype))

@@ -10,9 +10,10 @@ given its own view of the cache. For a query at position i (block b = i // block
     key block b (the query's own block)     exact, causal (j <= i)
 
 "Exact" is what the cache's sink and ring give back (`kvarn_jax.cache.hp.served`: the scheme's
-`hp` format, by default 16 bits), and quantized blocks are quantized from those values. With a sink
-of S tokens (`_sink{S}`) the rest of block 0 is a quantized block like the others (its sink
-positions excluded from its scales, `hp.exclude_sink`).
+`hp` format, by default 16 bits), and quantized blocks are quantized from those values as the cache
+holds them, in its storage frame (`cache_reads`). With a sink of S tokens (`_sink{S}`) the rest of
+block 0 is a quantized block like the others (its sink positions excluded from its scales,
+`hp.exclude_sink`).
 
 This is exactly what `kvarn_jax.write` + `paged_decode_attention` serve: the block completed by the
 query's own token is already quantized in its page, but reads take it from the high-precision ring
@@ -35,12 +36,13 @@ import contextlib
 import dataclasses
 from typing import Callable, Optional, Sequence, Union
 
+import jax.numpy as jnp
 import torch
 import torch.nn.functional as F
 
 import kvarn_jax as kj
 from kvarn_jax.config import KVQuantConfig
-from kvarn_jax.integrations.dlpack import check_bhtd, roundtrip_bhtd, served_bhtd
+from kvarn_jax.integrations.dlpack import bhtd_to_tokens, check_bhtd, roundtrip_bhtd, to_jax, to_torch, tokens_to_bhtd
 
 ATTN_IMPLEMENTATION = "kvarn_serving"
 QUERY_CHUNK = 1024
@@ -89,6 +91,45 @@ def serving_masks(seq_len: int, block_size: int, quantize_own_full_block: bool =
     return exact, quant
 
 
+def cache_reads(key: torch.Tensor, value: torch.Tensor, cfg: KVQuantConfig, block_size: int, start: int,
+                n_quant: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k, v, k_hat, v_hat) float32 in the model's frame: k, v [B, Hk, T, D] as the cache's sink and
+    ring serve every token (`hp.served`), and k_hat, v_hat [B, Hk, n_quant, D] the pages of tokens
+    [start, start + n_quant) (whole blocks), quantized as the cache quantizes them.
+
+    The cache quantizes a block from the values its ring holds, in the storage frame (rotated for
+    KVarN), with a shorter sink's positions excluded there (`hp.exclude_sink`). So does this: rotating
+    served values back and again first changes them by float32 rounding, and a quantizer's discrete
+    choices (a code, a clip candidate) are not continuous in its input; near a tie such noise changes
+    a whole row of a page and every later output that reads it."""
+    from kvarn_jax.cache import hp
+    from kvarn_jax.hadamard import unrotate
+
+    if cfg.is_passthrough:  # nothing in high precision: every token of a full block is read from its page
+        k, v = key.float(), value.float()
+        if not n_quant:
+            return k, v, None, None
+        k_hat, v_hat = roundtrip_bhtd(key[:, :, start:start + n_quant].contiguous(),
+                                      value[:, :, start:start + n_quant].contiguous(), cfg)
+        return k, v, k_hat.float(), v_hat.float()
+    b = key.shape[0]
+    dtype = str(key.dtype).split(".")[-1]
+    held = hp.held(cfg, to_jax(bhtd_to_tokens(key)), to_jax(bhtd_to_tokens(value)), dtype)  # [T, B*Hk, D]
+    served = [unrotate(x, jnp.float32) if cfg.rotated else x for x in held]
+    k, v = (tokens_to_bhtd(to_torch(x), b) for x in served)
+    if not n_quant:
+        return k, v, None, None
+    blocks = []
+    for x in held:   # [n_quant, B*Hk, D] -> [blocks, B*Hk, block_size, D], the layout exclude_sink takes
+        t, bh, d = x[start:start + n_quant].shape
+        blk = x[start:start + n_quant].reshape(t // block_size, block_size, bh, d).transpose(0, 2, 1, 3)
+        blk = hp.exclude_sink(cfg, blk, start + block_size * jnp.arange(t // block_size))
+        # the page input is in the cache's dtype (`paged._page_input`)
+        blocks.append(blk.transpose(0, 2, 1, 3).reshape(t, bh, d).astype(dtype))
+    k_hat, v_hat = kj.dequantize(kj.quantize(tuple(blocks), cfg, rotated=True))
+    return k, v, tokens_to_bhtd(to_torch(k_hat), b).float(), tokens_to_bhtd(to_torch(v_hat), b).float()
+
+
 def serving_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cfg: Scheme, *,
                       block_size: int = 128, scaling: Optional[float] = None,
                       quantize_own_full_block: bool = False,
@@ -119,18 +160,12 @@ def serving_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     exact_mask, quant_mask = serving_masks(t, block_size, quantize_own_full_block, query.device, sink)
     keys, values, mask = key, value, exact_mask
     n_quant = quant_mask.shape[1]
-    if cfg is not None:
-        key, value = keys, values = served_bhtd(key, value, cfg)
     start = 0 if sink else block_size   # the first quantized key position (as `serving_masks`)
-    if cfg is not None and n_quant:
-        k_reg, v_reg = key[:, :, start:start + n_quant].clone(), value[:, :, start:start + n_quant].clone()
-        if sink:  # block 0's sink positions are served from the sink: kept out of its scales (hp.exclude_sink)
-            for x in (k_reg, v_reg):
-                x[:, :, :sink] = x[:, :, sink:block_size].mean(dim=2, keepdim=True)
-        k_hat, v_hat = roundtrip_bhtd(k_reg, v_reg, cfg)
-        keys = torch.cat([key, k_hat.to(key.dtype)], dim=2)
-        values = torch.cat([value, v_hat.to(value.dtype)], dim=2)
-        mask = torch.cat([exact_mask, quant_mask], dim=1)
+    if cfg is not None:
+        keys, values, k_hat, v_hat = cache_reads(key, value, cfg, block_size, start, n_quant)
+        if n_quant:
+            keys, values = torch.cat([keys, k_hat], dim=2), torch.cat([values, v_hat], dim=2)
+            mask = torch.cat([exact_mask, quant_mask], dim=1)
     elif cfg is None:
         mask = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()  # exact reference: causal
     mask = mask[None, None]
