@@ -21,8 +21,10 @@ that tensor (no copy; checked by data pointer). A step is described once by a `p
   queries, torch's flash attention runs the rule's three parts (earlier blocks, the chunk's earlier
   blocks block-causally, the own block causally) and one XLA call merges them by log-sum-exp.
   Elsewhere one masked SDPA per prefill row. Decode rows: on the CPU one XLA computation per layer
-  (`_decode_served`, with a decode-only step's write), else `kvarn_jax.paged_decode_attention`
-  with impl "pallas" (NVIDIA GPUs: the fused kernel reads the pages itself) or "reference".
+  (`_decode_served`, with a decode-only step's write; KVarN pages attended on their codes with the
+  scales folded in; with `pooled` the sink and tail rows read from and written to the pool's
+  blocks in place), else `kvarn_jax.paged_decode_attention` with impl "pallas" (NVIDIA GPUs: the
+  fused kernel reads the pages itself) or "reference".
 - The per-slot counts are what fails a request (`failures`): `take_altered_slots`.
 
 JAX functions are jitted and called through JAX's C++ dispatch (as fast as an AOT-compiled
