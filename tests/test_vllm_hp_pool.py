@@ -111,3 +111,57 @@ def test_staged_rows_attend_exactly_like_slot_storage(scheme, dtype):
         pool.scatter(pooled, p_pool)
         assert torch.isfinite(out_pool).all()
         assert torch.equal(out_pool, out_ref)
+
+
+@pytest.mark.parametrize("scheme, dtype, bs", [("kvarn_k4v2_g128", "bfloat16", 128), ("kvarn_k4v2_g32", "float32", 32),
+                                               ("kivi_k2v2_g32", "float16", 32)])
+def test_decode_in_the_pools_blocks_equals_staging(scheme, dtype, bs):
+    """Decode-only steps that use the sink/tail rows where they live (`HpPool.in_place`: read by the
+    XLA computation from the layer's buffer, new rows stored there) give bit for bit the outputs
+    and buffer bytes of staging them (gather / forward / scatter), across steps that fill the sink,
+    wrap the ring, complete blocks (staged), pad the batch (5 rows -> 8) and start sequences."""
+    hk, d, hq = 3, 64, 9
+    tdt = getattr(torch, dtype)
+    lay = PageLayout(scheme, block_size=bs, num_kv_heads=hk, head_dim=d, dtype=dtype, max_seqs=8)
+    h = lay.hp_blocks_per_seq
+    seqs, per_seq = 5, 6
+    n = seqs * (per_seq + h) + 3
+    caches, pools = [], []
+    for _ in range(2):
+        pool = HpPool(lay, allocate_hp(lay, "cpu"))
+        caches.append(torch_ops.bind(_buffer(lay, n, False, 0xFF), lay, hp_buffers=pool.staging))
+        pools.append(pool)
+    rng = np.random.default_rng(1)
+    ids = rng.permutation(n)
+    pages = [ids[i * per_seq:(i + 1) * per_seq].tolist() for i in range(seqs)]
+    hp = [ids[seqs * per_seq + i * h: seqs * per_seq + (i + 1) * h].tolist() for i in range(seqs)]
+    ctx = [1, 3, bs - 2, bs + 5, 2 * bs - 3]  # prompt lengths: across the sink, ring and block ends
+    gen = torch.Generator().manual_seed(3)
+    used = {True: 0, False: 0}
+    for step in range(bs + 4):
+        order = list(rng.permutation(seqs))  # rows in a changing order: slots are rows
+        if step == 0:
+            rows = [(0, ctx[s], pages[s]) for s in order]
+        else:
+            rows = [(ctx[s], 1, pages[s]) for s in order]
+        t = sum(q for _, q, _ in rows)
+        q_, k_, v_ = (torch.randn((t, heads, d), generator=gen).to(tdt) for heads in (hq, hk, hk))
+        outs = []
+        for i, (bound, pool) in enumerate(zip(caches, pools)):
+            plan = _plan(lay, rows, per_seq, list(range(seqs)))
+            plan.cache[HP_BLOCKS] = torch.tensor([hp[s] for s in order], dtype=torch.int32)
+            plan.cache[HP_FRESH] = np.array([c == 0 for c, _, _ in rows])
+            pooled = pool.in_place(bound, plan, "served") if i == 0 else None
+            if i == 0:
+                used[pooled is not None] += 1
+            if pooled is None:
+                pool.gather(bound, plan)
+            outs.append(torch_ops.forward(bound, q_, k_, v_, plan, pooled=pooled))
+            if pooled is None:
+                pool.scatter(bound, plan)
+        assert torch.isfinite(outs[0]).all()
+        assert torch.equal(outs[0], outs[1]), f"step {step}"
+        assert torch.equal(caches[0].buffer, caches[1].buffer), f"step {step}"
+        if step:
+            ctx = [c + 1 for c in ctx]
+    assert used[True] > bs // 2 and used[False] >= 3  # both paths ran: in place, and staged (prefill, completions)

@@ -13,16 +13,24 @@ copied from its blocks into slot r (zeros for a row starting its sequence this s
 (`HpPool.scatter`) the rows the step wrote are copied back. Memory: the staging area (max_num_seqs
 rows of one layer, outside the KV budget) instead of max_num_seqs rows of every layer; work: one
 indexed copy of the batch's rows per layer and step.
+
+A decode-only step on the CPU that starts and completes no block (most steps) skips the staging
+(`HpPool.in_place`): its XLA computation reads the rows' sink and last ring block from the pool's
+blocks (the layer's buffer, imported into JAX once when bound), and torch stores the new rows there,
+one indexed copy per layer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
+import jax
 import numpy as np
 import torch
 
 from .layout import HpUnits, PageLayout, allocate_hp
+from .plan import _bucket
 
 HP_BLOCKS = "hp_blocks"  # the plan's cache key: [rows, H] block ids (the first H of each block table)
 HP_FRESH = "hp_fresh"    # [rows] bool: the row starts its sequence at position 0 in this step
@@ -50,23 +58,99 @@ def _units_view(t: torch.Tensor, unit: int) -> torch.Tensor:
     return flat.view(-1, unit)
 
 
+@dataclasses.dataclass(frozen=True)
+class InPlace:
+    """A decode step's sink/tail rows used where they live (`HpPool.in_place`): the layer's buffer
+    as [n, unit] bytes in torch (buffer_units) and JAX (units, zero-copy); hp_src [B, 4 * Hk * bs *
+    row_units] int32 (JAX): per padded row, the units of its sink K, sink V, last ring block K and V;
+    dst / src: the write's indexed copy, destination units in the buffer and source units in the
+    rows [2, B, Hk, D] as bytes (None: all of them, in order)."""
+
+    unit: int
+    buffer_units: torch.Tensor
+    units: jax.Array
+    hp_src: jax.Array
+    dst: torch.Tensor
+    src: torch.Tensor | None
+
+
 class HpPool:
     """One layer's side of the pool: its units map (rebuilt when vLLM hands it a new buffer)."""
 
     def __init__(self, layout: PageLayout, staging_rows: dict | None):
         self.layout = layout
         self.staging = staging_rows
-        self._units: tuple | None = None  # (buffer data_ptr, num_blocks, HpUnits)
+        self._units: tuple | None = None  # (buffer data_ptr, num_blocks, HpUnits, buffer units torch, JAX)
 
     @property
     def active(self) -> bool:
         return self.staging is not None
 
     def units(self, bound) -> HpUnits:
+        return self._bound_units(bound)[0]
+
+    def _bound_units(self, bound) -> tuple:
+        """(HpUnits, the buffer as [n, unit] bytes in torch, the same in JAX): built when the buffer
+        is first seen, the JAX array imported once (zero-copy, checked)."""
         key = (bound.buffer.data_ptr(), bound.num_blocks)
         if self._units is None or self._units[:2] != key:
-            self._units = key + (HpUnits.build(self.layout, bound.num_blocks),)
-        return self._units[2]
+            hu = HpUnits.build(self.layout, bound.num_blocks)
+            buf = _units_view(bound.buffer, hu.unit)
+            arr = jax.dlpack.from_dlpack(buf) if buf.device.type == "cpu" else None
+            if arr is not None and arr.unsafe_buffer_pointer() != buf.data_ptr():
+                raise ValueError("kvarn: DLPack import of the KV cache buffer copied it; the bridge only runs zero-copy")
+            self._units = key + (hu, buf, arr)
+        return self._units[2:]
+
+    def in_place(self, bound, plan, decode_impl: str) -> InPlace | None:
+        """What a decode-only step needs to use its rows' sink and tail in the pool's blocks
+        (`torch_ops.forward(pooled=)`), or None when the step takes the staging (`gather` /
+        `scatter`): steps with prefill rows, rows starting their sequence, completed blocks, or
+        decode rows not on the CPU's served decode. Index arrays made once per step."""
+        if not self.active or not plan.num_rows or plan.num_decodes != plan.num_rows or decode_impl != "served" \
+                or plan.completing or plan.cache[HP_FRESH].any():
+            return None
+        hu, buf, arr = self._bound_units(bound)
+        if arr is None:
+            return None
+        seq, _, _, _, _ = self._indices(bound, plan)[1]
+        bb = _bucket(plan.num_decodes, 1)
+
+        def make():
+            lay = self.layout
+            hk, bs, tl, ru, nd = lay.num_kv_heads, lay.block_size, plan.tail_len, hu.row_units, plan.num_decodes
+            last = (plan.seq_len[:nd] - 1) // bs
+            ring = (last * bs) % tl                                                        # first ring position
+            at = np.arange(bs)[None, :, None] * ru + np.arange(ru)[None, None, :]         # [1, bs, ru]
+            heads = np.arange(hk)[:, None, None]
+            within = []
+            for leaf, length in (("sink.k", bs), ("sink.v", bs), ("tail.k", tl), ("tail.v", tl)):
+                per_row = hu.leaf_start[leaf] + heads * length * ru + at                  # [Hk, bs, ru]
+                first = np.zeros(nd, np.int64) if leaf.startswith("sink") else ring * ru
+                within.append(per_row.reshape(-1)[None, :] + first[:, None])
+            within = np.concatenate(within, 1)                                             # [nd, 4 * Hk * bs * ru]
+            rows = np.concatenate([np.arange(nd), np.zeros(bb - nd, np.int64)])
+            rows_t = torch.from_numpy(rows)
+            src_units = seq[rows_t[:, None], torch.from_numpy(np.concatenate([within, within[:1].repeat(bb - nd, 0)]))]
+            # the new token of row r (position seq_len - 1): its row in the sink or the ring, per side and head
+            pos = plan.seq_len[:nd] - 1
+            in_sink = pos < bs
+            dst, src = [], []
+            for side in (0, 1):
+                leaf = np.where(in_sink, hu.leaf_start[("sink.k", "sink.v")[side]],
+                                hu.leaf_start[("tail.k", "tail.v")[side]])
+                length = np.where(in_sink, bs, tl)
+                w = (leaf[:, None, None] + (np.arange(hk)[None, :, None] * length[:, None, None]
+                                             + (pos % length)[:, None, None]) * ru + np.arange(ru)[None, None, :])
+                dst.append(seq[torch.from_numpy(np.repeat(np.arange(nd), hk * ru)), torch.from_numpy(w.reshape(-1))])
+                src.append((((side * bb + np.arange(nd))[:, None] * hk + np.arange(hk)[None, :])[:, :, None] * ru
+                            + np.arange(ru)[None, None, :]).reshape(-1))
+            src = np.concatenate(src)
+            every = bb == nd
+            return (jax.dlpack.from_dlpack(src_units.to(torch.int32).contiguous()), torch.cat(dst),
+                    None if every else torch.from_numpy(src))
+        hp_src, dst, src = plan.cached(("hp_in_place", self.layout, bound.num_blocks), make)
+        return InPlace(hu.unit, buf, arr, hp_src, dst, src)
 
     def _indices(self, bound, plan):
         """Once per step for every layer of this scheme and buffer size, on the cache's device: the

@@ -122,9 +122,13 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         plan = attn_metadata.plan
         n = plan.num_tokens
         bound = self._bind(layer, kv_cache)
-        self.hp_pool.gather(bound, plan)
+        impl = self.settings.decode_impl
+        pooled = self.hp_pool.in_place(bound, plan, torch_ops.decode_impl(impl))  # most decode steps: no staging
+        if pooled is None:
+            self.hp_pool.gather(bound, plan)
         torch_ops.forward(bound, query[:n].view(n, self.num_heads, self.head_size), key[:n], value[:n], plan,
-                          scale=self.scale, impl=self.settings.decode_impl,
-                          out=output[:n].view(n, self.num_heads, self.head_size))
-        self.hp_pool.scatter(bound, plan)
+                          scale=self.scale, impl=impl, out=output[:n].view(n, self.num_heads, self.head_size),
+                          pooled=pooled)
+        if pooled is None:
+            self.hp_pool.scatter(bound, plan)
         return output

@@ -21,8 +21,10 @@ that tensor (no copy; checked by data pointer). A step is described once by a `p
   queries, torch's flash attention runs the rule's three parts (earlier blocks, the chunk's earlier
   blocks block-causally, the own block causally) and one XLA call merges them by log-sum-exp.
   Elsewhere one masked SDPA per prefill row. Decode rows: on the CPU one XLA computation per layer
-  (`_decode_served`, with a decode-only step's write), else `kvarn_jax.paged_decode_attention`
-  with impl "pallas" (NVIDIA GPUs: the fused kernel reads the pages itself) or "reference".
+  (`_decode_served`, with a decode-only step's write; KVarN pages attended on their codes with the
+  scales folded in; with `pooled` the sink and tail rows read from and written to the pool's
+  blocks in place), else `kvarn_jax.paged_decode_attention` with impl "pallas" (NVIDIA GPUs: the
+  fused kernel reads the pages itself) or "reference".
 - The per-slot counts are what fails a request (`failures`): `take_altered_slots`.
 
 JAX functions are jitted and called through JAX's C++ dispatch (as fast as an AOT-compiled
@@ -772,9 +774,63 @@ def _served_blocks(bound: BoundCache, plan: StepPlan):
     return k, v, offsets, (b_j, h_j, k_j, v_j)
 
 
+def _folds_scales(cache) -> bool:
+    """Whether decode attends the pages on their codes (`_kvarn_page_scores`): KVarN's pages, whose
+    per-channel and per-token scales fold into the query and the probabilities."""
+    return cache.cfg.method == "kvarn" and not cache.static
+
+
+def _page_fields(cache, blk):
+    """The page fields of blocks blk [N] as stored: {side: {name: [N, Hk, tiles, ...]}}."""
+    ids = jnp.clip(blk.astype(jnp.int32), 0, cache.num_blocks - 1)
+    return {side: {name: a[ids] for name, a in cache.pages[side].items()} for side in schemes.SIDES}
+
+
+def _codes(packed, bits: int, axis: int):
+    """The codes of a stored field as fp32, one slice per position within the byte, stacked at `axis`:
+    code j of byte m is element m * (8 // bits) + j along the packed axis (`kvarn_jax.packing`)."""
+    per, mask = 8 // bits, (1 << bits) - 1
+    x = jnp.expand_dims(packed, axis)
+    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).reshape((per,) + (1,) * (x.ndim - axis - 1))
+    return ((x >> shifts) & jnp.uint8(mask)).astype(jnp.float32)  # broadcast, not a concatenation (XLA-CPU)
+
+
+def _kvarn_page_scores(cache, f: dict, qn):
+    """q . k for every position of KVarN key pages, without dequantizing them: a key is
+    (code[d, t] * scale_chan[d] + zero_chan[d]) * scale_tok[t] (`kvarn_jax.schemes.kvarn`), so
+    q . k_t = scale_tok[t] * ((q * scale_chan) . code[:, t] + q . zero_chan). The codes stay in the
+    stored layout ([tokens * bits / 8, D] per tile, the contraction axis contiguous).
+    qn [N, Hk, G, D] fp32 in the storage frame; returns [N, Hk, G, block_size]."""
+    n, hk, g, d = qn.shape
+    codes = _codes(f["codes"], cache.cfg.bits("k"), 3)                                   # [N, Hk, R, J, M, D]
+    qs = qn[:, :, None] * f["scale_chan"].astype(jnp.float32)[:, :, :, None, :]           # [N, Hk, R, G, D]
+    s = jnp.einsum("nhrgd,nhrjmd->nhrgmj", qs, codes, precision="highest")
+    s = s.reshape(*s.shape[:4], -1)                                                       # [N, Hk, R, G, Tt]
+    qz = jnp.einsum("nhgd,nhrd->nhrg", qn, f["zero_chan"].astype(jnp.float32), precision="highest")
+    s = (s + qz[..., None]) * f["scale_tok"].astype(jnp.float32)[:, :, :, None, :]
+    return s.transpose(0, 1, 3, 2, 4).reshape(n, hk, g, -1)
+
+
+def _kvarn_page_values(cache, f: dict, p):
+    """sum_t p[t] v_t over KVarN value pages, without dequantizing them: a value is
+    (code[t, d] * scale_tok[t] + zero_tok[t]) * scale_chan[d], so the sum is
+    scale_chan[d] * ((p * scale_tok) . code[:, d] + p . zero_tok) per tile.
+    p [N, Hk, G, block_size] fp32; returns [N, Hk, G, D]."""
+    n, hk, g, _ = p.shape
+    codes = _codes(f["codes"], cache.cfg.bits("v"), 3)                                   # [N, Hk, R, J, M, Tt]
+    r = codes.shape[2]
+    pr = p.reshape(n, hk, g, r, -1).transpose(0, 1, 3, 2, 4)                             # [N, Hk, R, G, Tt]
+    ps = pr * f["scale_tok"].astype(jnp.float32)[:, :, :, None, :]
+    o = jnp.einsum("nhrgt,nhrjmt->nhrgmj", ps, codes, precision="highest")
+    o = o.reshape(*o.shape[:4], -1)                                                       # [N, Hk, R, G, D]
+    pz = jnp.einsum("nhrgt,nhrt->nhrg", pr, f["zero_tok"].astype(jnp.float32), precision="highest")
+    o = (o + pz[..., None]) * f["scale_chan"].astype(jnp.float32)[:, :, :, None, :]
+    return o.sum(2)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "size", "quantizer", "slots"))
-def _decode_served(q, cache, blk, entries, info, kv=None, ids=None, *, scale, size=0, quantizer="reference",
-                   slots=1):
+def _decode_served(q, cache, blk, entries, info, kv=None, ids=None, units=None, hp_src=None, *, scale, size=0,
+                   quantizer="reference", slots=1):
     """Decode rows on the CPU in one XLA computation: dequantize the pages each row reads, attend
     with the sink and the ring's last block (quantized caches), softmax over all of a row's blocks.
     q [B, Hq, D]; entries / info: `StepPlan.decode_entries`. Each row's sums run over its own blocks
@@ -786,7 +842,11 @@ def _decode_served(q, cache, blk, entries, info, kv=None, ids=None, *, scale, si
     (each row's new token in its sink, ring or page), and with size > 0 the page fields of the
     blocks the write completes (`_quantized_completions`, ids: the write's [3, B] slots, slots'
     sequences, positions); altered: int32 [slots + 1, 3] per-slot counts in `ALTERED` order. The
-    caller stores rows and pages afterwards."""
+    caller stores rows and pages afterwards.
+
+    With units ([n, unit] uint8: a layer's whole vLLM buffer) and hp_src ([B, 4 * Hk * bs * U] unit
+    indices, `hp_pool.HpPool.in_place`) the rows' sink and the ring's last block (K and V) are read
+    from the blocks that hold them in the pool, not from the cache's staging leaves."""
     b, hq, d = q.shape
     hk, bs = cache.num_kv_heads, cache.block_size
     g = hq // hk
@@ -802,31 +862,47 @@ def _decode_served(q, cache, blk, entries, info, kv=None, ids=None, *, scale, si
         live = info[4] >= 0                                                   # padding rows write nothing
         altered = _slot_counts(slots, info[0], live, nonfinite, saturated)
     row = entries[0]
-    k, v = dequantize_blocks(cache, blk)                                  # [Hk, N, bs, D]
     pos = jnp.arange(bs)
-    if rows is not None and not cache.has_hp:  # passthrough: the new token sits in its row's last page
-        at = jnp.where(live, info[5], k.shape[1])
-        k = k.at[:, at, info[6]].set(rows[0].astype(jnp.float32).transpose(1, 0, 2), mode="drop")
-        v = v.at[:, at, info[6]].set(rows[1].astype(jnp.float32).transpose(1, 0, 2), mode="drop")
     qn = jnp.concatenate([qg, jnp.zeros((1, hk, g, d))])[jnp.clip(row, 0, b)]   # [N, Hk, G, D]
-    s = jnp.einsum("nhgd,hnbd->nhgb", qn, k, precision="highest") * scale
+    if _folds_scales(cache):
+        stored = _page_fields(cache, blk)
+        s = _kvarn_page_scores(cache, stored["k"], qn) * scale
+    else:
+        k, v = dequantize_blocks(cache, blk)                                  # [Hk, N, bs, D]
+        if rows is not None and not cache.has_hp:  # passthrough: the new token sits in its row's last page
+            at = jnp.where(live, info[5], k.shape[1])
+            k = k.at[:, at, info[6]].set(rows[0].astype(jnp.float32).transpose(1, 0, 2), mode="drop")
+            v = v.at[:, at, info[6]].set(rows[1].astype(jnp.float32).transpose(1, 0, 2), mode="drop")
+        s = jnp.einsum("nhgd,hnbd->nhgb", qn, k, precision="highest") * scale
     s = jnp.where((pos[None, :] < entries[2][:, None])[:, None, None, :], s, -jnp.inf)
     mx = jax.ops.segment_max(s.max(-1), row, num_segments=b + 1, indices_are_sorted=True)[:b]   # [B, Hk, G]
     parts = []
     if cache.has_hp:
         seq = jnp.clip(info[0], 0, cache.max_seqs - 1)
-        ring_pos = (info[2][:, None] + pos[None, :]) % cache.tail_len
+        # the ring's last block: info[2] is a multiple of block_size, so the block is one slice of the
+        # ring (a gather of whole [bs, D] rows; a per-position gather costs XLA-CPU a slow transpose)
+        ring_blk = info[2] // bs
         in_sink = info[3] == 0                                               # the new token's block is the sink
-        for src, lens, here in ((cache.sink, info[1], in_sink), (cache.tail, info[3], ~in_sink)):
-            kk = (src["k"][seq] if src is cache.sink else src["k"][seq[:, None], :, ring_pos].transpose(0, 2, 1, 3))
-            vv = (src["v"][seq] if src is cache.sink else src["v"][seq[:, None], :, ring_pos].transpose(0, 2, 1, 3))
-            if rows is not None:  # the new token at its position of this part (info[4])
-                new = (here & live)[:, None, None, None] & (pos[None, None, :, None] == info[4][:, None, None, None])
-                kk = jnp.where(new, rows[0][:, :, None, :], kk)
-                vv = jnp.where(new, rows[1][:, :, None, :], vv)
+        if hp_src is None:
+            hp = [src[x][seq] if src is cache.sink else src[x].reshape(src[x].shape[0], hk, -1, bs, d)[seq, :, ring_blk]
+                  for src in (cache.sink, cache.tail) for x in ("k", "v")]
+        else:  # the rows' bytes gathered from the pool's blocks, then read as the leaves' dtype
+            vd = cache.sink["k"].dtype
+            raw = units[hp_src].reshape(b, 4, hk, bs, d, jnp.dtype(vd).itemsize)
+            hp = list(jax.lax.bitcast_convert_type(raw, vd).transpose(1, 0, 2, 3, 4))   # 4 x [B, Hk, bs, D]
+        for (kk, vv), lens, here in ((hp[:2], info[1], in_sink), (hp[2:], info[3], ~in_sink)):
+            seen = pos[None, :] < lens[:, None]
+            if rows is not None:  # the new token's position holds no row yet: it is its own part below
+                seen = seen & ~((here & live)[:, None] & (pos[None, :] == info[4][:, None]))
             sh = jnp.einsum("bhgd,bhtd->bhgt", qg, kk.astype(jnp.float32), precision="highest") * scale
-            sh = jnp.where((pos[None, :] < lens[:, None])[:, None, None, :], sh, -jnp.inf)
+            sh = jnp.where(seen[:, None, None, :], sh, -jnp.inf)
             parts.append((sh, vv.astype(jnp.float32)))
+            mx = jnp.maximum(mx, sh.max(-1))
+        if rows is not None:  # the new token, as stored (rounded to the value dtype); padding rows: none
+            kn, vn = (x.astype(jnp.float32)[:, :, None, :] for x in rows)                # [B, Hk, 1, D]
+            sh = jnp.einsum("bhgd,bhtd->bhgt", qg, kn, precision="highest") * scale
+            sh = jnp.where(live[:, None, None, None], sh, -jnp.inf)
+            parts.append((sh, vn))
             mx = jnp.maximum(mx, sh.max(-1))
         if rows is not None and size:
             p = write_plan(cache, rows[0], rows[1], ids[0], ids[1], ids[2])._replace(xs={"k": rows[0], "v": rows[1]})
@@ -836,8 +912,9 @@ def _decode_served(q, cache, blk, entries, info, kv=None, ids=None, *, scale, si
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
     p = jnp.exp(s - jnp.concatenate([mx, jnp.zeros((1, hk, g))])[jnp.clip(row, 0, b)][..., None])
     den = jax.ops.segment_sum(p.sum(-1), row, num_segments=b + 1, indices_are_sorted=True)[:b]
-    o = jax.ops.segment_sum(jnp.einsum("nhgb,hnbd->nhgd", p, v, precision="highest"), row, num_segments=b + 1,
-                            indices_are_sorted=True)[:b]
+    pv = (_kvarn_page_values(cache, stored["v"], p) if _folds_scales(cache) else
+          jnp.einsum("nhgb,hnbd->nhgd", p, v, precision="highest"))
+    o = jax.ops.segment_sum(pv, row, num_segments=b + 1, indices_are_sorted=True)[:b]
     for sh, vv in parts:
         ph = jnp.exp(sh - mx[..., None])
         den = den + ph.sum(-1)
@@ -871,9 +948,11 @@ def _decode_rows_served(bound, query, plan, scale, out):
     return (q, q_j, res, o)
 
 
-def _decode_step_served(bound, query, key, value, plan, scale, out):
+def _decode_step_served(bound, query, key, value, plan, scale, out, pooled=None):
     """A decode-only step on the CPU: the write and the attention in one XLA computation
-    (`_decode_served` with kv); torch then stores the rows (and completed pages) and the output."""
+    (`_decode_served` with kv); torch then stores the rows (and completed pages) and the output.
+    pooled: `hp_pool.InPlace` - the sink and ring rows are read from and the new rows stored into
+    the pool's blocks directly (no staging)."""
     nd, c = plan.num_decodes, plan.completing
     e_j, i_j, b_j = _decode_inputs(bound, plan)
     bb = i_j.shape[1]
@@ -886,8 +965,13 @@ def _decode_step_served(bound, query, key, value, plan, scale, out):
         size = next(m for m in sizes if m >= c)
         ids_j = plan.cached(("decode_write_ids", bb), lambda: _to_jax(_write_ids(plan, bb)))
         quantizer = auto_quantizer(bound.cache)
-    rows_j, res, completed, altered = _decode_served(q_j, bound.cache, b_j, e_j, i_j, kv_j, ids_j, scale=scale,
-                                                     size=size, quantizer=quantizer, slots=bound.layout.max_seqs)
+    if pooled is not None and (c or pooled.hp_src.shape[0] != bb):
+        raise ValueError("kvarn: a decode step in the pool's blocks must complete no block and have its rows padded "
+                         f"to {bb}")
+    units_j, src_j = (None, None) if pooled is None else (pooled.units, pooled.hp_src)
+    rows_j, res, completed, altered = _decode_served(q_j, bound.cache, b_j, e_j, i_j, kv_j, ids_j, units_j, src_j,
+                                                     scale=scale, size=size, quantizer=quantizer,
+                                                     slots=bound.layout.max_seqs)
     altered_t = _to_torch(altered)
     _count_altered(bound, altered_t)
     held = [q, kv, q_j, kv_j, rows_j, res, completed, altered, altered_t]
@@ -898,9 +982,13 @@ def _decode_step_served(bound, query, key, value, plan, scale, out):
             bound.views[key_].index_copy_(0, blocks, vals[:c])
             held.append(vals)
     rows = _to_torch(rows_j)
-    dst, src = _row_destinations(plan, bound, bb)
-    flat = rows.reshape(-1, bound.layout.head_dim)
-    bound.rows.index_copy_(0, dst, flat if src is None else flat.index_select(0, src))
+    if pooled is None:
+        dst, src = _row_destinations(plan, bound, bb)
+        flat, target = rows.reshape(-1, bound.layout.head_dim), bound.rows
+    else:
+        dst, src = pooled.dst, pooled.src
+        flat, target = rows.reshape(-1).view(torch.uint8).view(-1, pooled.unit), pooled.buffer_units
+    target.index_copy_(0, dst, flat if src is None else flat.index_select(0, src))
     o = _to_torch(res)
     out[:nd].copy_(o[:nd])
     return held + [rows, o]
@@ -1079,15 +1167,19 @@ def attend(bound: BoundCache, query: torch.Tensor, plan: StepPlan, *, written: W
 
 
 def forward(bound: BoundCache, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: StepPlan, *,
-            scale: float | None = None, impl: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
+            scale: float | None = None, impl: str = "auto", out: torch.Tensor | None = None,
+            pooled=None) -> torch.Tensor:
     """One attention layer of a step: `write` the step's key/value, then `attend` (what vLLM's impl
     calls). On the CPU a decode-only step runs both in one XLA computation (`_decode_step_served`):
     vLLM's CPU worker pins its threads to every core, and each torch op it then runs costs a wake-up
-    of all of them - one JAX call instead of a dozen small ops."""
+    of all of them - one JAX call instead of a dozen small ops. pooled (`hp_pool.HpPool.in_place`,
+    such a step only): the sink and tail rows live in the pool's blocks and are used there."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
     n, nd = plan.num_tokens, plan.num_decodes
     if not (nd == plan.num_rows and nd and decode_impl(impl) == "served"):
+        if pooled is not None:
+            raise ValueError("pooled is for decode-only steps of the CPU's served decode")
         written = write(bound, key, value, plan)
         return attend(bound, query, plan, written=written, scale=scale, impl=impl, out=out)
     t0 = time.perf_counter()
@@ -1101,7 +1193,7 @@ def forward(bound: BoundCache, query: torch.Tensor, key: torch.Tensor, value: to
         raise ValueError(f"out must be {tuple(query.shape)} like query, got {tuple(out.shape)}")
     sm = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     bound.held_write = ()
-    bound.held_attend = tuple(_decode_step_served(bound, query, key, value, plan, sm, out))
+    bound.held_attend = tuple(_decode_step_served(bound, query, key, value, plan, sm, out, pooled))
     dt = time.perf_counter() - t0
     count(write_calls=1, write_tokens=n, blocks_quantized=0 if bound.cfg.is_passthrough else plan.completing,
           decode_calls=1, decode_rows=nd, attend_s=dt)
