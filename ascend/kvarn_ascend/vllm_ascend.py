@@ -28,13 +28,13 @@ vllm-ascend is importable.
 
 from __future__ import annotations
 
-import inspect
 import math
 import re
 
 import torch
 
 from kvarn_jax.config import KVQuantConfig
+from kvarn_jax.integrations.vllm_runner import find_model_runner
 
 from .cache import AscendPagedKVCache, page_bytes
 
@@ -171,19 +171,6 @@ class RequestSlots:
         return torch.tensor(out, dtype=torch.int32)
 
 
-def _find_runner():
-    """The model runner executing this step: the first caller on the stack holding the batch and requests."""
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            obj = frame.f_locals.get("self")
-            if obj is not None and hasattr(obj, "input_batch") and hasattr(obj, "requests"):
-                return obj
-            frame = frame.f_back
-    finally:
-        del frame
-    return None
-
 
 # ------------------------------------------------------------------------------------------ the scheme
 def storage_dtype(scheme, block_size: int, num_kv_heads: int, head_dim: int, model_dtype) -> torch.dtype:
@@ -232,7 +219,7 @@ class _LayerState:
         cached = getattr(attn_metadata, "kvarn_seq_ids", None)
         if cached is not None:
             return cached
-        runner = _find_runner()
+        runner = find_model_runner()
         if runner is None:
             raise RuntimeError("kvarn: the model runner (with input_batch and requests) was not found on the call "
                                "stack; vLLM's model runner V2 is not supported (unset VLLM_USE_V2_MODEL_RUNNER)")

@@ -10,10 +10,11 @@ has to be unique within the step.
 from __future__ import annotations
 
 import functools
-import inspect
 
 import numpy as np
 import torch
+
+from kvarn_jax.integrations.vllm_runner import find_model_runner
 
 from . import failures, torch_ops
 from .checks import check_layer_order
@@ -33,19 +34,6 @@ ALTERED_WORDS = {"nonfinite_tokens": "token(s) with NaN/Inf in K or V as zeros",
                  "saturated_tokens": "token(s) clipped to the cache dtype's range",
                  "metadata_saturated_tokens": "token(s) in blocks whose KVarN scales saturated"}
 
-
-def _find_runner():
-    """The model runner building this builder: the first caller that holds the batch and requests."""
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            obj = frame.f_locals.get("self")
-            if obj is not None and hasattr(obj, "input_batch") and hasattr(obj, "requests"):
-                return obj
-            frame = frame.f_back
-    finally:
-        del frame
-    return None
 
 
 class _StepRows:
@@ -70,7 +58,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         self.max_seqs = vllm_config.scheduler_config.max_num_seqs
         self.block_size = kv_cache_spec.block_size
         self.hp_blocks = getattr(kv_cache_spec, "hp_blocks", 0)
-        runner = _find_runner()
+        runner = find_model_runner()
         failures.watch(runner, _StepRows(runner), device, self.max_seqs)  # altered K/V: the request finishes with an error
         self.steps = 0
         self.reported = dict.fromkeys(torch_ops.ALTERED, 0)
