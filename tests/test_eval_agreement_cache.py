@@ -71,8 +71,14 @@ def test_serving_cache_reads_what_the_paged_cache_serves(rng, prompt, steps):
 
 
 def test_serving_cache_checks_its_use():
-    cache = ServingCache(1, block_size=BS, capacity=8)
+    for scheme, d, why in (("int4_static", 32, "calibration"), ("kvarn_k4v2_g32_hpint8", 48, "head_dim")):
+        cache = ServingCache(1, block_size=BS, capacity=8)
+        x = torch.zeros(1, 2, 4, d)
+        cache.layers[0].update(x, x)
+        with pytest.raises(ValueError, match=why):
+            cache.split([scheme])
     x = torch.zeros(1, 2, 4, 32)
+    cache = ServingCache(1, block_size=BS, capacity=8)
     cache.layers[0].update(x, x)
     cache.split(["kvarn_k4v2_g32"])
     with pytest.raises(ValueError, match="split"):

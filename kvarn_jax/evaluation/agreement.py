@@ -243,10 +243,14 @@ class ServingCache(Cache):
             raise ValueError("split() was called already: a ServingCache is split once")
         rows = self.layers[0].key_buf.shape[0]
         per_layer = [per_layer_schemes(s, len(self.layers)) for s in schemes]
-        for cfgs in per_layer:
-            for cfg in cfgs:
+        head_dim = self.layers[0].key_buf.shape[3]
+        for cfgs in per_layer:   # checked before any block is quantized, which may be many steps later
+            for li, cfg in enumerate(cfgs):
                 if cfg is not None:
                     cfg.check_block_size(self.block_size)
+                    cfg.check_head_dim(head_dim, f"head_dim of layer {li}")
+                    if cfg.static:
+                        raise ValueError(f"layer {li}: scheme {cfg.name} needs a calibration; use a dynamic scheme")
         for li, layer in enumerate(self.layers):
             layer.split([(slice(g * rows, (g + 1) * rows), cfgs[li]) for g, cfgs in enumerate(per_layer)])
 
