@@ -124,9 +124,9 @@ class _ServingLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def _first_paged(self, cfg) -> int:
-        """The first position read from a page, as `serving_attention` has it: block 0 is with a
-        shorter sink (its sink positions never are), never with a whole-block sink (nor, there, with a
-        passthrough scheme)."""
+        """The first position read from a page, as `serving_attention` has it: 0 with a shorter sink
+        (whose own positions `_read_pages` skips), else block_size: a whole-block sink is never read
+        from a page (and serving_attention keeps a passthrough scheme's block 0 exact too)."""
         return 0 if cfg.sink_tokens else self.block_size
 
     def _serve(self, g: int, key, value, position: int) -> None:
@@ -186,6 +186,8 @@ class _ServingLayer(CacheLayerMixin):
         if self.length + t > self.capacity:
             raise ValueError(f"{self.length + t} tokens exceed this cache's capacity of {self.capacity}")
         pos, bs = self.length, self.block_size
+        if pos and not self.groups:   # a later chunk would read the earlier ones as computed, not as served
+            raise ValueError("a ServingCache prefills its prompts in one call, then split()")
         self.key_buf[:, :, pos:pos + t] = key_states      # the prefill's, and exact rows'
         self.value_buf[:, :, pos:pos + t] = value_states
         if self.groups:
@@ -223,10 +225,11 @@ class _ServingLayer(CacheLayerMixin):
 class ServingCache(Cache):
     """A transformers cache for greedy evaluation of several schemes in one batch (module docstring).
 
-    Prefill the prompts (exact: a prefill reads its own tokens exactly), then `split(schemes)` copies
-    the rows once per scheme; row g * prompts + p is prompt p under schemes[g]. Each scheme is one
-    scheme string, None (exact) or a per-layer list.
-    """
+    Prefill the prompts in one call (a one-chunk prefill reads its own tokens as computed, as the
+    engine's does), then `split(schemes)` copies the rows once per scheme; row g * prompts + p is
+    prompt p under schemes[g]. Each scheme is one scheme string, None (exact) or a per-layer list.
+    From then on every step (one token per row) reads each row's K/V as its scheme's paged cache
+    serves them (`_ServingLayer`)."""
 
     def __init__(self, num_layers: int, *, block_size: int, capacity: int):
         if not isinstance(block_size, int) or block_size <= 0:
