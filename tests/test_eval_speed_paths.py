@@ -19,8 +19,11 @@ def test_batched_greedy_equals_one_kvarn_cache_loop_per_scheme():
     model = tiny_llama(num_layers=2, seed=1, init=0.5)
     x = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(5))
     # 40 + 60 tokens cross blocks 1 and 2 mid-generation: each is stored quantized from the next step on
-    # ServingCache keeps each row's sink and tail exact (the model dtype), as `_hpfp32` does; a float32
-    # model's default (float16) sink and tail would differ from it by their rounding
+    # _hpfp32: KVarNCache's prefill reads the prompt's own tokens as its sink and ring keep them, a
+    # serving prefill (the engine's, ServingCache's) as computed. With the float32 model's default
+    # float16 sink and tail the two prefills differ by that rounding, which changes these tokens
+    # (kvarn_k4v2_g32 from step 5, int2_g32 from 28); in float32 they agree. (ServingCache against
+    # the engine, with every high-precision option: test_eval_agreement_cache.py.)
     schemes = ["fp16", "kvarn_k4v2_g32_hpfp32", "int2_g32_hpfp32", ["int8_hpfp32", "int2_g32_hpfp32"]]
     got = greedy_continuations(model, x, schemes, 60, block_size=BS)
     loops = [greedy_continuation(model, x, s, 60, block_size=BS) for s in schemes]
@@ -30,9 +33,9 @@ def test_batched_greedy_equals_one_kvarn_cache_loop_per_scheme():
     assert not torch.equal(got[0], got[2])   # int2 does change the tokens: the comparison can fail
     # a prompt whose prefill already fills two blocks after the sink
     y = torch.randint(0, 97, (1, 3 * BS + 5), generator=torch.Generator().manual_seed(6))
-    (g,) = greedy_continuations(model, y, ["int2_g32"], 12, block_size=BS)
-    assert torch.equal(g, greedy_continuation(model, y, "int2_g32", 12, block_size=BS))
-    res = evaluate_agreement(model, x, {"int2_g32": "int2_g32", "mixed": ["int8", "int2_g32"]}, 60,
+    (g,) = greedy_continuations(model, y, [schemes[2]], 12, block_size=BS)
+    assert torch.equal(g, greedy_continuation(model, y, schemes[2], 12, block_size=BS))
+    res = evaluate_agreement(model, x, {"int2_g32": schemes[2], "mixed": schemes[3]}, 60,
                              reference="fp16", block_size=BS, progress=False)
     assert res["int2_g32"] == compare_continuations("int2_g32", loops[2], loops[0])
     assert res["mixed"] == compare_continuations("mixed", loops[3], loops[0])

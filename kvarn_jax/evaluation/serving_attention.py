@@ -95,39 +95,65 @@ def cache_reads(key: torch.Tensor, value: torch.Tensor, cfg: KVQuantConfig, bloc
                 n_quant: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(k, v, k_hat, v_hat) float32 in the model's frame: k, v [B, Hk, T, D] as the cache's sink and
     ring serve every token (`hp.served`), and k_hat, v_hat [B, Hk, n_quant, D] the pages of tokens
-    [start, start + n_quant) (whole blocks), quantized as the cache quantizes them.
+    [start, start + n_quant) (whole blocks), quantized as the cache quantizes them (None when
+    n_quant is 0): `ring_values`, then `page_reads`."""
+    k, v, k_ring, v_ring = ring_values(key, value, cfg)
+    if not n_quant:
+        return k, v, None, None
+    dtype = str(key.dtype).split(".")[-1]
+    k_hat, v_hat = page_reads(k_ring[:, :, start:start + n_quant], v_ring[:, :, start:start + n_quant], cfg,
+                              block_size, start, dtype)
+    return k, v, k_hat, v_hat
+
+
+def ring_values(key: torch.Tensor, value: torch.Tensor, cfg: KVQuantConfig
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k, v, k_ring, v_ring) for tokens key, value [B, Hk, T, D] of a model's dtype: k, v as the
+    cache's sink and ring serve them (float32, the model's frame) and k_ring, v_ring what a page of
+    their block is quantized from: the values the ring holds (`hp.held`, float32 in the storage
+    frame), or for passthrough schemes, which keep none, key and value themselves.
 
     The cache quantizes a block from the values its ring holds, in the storage frame (rotated for
-    KVarN), with a shorter sink's positions excluded there (`hp.exclude_sink`). So does this: rotating
-    served values back and again first changes them by float32 rounding, and a quantizer's discrete
-    choices (a code, a clip candidate) are not continuous in its input; near a tie such noise changes
-    a whole row of a page and every later output that reads it."""
+    KVarN). So does `page_reads`: rotating served values back and again first changes them by
+    float32 rounding, and a quantizer's discrete choices (a code, a clip candidate) are not
+    continuous in its input; near a tie such noise changes a whole row of a page and every later
+    output that reads it."""
     from kvarn_jax.cache import hp
     from kvarn_jax.hadamard import unrotate
 
-    if cfg.is_passthrough:  # nothing in high precision: every token of a full block is read from its page
-        k, v = key.float(), value.float()
-        if not n_quant:
-            return k, v, None, None
-        k_hat, v_hat = roundtrip_bhtd(key[:, :, start:start + n_quant].contiguous(),
-                                      value[:, :, start:start + n_quant].contiguous(), cfg)
-        return k, v, k_hat.float(), v_hat.float()
+    if cfg.is_passthrough:  # nothing in high precision: a token is read as computed until its page is
+        return key.float(), value.float(), key, value
     b = key.shape[0]
     dtype = str(key.dtype).split(".")[-1]
     held = hp.held(cfg, to_jax(bhtd_to_tokens(key)), to_jax(bhtd_to_tokens(value)), dtype)  # [T, B*Hk, D]
     served = [unrotate(x, jnp.float32) if cfg.rotated else x for x in held]
     k, v = (tokens_to_bhtd(to_torch(x), b) for x in served)
-    if not n_quant:
-        return k, v, None, None
+    k_ring, v_ring = (tokens_to_bhtd(to_torch(x), b) for x in held)
+    return k, v, k_ring, v_ring
+
+
+def page_reads(k_ring: torch.Tensor, v_ring: torch.Tensor, cfg: KVQuantConfig, block_size: int,
+               first_position: int, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_hat, v_hat) float32 [B, Hk, T, D] in the model's frame: the pages of whole blocks whose
+    tokens, from position `first_position` of their sequences on, the ring holds as k_ring, v_ring
+    [B, Hk, T, D] (`ring_values`) in a `dtype` cache. A page of a sequence's first block leaves a
+    shorter sink out of its scales (`hp.exclude_sink`)."""
+    from kvarn_jax.cache import hp
+
+    if cfg.is_passthrough:
+        k_hat, v_hat = roundtrip_bhtd(k_ring.contiguous(), v_ring.contiguous(), cfg)
+        return k_hat.float(), v_hat.float()
+    b = k_ring.shape[0]
     blocks = []
-    for x in held:   # [n_quant, B*Hk, D] -> [blocks, B*Hk, block_size, D], the layout exclude_sink takes
-        t, bh, d = x[start:start + n_quant].shape
-        blk = x[start:start + n_quant].reshape(t // block_size, block_size, bh, d).transpose(0, 2, 1, 3)
-        blk = hp.exclude_sink(cfg, blk, start + block_size * jnp.arange(t // block_size))
+    for x in (k_ring, v_ring):   # [T, B*Hk, D] -> [blocks, B*Hk, block_size, D], the layout exclude_sink takes
+        x = to_jax(bhtd_to_tokens(x))
+        t, bh, d = x.shape
+        blk = x.reshape(t // block_size, block_size, bh, d).transpose(0, 2, 1, 3)
+        blk = hp.exclude_sink(cfg, blk, first_position + block_size * jnp.arange(t // block_size))
         # the page input is in the cache's dtype (`paged._page_input`)
         blocks.append(blk.transpose(0, 2, 1, 3).reshape(t, bh, d).astype(dtype))
     k_hat, v_hat = kj.dequantize(kj.quantize(tuple(blocks), cfg, rotated=True))
-    return k, v, tokens_to_bhtd(to_torch(k_hat), b).float(), tokens_to_bhtd(to_torch(v_hat), b).float()
+    return tokens_to_bhtd(to_torch(k_hat), b).float(), tokens_to_bhtd(to_torch(v_hat), b).float()
 
 
 def serving_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cfg: Scheme, *,
