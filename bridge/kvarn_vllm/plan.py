@@ -243,6 +243,39 @@ class StepPlan:
             return own, q_src, tok_slot
         return self.cached("own_blocks", make)
 
+    def split_indices(self, whole_row) -> tuple:
+        """What the split prefill attention (`torch_ops._prefill_split`) gathers besides `own_blocks`:
+        (prev [NQB] int32: per query block, the served entry (`served_entries`) of the block before
+        it when that block is in the same chunk, else -1; qb_src [nb] int32: the step token whose
+        query is row m of the chunk-internal part's queries, -1 for none; b_slot [nb] int32: each
+        token's row in that part's output, -1 for none). whole_row: the one prefill row whose chunk
+        part runs on a query tensor of its own (rows m = its queries after its first block's), or
+        None: every row's part runs on the step's own token rows (b_slot = the token)."""
+        def make():
+            bs, nd, r = self.block_size, self.num_decodes, self.num_rows
+            nb = _bucket(self.num_tokens)
+            ctx, lens = self.context, self.seq_len
+            fb, last = ctx // bs, (lens - 1) // bs
+            offsets = self.served_entries(False)[2]
+            prev = np.full(self.query_block_bound(), -1, np.int32)
+            at = 0
+            for i in range(nd, r):
+                if self.q_len[i] == 0:
+                    continue
+                blocks = np.arange(fb[i], last[i] + 1)
+                prev[at:at + blocks.shape[0]] = np.where(blocks > fb[i], offsets[i] + blocks - 1, -1)
+                at += blocks.shape[0]
+            qb_src = np.full(nb, -1, np.int32)
+            if whole_row is None:
+                b_slot = np.arange(nb, dtype=np.int32)
+            else:
+                _, a, ql, _, _, _, skip = whole_row
+                qb_src[:ql - skip] = np.arange(a + skip, a + ql)
+                b_slot = np.full(nb, -1, np.int32)
+                b_slot[a + skip:a + ql] = np.arange(ql - skip)
+            return prev, qb_src, b_slot
+        return self.cached(("split_indices", whole_row is None), make)
+
     def query_block_bound(self) -> int:
         """How many own-block slots (`own_blocks`) a step of this many tokens pads to: a bound that
         depends only on the padded token count, so the shapes do not vary with how the step's

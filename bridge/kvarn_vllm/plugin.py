@@ -140,9 +140,10 @@ def _install_config_hook() -> None:
             raise UnsupportedConfig(str(e)) from None
         from . import runtime
 
-        if runtime.settings_for(vllm_config) is not None and getattr(vllm_config.device_config, "device_type",
-                                                                     None) == "cpu":
-            runtime.run_xla_on_the_calling_thread()  # before vLLM starts its workers
+        if runtime.settings_for(vllm_config) is not None:  # before vLLM starts its workers
+            runtime.keep_compiled_executables()
+            if getattr(vllm_config.device_config, "device_type", None) == "cpu":
+                runtime.run_xla_on_the_calling_thread()
 
     check_and_update_config.kvarn_hook = True
     cls.check_and_update_config = classmethod(check_and_update_config)

@@ -89,3 +89,27 @@ def run_xla_on_the_calling_thread() -> None:
         import jax
 
         jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
+def keep_compiled_executables() -> str | None:
+    """Keep the bridge's XLA executables across server starts: JAX's persistent compilation cache in
+    the library's cache (`kvarn_jax.models.checkpoints.cache_dir() / "xla"`, where `kvarn-jax generate`
+    keeps its executables), every executable kept (a prefill chunk's shapes compile in ~0.3-2 s
+    each, which a long prompt's first request would otherwise pay), at most 1 GiB. Set for this
+    process and, through the environment, for vLLM's workers. A JAX_COMPILATION_CACHE_DIR the user
+    set is kept (JAX_ENABLE_COMPILATION_CACHE=false turns the cache off). Returns the directory."""
+    import os
+
+    import jax
+
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        from kvarn_jax.models.checkpoints import cache_dir
+
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir() / "xla")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 ** 30))
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"] or None)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+    jax.config.update("jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+    return os.environ["JAX_COMPILATION_CACHE_DIR"] or None
