@@ -14,6 +14,11 @@ if os.environ.get("KVARN_TEST_PLATFORM", "cpu") == "cpu" and "xla_backend_optimi
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 
+# No persistent XLA cache in tests: the vLLM bridge turns JAX's on for its process when an attention
+# impl is built (`kvarn_vllm.runtime.keep_compiled_executables`), after which every later test in the
+# worker would write each compile into the user's cache folder. An empty directory keeps it off.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "")
+
 import jax  # noqa: E402
 import numpy as np
 import pytest
