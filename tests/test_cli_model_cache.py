@@ -82,3 +82,26 @@ def test_model_paths_say_what_is_wrong(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         weights.resolve_checkpoint(tmp_path / "missing")
     assert cache_size(tmp_path / "missing") == 0
+
+
+def test_compilation_cache_folder_and_the_users_choice(monkeypatch, tmp_path):
+    """`use_compilation_cache` (the CLI's and the vLLM bridge's): the library's cache folder unless
+    JAX_COMPILATION_CACHE_DIR is set (empty: no cache) or a directory is configured already."""
+    import jax
+
+    from kvarn_jax.models.checkpoints import use_compilation_cache
+
+    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+    monkeypatch.setenv("KVARN_JAX_CACHE", str(tmp_path))
+    try:
+        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "")
+        assert use_compilation_cache(0.0) is None and not jax.config.jax_compilation_cache_dir
+        monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+        jax.config.update("jax_compilation_cache_dir", None)   # as in a process started without it
+        assert use_compilation_cache(0.25) == str(tmp_path / "xla")
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.25
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))
+        assert use_compilation_cache(0.0) == str(tmp_path / "mine")
+    finally:  # the rest of the suite runs without a persistent cache (conftest)
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])

@@ -1,15 +1,17 @@
-"""A decode step's writes counted once for all layers (`LayerCaches.open_tally` / `close_tally`) leave
-exactly the caches that counting each layer's write gives: same pages, sink, tail and counters, with
-NaN/Inf tokens, values beyond the storage range, invalid slots and several scheme groups."""
+"""A decode step's writes staged into every layer (`LayerCaches.stage`, counted once per step by
+`open_tally` / `close_tally`, or per call) store what `paged.stage_tokens` stores into a one-layer
+cache, and count exactly the tokens it counts: NaN/Inf tokens, values beyond the storage range and
+invalid slots, over several scheme groups."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvarn_jax.cache import LayerCaches
+from kvarn_jax.cache import LayerCaches, PagedKVCache
+from kvarn_jax.cache import paged
 
-BS, HK, D, NS = 32, 2, 32, 4
+BS, HK, D, NS, NB = 32, 2, 32, 4, 8
 
 
 def _tokens(rng, n):
@@ -21,10 +23,11 @@ def _tokens(rng, n):
     return jnp.asarray(k), jnp.asarray(v)
 
 
+@pytest.mark.parametrize("tallied", [True, False])
 @pytest.mark.parametrize("schemes", [["kvarn_k4v2_g32", "int8", "kvarn_k4v2_g32"], ["fp16", "int4"]])
-def test_tally_gives_the_caches_per_layer_counting_gives(schemes, rng):
+def test_staged_layers_equal_one_layer_caches(schemes, tallied, rng):
     layers = len(schemes)
-    caches = LayerCaches.create(schemes, layers, num_blocks=8, block_size=BS, num_kv_heads=HK, head_dim=D,
+    caches = LayerCaches.create(schemes, layers, num_blocks=NB, block_size=BS, num_kv_heads=HK, head_dim=D,
                                 max_seqs=NS, dtype=jnp.float32)
     n = 5
     # rows: 4 sequences at various positions (one at a block's last slot) and one invalid slot
@@ -33,22 +36,27 @@ def test_tally_gives_the_caches_per_layer_counting_gives(schemes, rng):
     slots = jnp.array([1 * BS + 3, 2 * BS + BS - 1, 5 * BS + 4, 6 * BS + 0, 99 * BS], jnp.int32)
     kv = [_tokens(rng, n) for _ in range(layers)]
 
-    def per_layer(c):
+    def step(c):
+        c = c.open_tally(n) if tallied else c
         for i, (k, v) in enumerate(kv):
             c = c.stage(i, k, v, slots, seq, pos)
-        return c
+        return c.close_tally(slots, seq) if tallied else c
 
-    def tallied(c):
-        c = c.open_tally(n)
-        for i, (k, v) in enumerate(kv):
-            c = c.stage(i, k, v, slots, seq, pos)
-        return c.close_tally(slots, seq)
-
-    want, got = jax.jit(per_layer)(caches), jax.jit(tallied)(caches)
+    got = jax.jit(step)(caches)
     assert got.tally is None
-    assert int(want.dropped_tokens) > 0 and int(jnp.sum(want.nonfinite)) == 2 * layers
-    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    dropped = [0] * len(got.groups)
+    for i, (k, v) in enumerate(kv):  # the reference: each layer on its own one-layer cache
+        ref = paged.stage_tokens(PagedKVCache.create(schemes[i], num_blocks=NB, block_size=BS, num_kv_heads=HK,
+                                                     head_dim=D, max_seqs=NS, dtype=jnp.float32),
+                                 k, v, slots, seq_ids=seq, positions=pos)
+        mine = got.layer(i)
+        for part in ("pages", "sink", "tail"):
+            for a, b in zip(jax.tree.leaves(getattr(ref, part)), jax.tree.leaves(getattr(mine, part))):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        dropped[got.layer_group[i]] += int(ref.dropped_tokens)
+    assert [int(c.dropped_tokens) for c in got.groups] == dropped and sum(dropped) > 0
+    # rows 1 and 2 (sequences 1 and 2) hold a NaN / Inf in every layer; the invalid row is not counted
+    np.testing.assert_array_equal(np.asarray(got.nonfinite), [0, layers, layers, 0])
 
 
 def test_tally_misuse_is_refused():

@@ -92,24 +92,12 @@ def run_xla_on_the_calling_thread() -> None:
 
 
 def keep_compiled_executables() -> str | None:
-    """Keep the bridge's XLA executables across server starts: JAX's persistent compilation cache in
-    the library's cache (`kvarn_jax.models.checkpoints.cache_dir() / "xla"`, where `kvarn-jax generate`
-    keeps its executables), every executable kept (a prefill chunk's shapes compile in ~0.3-2 s
-    each, which a long prompt's first request would otherwise pay), at most 1 GiB. Set for this
-    process and, through the environment, for vLLM's workers. A JAX_COMPILATION_CACHE_DIR the user
-    set is kept (JAX_ENABLE_COMPILATION_CACHE=false turns the cache off). Returns the directory."""
-    import os
+    """Keep the bridge's XLA executables across server starts: JAX's persistent compilation cache
+    where `kvarn-jax generate` keeps its own (`kvarn_jax.models.checkpoints.use_compilation_cache`),
+    every executable kept (a prefill chunk's shapes compile in ~0.3-2 s each, which a long prompt's
+    first request would otherwise pay). Called in the config hook and in every worker's attention
+    impl (each process sets its own). A JAX_COMPILATION_CACHE_DIR the user set wins (empty: no
+    cache). Returns the directory."""
+    from kvarn_jax.models.checkpoints import use_compilation_cache
 
-    import jax
-
-    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-        from kvarn_jax.models.checkpoints import cache_dir
-
-        os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir() / "xla")
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 ** 30))
-    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"] or None)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
-    jax.config.update("jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
-    return os.environ["JAX_COMPILATION_CACHE_DIR"] or None
+    return use_compilation_cache(0.0)

@@ -13,9 +13,10 @@ a static index, or (group, index in the group) with a traced index; `write_all` 
 `commit` quantizes completed blocks of every layer at once. Writes count, per sequence slot, the
 tokens with a NaN or Inf key or value (`nonfinite`; stored as zeros, see `kvarn_jax.storage`), so
 that a server can tell which request's model output went bad. A step that stages one write per
-layer counts them all at once (`open_tally` / `close_tally`): per layer the counts are then only
-flags, not a reduction and a scatter each (on GPUs, two kernels per layer). A group's buffers stay under 2^31
-elements (the kernels' 32-bit offsets): a scheme's layers are split into several groups if needed.
+layer counts them all at once (`open_tally` / `close_tally`): per layer the counts are then running
+elementwise sums, not a reduction and a scatter each (on GPUs, two kernels per layer). A group's
+buffers stay under 2^31 elements (the kernels' 32-bit offsets): a scheme's layers are split into
+several groups if needed.
 """
 
 from __future__ import annotations
@@ -190,13 +191,13 @@ class LayerCaches:
         return slots, None if seq_ids is None else seq_ids + soff
 
     def stage(self, layer, k, v, slot_mapping, seq_ids, positions) -> "LayerCaches":
-        """`paged.stage_tokens` into one layer (the decode step's write; blocks committed later).
-        While a tally is open (`open_tally`) the counts are kept as the layer's flags instead."""
+        """`paged.stage_tokens` into one layer (the decode step's write; blocks committed later). While
+        a tally is open (`open_tally`) its counts are added to the tally; else counted right away."""
+        if self.tally is None:
+            return self.open_tally(k.shape[0]).stage(layer, k, v, slot_mapping, seq_ids, positions).close_tally(
+                slot_mapping, seq_ids)
         cache, boff, soff = self.layer_cache(layer)
         slots, sid = self._ids(cache, boff, soff, slot_mapping, seq_ids)
-        if self.tally is None:
-            out = self._replace(layer, paged.stage_tokens(cache, k, v, slots, seq_ids=sid, positions=positions))
-            return dataclasses.replace(out, nonfinite=self._count_nonfinite(k, v, slot_mapping, seq_ids))
         staged, changed = paged.stage_tokens_uncounted(cache, k, v, slots, seq_ids=sid, positions=positions)
         g, _ = self.locate(layer)
         bad = (token_absmax(k, v) == jnp.inf) & self._counted(slot_mapping, seq_ids)
@@ -206,14 +207,14 @@ class LayerCaches:
         return dataclasses.replace(self._replace(layer, staged), tally=tuple(tally))
 
     def open_tally(self, tokens: int) -> "LayerCaches":
-        """Start counting staged writes of `tokens` tokens as flags (see `close_tally`)."""
+        """Start counting staged writes of `tokens` tokens in a tally (see `close_tally`)."""
         if self.tally is not None:
             raise ValueError("a tally is already open")
         z = jnp.zeros((tokens,), jnp.int32)
         return dataclasses.replace(self, tally=tuple((z, z) for _ in self.groups))
 
     def close_tally(self, slot_mapping, seq_ids) -> "LayerCaches":
-        """Add the flags staged since `open_tally` to `nonfinite` (per sequence slot: slot_mapping and
+        """Add the counts staged since `open_tally` to `nonfinite` (per sequence slot: slot_mapping and
         seq_ids, the writes' own) and each group's `dropped_tokens`, in one scatter and one sum per
         group; the tally is closed."""
         if self.tally is None:

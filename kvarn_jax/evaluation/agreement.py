@@ -5,8 +5,9 @@ serving semantics: every step reads the cache as kvarn_jax's paged cache serves 
 tokens, tested): the sink and the block being written in the scheme's high-precision format (`_hp`:
 by default 16 bits, `kvarn_jax.cache.hp`), every other full block from its page (with a sink of S
 tokens, `_sink{S}`, block 0's other positions too), quantized once the block is full from the values
-its ring held. The reference is the same loop with the reference scheme (default fp16). Reported per scheme: the first position where the continuation
-differs (new_tokens if never) and the fraction of identical tokens, position by position. With
+its ring held. The reference is the same loop with the reference scheme (default fp16). Reported
+per scheme: the first position where the continuation differs (new_tokens if never) and the
+fraction of identical tokens, position by position. With
 `score=True`, also the unquantized model's mean NLL of each prompt's continuation (teacher-forced,
 exact attention): once two continuations differ, identical tokens stop meaning much, but a scheme
 whose text the unquantized model finds as likely as its own has not drifted into worse text.

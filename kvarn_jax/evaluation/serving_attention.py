@@ -192,7 +192,7 @@ def serving_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         if n_quant:
             keys, values = torch.cat([keys, k_hat], dim=2), torch.cat([values, v_hat], dim=2)
             mask = torch.cat([exact_mask, quant_mask], dim=1)
-    elif cfg is None:
+    else:
         mask = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()  # exact reference: causal
     mask = mask[None, None]
     if attention_mask is not None:

@@ -38,6 +38,22 @@ def cache_dir() -> Path:
     return Path(base) / "kvarn_jax"
 
 
+def use_compilation_cache(min_compile_time_s: float) -> str | None:
+    """Keep XLA executables across processes: JAX's persistent compilation cache in `cache_dir() /
+    "xla"` (at most 1 GiB), for executables that took at least `min_compile_time_s` to compile,
+    unless the user chose: a JAX_COMPILATION_CACHE_DIR in the environment (empty: no cache) or a
+    directory already configured wins. Set before anything compiles. Returns the directory in use."""
+    import jax
+
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ or jax.config.jax_compilation_cache_dir is not None:
+        return jax.config.jax_compilation_cache_dir or None
+    folder = str(cache_dir() / "xla")
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
+    jax.config.update("jax_compilation_cache_max_size", 2 ** 30)
+    return folder
+
+
 @contextlib.contextmanager
 def publishing(target: Path, marker: str):
     """Build a folder in a temporary sibling and rename it to `target` when the block succeeds.

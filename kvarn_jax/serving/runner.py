@@ -52,7 +52,6 @@ _COMPILED: dict = {}       # (kind, model structure, impl, static args, argument
 _COMPILED_MAX = 256        # oldest entries are dropped beyond this
 
 
-
 def store_options() -> dict | None:
     """XLA compile options of the `store`/`commit` executable: backend optimization level 1 on CPUs
     (default 2), unless XLA_FLAGS sets the level for every executable; None elsewhere."""
