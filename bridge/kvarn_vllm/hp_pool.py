@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .layout import HpUnits, PageLayout, allocate_hp
-from .plan import _bucket
+from .plan import bucket
 
 HP_BLOCKS = "hp_blocks"  # the plan's cache key: [rows, H] block ids (the first H of each block table)
 HP_FRESH = "hp_fresh"    # [rows] bool: the row starts its sequence at position 0 in this step
@@ -114,7 +114,7 @@ class HpPool:
         if arr is None:
             return None
         seq, _, _, _, _ = self._indices(bound, plan)[1]
-        bb = _bucket(plan.num_decodes, 1)
+        bb = bucket(plan.num_decodes, 1)
 
         def make():
             lay = self.layout

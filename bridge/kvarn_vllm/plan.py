@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 
-def _bucket(n: int, lo: int = 16) -> int:
+def bucket(n: int, lo: int = 16) -> int:
     """n rounded up to a power of two (at least lo): few distinct shapes, few compilations."""
     return max(lo, 1 << max(0, int(n) - 1).bit_length())
 
@@ -191,7 +191,7 @@ class StepPlan:
             row = np.repeat(np.arange(nd), n)
             col = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n) + np.repeat(first, n)
             valid = np.where(col < last[row], bs, lens[row] - last[row] * bs)
-            nb, bb = bucket_fine(max(1, col.shape[0])), _bucket(nd, 1)
+            nb, bb = bucket_fine(max(1, col.shape[0])), bucket(nd, 1)
             entries = np.zeros((3, nb), np.int32)
             entries[0] = bb
             entries[0, :col.shape[0]], entries[1, :col.shape[0]], entries[2, :col.shape[0]] = row, col, valid
@@ -253,7 +253,7 @@ class StepPlan:
         None: every row's part runs on the step's own token rows (b_slot = the token)."""
         def make():
             bs, nd, r = self.block_size, self.num_decodes, self.num_rows
-            nb = _bucket(self.num_tokens)
+            nb = bucket(self.num_tokens)
             ctx, lens = self.context, self.seq_len
             fb, last = ctx // bs, (lens - 1) // bs
             offsets = self.served_entries(False)[2]
@@ -280,8 +280,8 @@ class StepPlan:
         """How many own-block slots (`own_blocks`) a step of this many tokens pads to: a bound that
         depends only on the padded token count, so the shapes do not vary with how the step's
         tokens split into rows (each distinct shape compiles)."""
-        n = _bucket(self.num_tokens)
-        return _bucket(n // self.block_size + min(self.max_seqs, n), 1)
+        n = bucket(self.num_tokens)
+        return bucket(n // self.block_size + min(self.max_seqs, n), 1)
 
     def prefill_parts(self) -> list:
         """Per prefill row with queries, what the split prefill attention reads from the served blocks
@@ -311,9 +311,9 @@ class StepPlan:
         sink = np.zeros(r, bool) if passthrough else n > 0
         hp_idx, hp_seq = offsets[:-1][sink], self.seq_id[sink]
         count, m = int(offsets[-1]), int(hp_idx.shape[0])
-        entries = np.zeros((2, _bucket(count, 4)), np.int32)
+        entries = np.zeros((2, bucket(count, 4)), np.int32)
         entries[0, :count], entries[1, :count] = ent_row, ent_col
-        hp = np.zeros((3, _bucket(m, 4)), np.int32)
+        hp = np.zeros((3, bucket(m, 4)), np.int32)
         hp[0] = entries.shape[1]
         hp[0, :m], hp[1, :m] = hp_idx, hp_seq
         return entries, hp, offsets, count

@@ -61,7 +61,7 @@ from kvarn_jax.hadamard import hadamard_matrix_np, rotate, unrotate
 from kvarn_jax.storage import QUANT_MAX, storage_values
 
 from .layout import PageLayout, allocate_hp, carve, to_jax
-from .plan import StepPlan, _bucket
+from .plan import StepPlan, bucket
 
 IMPLS = ("auto", "pallas", "reference")
 
@@ -565,7 +565,7 @@ def _write_jax(bound: BoundCache, key: torch.Tensor, value: torch.Tensor, plan: 
     the rows the sink and ring keep. Returns (rows [2, nb, Hk, D], own K/V (JAX arrays) or None, what to
     keep alive)."""
     n, c = plan.num_tokens, plan.completing
-    nb = _bucket(n)
+    nb = bucket(n)
     sizes = completion_sizes(bound.cache, nb)
     size = next((m for m in sizes if m >= c), None) if c else 0
     if size is None:  # cannot happen: the bound counts every completion a write can make
@@ -669,7 +669,7 @@ def _used_columns(max_seq_len: int, block_size: int, width: int) -> int:
 
 def _decode_rows_library(bound, query, plan, scale, impl, out):
     nd = plan.num_decodes
-    bb = _bucket(nd, 1)
+    bb = bucket(nd, 1)
     cols = _used_columns(plan.max_decode_len, bound.layout.block_size, plan.block_table.shape[1])
 
     def make():
@@ -1122,7 +1122,7 @@ def _prefill_split(bound, query, plan, written, scale, out):
     lay = bound.layout
     hk, bs, d = lay.num_kv_heads, lay.block_size, lay.head_dim
     hq, n, nd = query.shape[1], plan.num_tokens, plan.num_decodes
-    nb = _bucket(n)
+    nb = bucket(n)
     cdt = bound.compute_dtype
     dtype = str(cdt).split(".")[-1]
     whole = _whole_step_row(plan, nb)
