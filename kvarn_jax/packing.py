@@ -46,6 +46,18 @@ def store_tiled(codes: jnp.ndarray, bits: int) -> jnp.ndarray:
     return jnp.swapaxes(pack(codes, bits), -1, -2)
 
 
+def code_planes(field: jnp.ndarray, bits: int) -> jnp.ndarray:
+    """A `store_tiled` field [..., C * bits // 8, R] -> its codes as planes [..., 8 // bits, C * bits // 8, R]
+    (uint8): code c of row r is at [..., c % (8 // bits), c // (8 // bits), r]. A product over C can then
+    contract each plane with the stored bytes in place instead of interleaving the codes back first."""
+    per = 8 // bits
+    if per == 1:
+        return field[..., None, :, :]
+    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits)[:, None, None]
+    # a broadcast of the bytes against the shifts, not a stack of slices: XLA's CPU code fuses it
+    return (field[..., None, :, :] >> shifts) & jnp.uint8((1 << bits) - 1)
+
+
 def load_tiled(field: jnp.ndarray, bits: int) -> jnp.ndarray:
     """Inverse of `store_tiled`: the stored field -> codes [..., R, C]."""
     return unpack(jnp.swapaxes(field, -1, -2), bits)

@@ -1,7 +1,8 @@
 """Reference paged decode attention: pure jnp, runs anywhere, the oracle for the Pallas kernels.
 
-It dequantizes every block a sequence uses (`gather_dense`), then does dense fp32 attention with
-GQA. For rotated schemes the query is rotated once and the output un-rotated once, since the
+Each part of a sequence's cache (pages, sink, the ring's block) is attended where it is stored, in
+fp32 with GQA and one softmax over all parts (`attend`); what each position reads is what
+`gather_dense` returns for it. For rotated schemes the query is rotated once and the output un-rotated once, since the
 cache holds rotated K/V and H is orthonormal: (qH)(KH)^T = qK^T and (P·VH)H = P·V.
 """
 
@@ -13,7 +14,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ..cache.paged import PagedKVCache, check_read_args, gather_dense
+from .. import schemes
+from ..cache import hp as hp_storage
+from ..cache.paged import PagedKVCache, check_read_args, dense_blocks
+from ..schemes import kvarn
 from ..hadamard import SAFE_ABS, rotate, unrotate
 from ..storage import QUANT_MAX
 from ..schemes.arith import saturate
@@ -58,29 +62,90 @@ def paged_decode_attention_reference(q: jnp.ndarray, cache: PagedKVCache, block_
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "rotated_io"))
 def attend(q, cache, block_tables, seq_lens, scale, seq_ids, window, rotated_io):
-    """`paged_decode_attention_reference` without the argument checks (callers check first)."""
+    """`paged_decode_attention_reference` without the argument checks (callers check first).
+
+    A sequence's tokens come from three parts, each attended where it is stored (one softmax over
+    all): its pages (blocks `paged_from // block_size` up to the query's own block), its sink, and
+    the ring's block that holds the query's own block. Passthrough caches have pages only. Pages of
+    KVarN caches are attended on their codes (`schemes.kvarn.key_scores` / `value_sums`), other
+    schemes' are dequantized. Every part is a fixed-shape product: no dense copy of the context."""
     nbt, hq, d = q.shape
-    hk = cache.num_kv_heads
+    hk, bs = cache.num_kv_heads, cache.block_size
+    g = hq // hk
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     qf = q.astype(jnp.float32)
     if cache.cfg.rotated and not rotated_io:
         qf = rotate(qf, max_abs=QUANT_MAX)  # the kernels' bounds (`paged_decode._pallas`)
-    k, v = gather_dense(cache, block_tables, seq_lens, seq_ids)  # [B, Hk, L, D]
-    length = k.shape[2]
-    qg = qf.reshape(nbt, hk, hq // hk, d)
-    s = jnp.einsum("bhgd,bhld->bhgl", qg, k, precision="highest") * scale
-    pos = jnp.arange(length)[None, :]
-    lens = seq_lens.astype(jnp.int32)[:, None]
-    mask = pos < lens
-    if window is not None:
-        mask &= pos >= lens - window
-    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bhgl,bhld->bhgd", p, v, precision="highest") / jnp.where(denom > 0, denom, 1.0)
-    o = o.reshape(nbt, hq, d)
+    qg = qf.reshape(nbt, hk, g, d)
+    # unchecked indices (traced, or the decode entry's check_values=False) are clamped into range
+    tbl = jnp.clip(block_tables.astype(jnp.int32), 0, cache.num_blocks - 1)
+    lens = jnp.clip(seq_lens.astype(jnp.int32), 0, tbl.shape[1] * bs)
+
+    def seen(pos):  # positions [B or 1, n] a row attends to
+        ok = pos < lens[:, None]
+        return ok if window is None else ok & (pos >= lens[:, None] - window)
+
+    own = jnp.maximum((lens - 1) // bs, 0)   # the query's own block: read from the ring, not a page
+    j0 = cache.paged_from // bs
+    m = jnp.full((nbt, hk, g), -jnp.inf)
+    kvarn_codes = cache.cfg.method == "kvarn"
+    paged = tbl.shape[1] > j0
+    if paged:
+        blocks = j0 + jnp.arange(tbl.shape[1] - j0)
+        pos = blocks[:, None] * bs + jnp.arange(bs)                          # [m, bs]
+        ok = seen(pos.reshape(1, -1)).reshape(nbt, -1, 1, 1, bs)
+        if cache.has_hp:
+            ok &= (blocks[None, :] < own[:, None])[:, :, None, None, None]
+            if cache.sink_len < bs:  # a short sink: block 0's first tokens come from the sink
+                ok &= (pos >= cache.sink_len)[None, :, None, None, :]
+        if kvarn_codes:
+            pages = {side: {n: a[tbl[:, j0:]] for n, a in cache.pages[side].items()} for side in schemes.SIDES}
+            s = kvarn.key_scores(pages["k"], qg[:, None], cache.cfg.bits("k"))  # [B, m, Hk, R, G, T]
+            s = s.swapaxes(-2, -3).reshape(s.shape[:3] + (g, bs))
+        else:
+            k, v = (dense_blocks(cache, side, tbl[:, j0:]) for side in schemes.SIDES)  # [B, m, Hk, bs, D]
+            v = jnp.where(ok.reshape(nbt, -1, 1, bs, 1), v, 0.0)  # unread pages may hold anything, NaN too
+            s = jnp.einsum("bhgd,bmhld->bmhgl", qg, k, precision="highest")
+        s = jnp.where(ok, s * scale, -jnp.inf)                               # [B, m, Hk, G, bs]
+        m = jnp.max(s, axis=(1, 4))
+    near = []  # (scores [B, Hk, G, n], values [B, Hk, n, D]) of the sink and the ring's block
+    if cache.has_hp:
+        sid = jnp.clip((jnp.arange(nbt) if seq_ids is None else seq_ids).astype(jnp.int32), 0, cache.max_seqs - 1)
+        ring_block = own % cache.tail_blocks
+        pos_ring = own[:, None] * bs + jnp.arange(bs)[None]
+        for part, ok_part in (("sink", seen(jnp.arange(cache.sink_len)[None])),
+                              ("tail", seen(pos_ring) & (pos_ring >= cache.sink_len))):
+            kv = []
+            for side in schemes.SIDES:
+                f = cache.hp_fields(part, side)
+                if part == "sink":
+                    f = {n: a[sid] for n, a in f.items()}
+                else:  # the ring's block holding the query's own block: [B, Hk, bs, ...]
+                    f = {n: a.reshape((a.shape[0], hk, cache.tail_blocks, bs) + a.shape[3:])[sid, :, ring_block]
+                         for n, a in f.items()}
+                kv.append(hp_storage.load(cache.cfg, f))
+            sp = jnp.einsum("bhgd,bhtd->bhgt", qg, kv[0], precision="highest") * scale
+            sp = jnp.where(ok_part[:, None, None, :], sp, -jnp.inf)
+            near.append((sp, kv[1]))
+            m = jnp.maximum(m, sp.max(-1))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)                                   # rows that see nothing
+    denom = jnp.zeros((nbt, hk, g))
+    o = jnp.zeros((nbt, hk, g, d))
+    if paged:
+        p = jnp.exp(s - m[:, None, :, :, None])
+        denom = p.sum(axis=(1, 4))
+        if kvarn_codes:
+            pr = p.reshape(p.shape[:4] + (-1, cache.cfg.tile_tokens)).swapaxes(-2, -3)   # [B, m, Hk, R, G, T]
+            o = kvarn.value_sums(pages["v"], pr, cache.cfg.bits("v"))                   # [B, m, Hk, R, G, D]
+            # a block no position reads may hold anything (its scales NaN or inf): not 0 * NaN
+            o = jnp.where(ok.any(axis=(2, 3, 4))[:, :, None, None, None, None], o, 0.0).sum(axis=(1, 3))
+        else:
+            o = jnp.einsum("bmhgl,bmhld->bhgd", p, v, precision="highest")
+    for sp, vp in near:
+        pp = jnp.exp(sp - m[..., None])
+        denom = denom + pp.sum(-1)
+        o = o + jnp.einsum("bhgt,bhtd->bhgd", pp, vp, precision="highest")
+    o = (o / jnp.where(denom > 0, denom, 1.0)[..., None]).reshape(nbt, hq, d)
     if cache.cfg.rotated and not rotated_io:
         o = unrotate(o, max_abs=SAFE_ABS)
     return saturate(o, q.dtype)
-

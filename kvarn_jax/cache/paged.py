@@ -692,7 +692,7 @@ def gather_dense(cache: PagedKVCache, block_tables: jnp.ndarray, seq_lens: jnp.n
     tbl = jnp.clip(block_tables.astype(jnp.int32), 0, nb - 1)
     seq_lens = jnp.clip(seq_lens.astype(jnp.int32), 0, mb * bs)
     if not cache.has_hp:
-        return tuple(_dense_blocks(cache, side, tbl).transpose(0, 2, 1, 3, 4).reshape(nbt, hk, mb * bs, d)
+        return tuple(dense_blocks(cache, side, tbl).transpose(0, 2, 1, 3, 4).reshape(nbt, hk, mb * bs, d)
                      for side in schemes.SIDES)
     sid = jnp.clip((jnp.arange(nbt) if seq_ids is None else seq_ids).astype(jnp.int32), 0, cache.max_seqs - 1)
     paged = jnp.maximum((seq_lens - 1) // bs, 0)  # per row: blocks [0, paged) are full and before the query's
@@ -704,7 +704,7 @@ def gather_dense(cache: PagedKVCache, block_tables: jnp.ndarray, seq_lens: jnp.n
         x = x.reshape(nbt, hk, reps * cache.tail_len, d)[:, :, :mb * bs]   # position p: ring[p % tail_len]
 
         def page_block(j, x, side=side):
-            blk = _dense_blocks(cache, side, jax.lax.dynamic_slice_in_dim(tbl, j, 1, axis=1))[:, 0]  # [B, Hk, bs, D]
+            blk = dense_blocks(cache, side, jax.lax.dynamic_slice_in_dim(tbl, j, 1, axis=1))[:, 0]  # [B, Hk, bs, D]
             cur = jax.lax.dynamic_slice_in_dim(x, j * bs, bs, axis=2)
             return jax.lax.dynamic_update_slice_in_dim(x, jnp.where((j < paged)[:, None, None, None], blk, cur),
                                                        j * bs, axis=2)
@@ -714,7 +714,7 @@ def gather_dense(cache: PagedKVCache, block_tables: jnp.ndarray, seq_lens: jnp.n
     return tuple(out)
 
 
-def _dense_blocks(cache: PagedKVCache, side: str, tbl: jnp.ndarray) -> jnp.ndarray:
+def dense_blocks(cache: PagedKVCache, side: str, tbl: jnp.ndarray) -> jnp.ndarray:
     """Pages of block ids tbl [B, m] (in range) dequantized: float32 [B, m, Hk, block_size, D]."""
     f = fields_from_pages(cache.cfg, side, {name: a[tbl] for name, a in cache.pages[side].items()})
     st = schemes.expand_static(cache.cfg, cache.static[side], 1) if cache.static else None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..packing import load_tiled, store_tiled
+from ..packing import code_planes, load_tiled, store_tiled
 from .arith import JNP, Arith, saturate
 from .rtn import SCALE_FLOOR, clip_search, rtn_codes, rtn_params
 
@@ -181,3 +181,31 @@ def dequantize(f: dict, side: str, bits: int) -> jnp.ndarray:
     # c: [..., G, D]
     return ((c * f["scale_tok"].astype(jnp.float32)[..., :, None] + f["zero_tok"].astype(jnp.float32)[..., :, None])
             * f["scale_chan"].astype(jnp.float32)[..., None, :])
+
+
+def key_scores(f: dict, q: jnp.ndarray, bits: int) -> jnp.ndarray:
+    """q . k for every token of stored key tiles, on the codes. A stored key is
+    k[t, d] = (c[d, t] * scale_chan[d] + zero_chan[d]) * scale_tok[t] (`dequantize`), so
+    q . k_t = scale_tok[t] * ((q * scale_chan) . c[:, t] + q . zero_chan): the channel scales fold into
+    the query, the token scales into the scores, and the codes are read as stored.
+    f: key fields of tiles [..., R, ...]; q [..., G, D] fp32 (the same leading dims, without R).
+    Returns [..., R, G, T] fp32."""
+    c = code_planes(f["codes"], bits).astype(jnp.float32)                           # [..., R, J, M, D]
+    qs = q[..., None, :, :] * f["scale_chan"].astype(jnp.float32)[..., None, :]       # [..., R, G, D]
+    s = jnp.einsum("...rgd,...rjmd->...rgmj", qs, c, precision="highest")
+    s = s.reshape(s.shape[:-2] + (-1,))                                               # token m * J + j
+    qz = jnp.einsum("...gd,...rd->...rg", q, f["zero_chan"].astype(jnp.float32), precision="highest")
+    return (s + qz[..., None]) * f["scale_tok"].astype(jnp.float32)[..., None, :]
+
+
+def value_sums(f: dict, p: jnp.ndarray, bits: int) -> jnp.ndarray:
+    """sum_t p[t] v_t over stored value tiles, on the codes. A stored value is
+    v[t, d] = (c[t, d] * scale_tok[t] + zero_tok[t]) * scale_chan[d], so the sum is
+    scale_chan[d] * ((p * scale_tok) . c[:, d] + p . zero_tok).
+    f: value fields of tiles [..., R, ...]; p [..., R, G, T] fp32. Returns [..., R, G, D] fp32."""
+    c = code_planes(f["codes"], bits).astype(jnp.float32)                           # [..., R, J, M, T]
+    ps = p * f["scale_tok"].astype(jnp.float32)[..., None, :]
+    o = jnp.einsum("...rgt,...rjmt->...rgmj", ps, c, precision="highest")
+    o = o.reshape(o.shape[:-2] + (-1,))                                               # channel m * J + j
+    pz = jnp.einsum("...rgt,...rt->...rg", p, f["zero_tok"].astype(jnp.float32), precision="highest")
+    return (o + pz[..., None]) * f["scale_chan"].astype(jnp.float32)[..., None, :]
