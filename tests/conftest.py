@@ -1,14 +1,18 @@
 import gc
 import os
 import pathlib
+import sys
 import zlib
 
-# On the CPU, XLA compiles without LLVM's optimization passes: the suite's time is mostly compiling
-# (every interpreted kernel and shape anew) and its arrays are small, so the interpreted decode and
-# quantize tests ran 21-28% faster on 2 cores. XLA's CPU backend uses no fast-math, so the results
-# are the same floats either way. Set before jax starts a backend; an explicit XLA_FLAGS setting wins.
-if os.environ.get("KVARN_TEST_PLATFORM", "cpu") == "cpu" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# On the CPU, most test modules compile without XLA's optimization passes: their time is mostly
+# compiling (every interpreted kernel and shape anew) and their arrays are small, so the interpreted
+# decode and quantize tests ran 21-28% faster on 2 cores. Modules marked `xla_optimized` run a model
+# for many steps instead, which unoptimized code made ~2.5x slower (`_xla_optimization`). XLA's CPU
+# backend uses no fast-math, so the results are the same floats either way. A level the user set
+# (XLA_FLAGS, JAX_DISABLE_MOST_OPTIMIZATIONS) is left alone.
+_SWITCH_OPTIMIZATIONS = (os.environ.get("KVARN_TEST_PLATFORM", "cpu") == "cpu"
+                         and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")
+                         and "JAX_DISABLE_MOST_OPTIMIZATIONS" not in os.environ)
 
 # Four CPU devices (the default device is the first): the tensor-parallel tests shard over 2 and 4.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -52,13 +56,25 @@ def _golden_path():
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _free_compiled_code():
-    """Drop JAX's compiled executables after each test module. Interpret-mode kernels compile many
-    programs per shape; kept for the whole session they grew each xdist worker to ~9 GB here, and
-    two such workers fill a 24 GB CI machine."""
+def _xla_optimization(request):
+    """XLA's optimization passes for this module's compiles (on for `xla_optimized` modules, see the
+    top of this file; subprocesses inherit the choice), and its compiled executables dropped after
+    it. Dropping them keeps one module's unoptimized executables from serving another that runs
+    them many times, and memory bounded: interpret-mode kernels compile many programs per shape;
+    kept for the whole session they grew each xdist worker to ~9 GB here, and two such workers fill
+    a 24 GB CI machine."""
+    if _SWITCH_OPTIMIZATIONS:
+        fast_compile = request.node.get_closest_marker("xla_optimized") is None
+        jax.config.update("jax_disable_most_optimizations", fast_compile)
+        os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = str(int(fast_compile))
     yield
     jax.clear_caches()
+    runner = sys.modules.get("kvarn_jax.serving.runner")
+    if runner is not None:
+        runner._COMPILED.clear()  # the engine's executables, cached process-wide
     gc.collect()
+    if _SWITCH_OPTIMIZATIONS:
+        os.environ.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,11 @@ from kvarn_jax.cache import paged
 
 SCHEMES = ["kvarn_k4v2_g32", "kivi_k2v2_g32", "int4", "fp8", "fp16"]
 BS, HK, D, NS = 32, 2, 32, 3
+MAX_START, MAX_STEPS = 3 * BS, 2 * BS + 3
+PER_SEQ = -(-(MAX_START + MAX_STEPS) // BS)  # blocks per sequence: one cache shape for every example
+# compiled once per scheme (as a serving step compiles them), not op by op for every shape
+_stage = jax.jit(paged.stage_tokens)
+_commit = jax.jit(paged.commit_blocks)
 
 
 def _poisoned(scheme, num_blocks, seed):
@@ -32,34 +37,35 @@ def _poisoned(scheme, num_blocks, seed):
 
 
 @settings(max_examples=6, deadline=None)
-@given(scheme=st.sampled_from(SCHEMES), starts=st.lists(st.integers(0, 3 * BS), min_size=NS, max_size=NS),
-       steps=st.integers(1, 2 * BS + 3), seed=st.integers(0, 2 ** 16))
+@given(scheme=st.sampled_from(SCHEMES), starts=st.lists(st.integers(0, MAX_START), min_size=NS, max_size=NS),
+       steps=st.integers(1, MAX_STEPS), seed=st.integers(0, 2 ** 16))
 def test_stage_then_commit_equals_write(scheme, starts, steps, seed):
     rng = np.random.default_rng(seed)
-    per_seq = -(-(max(starts) + steps) // BS)
-    num_blocks = NS * per_seq
-    tables = rng.permutation(num_blocks).reshape(NS, per_seq).astype(np.int32)
+    num_blocks = NS * PER_SEQ
+    tables = rng.permutation(num_blocks).reshape(NS, PER_SEQ).astype(np.int32)
     a = b = _poisoned(scheme, num_blocks, seed)
-    # prompts first (one write each), then one token per sequence per step
+    # prompts first (one write each, padded to MAX_START rows with slot -1), then one token per
+    # sequence per step
     for s, n in enumerate(starts):
         if n:
-            pos = np.arange(n, dtype=np.int32)
-            k, v = (jnp.asarray(rng.normal(size=(n, HK, D)), jnp.float32) for _ in range(2))
-            slots = tables[s, pos // BS] * BS + pos % BS
-            a = kj.write(a, k, v, jnp.asarray(slots), seq_ids=jnp.full(n, s), positions=jnp.asarray(pos))
-            b = kj.write(b, k, v, jnp.asarray(slots), seq_ids=jnp.full(n, s), positions=jnp.asarray(pos))
+            pos = np.arange(MAX_START, dtype=np.int32)
+            k, v = (jnp.asarray(rng.normal(size=(MAX_START, HK, D)), jnp.float32) for _ in range(2))
+            slots = jnp.asarray(np.where(pos < n, tables[s, pos // BS] * BS + pos % BS, -1))
+            pos = jnp.asarray(np.where(pos < n, pos, 0))
+            a = kj.write(a, k, v, slots, seq_ids=jnp.full(MAX_START, s), positions=pos)
+            b = kj.write(b, k, v, slots, seq_ids=jnp.full(MAX_START, s), positions=pos)
     lens = np.array(starts, np.int32)
     seq = jnp.arange(NS, dtype=jnp.int32)
     for _ in range(steps):
         k, v = (jnp.asarray(rng.normal(size=(NS, HK, D)), jnp.float32) for _ in range(2))
         slots = tables[np.arange(NS), lens // BS] * BS + lens % BS
         a = kj.write(a, k, v, jnp.asarray(slots), seq_ids=seq, positions=jnp.asarray(lens))
-        b = paged.stage_tokens(b, k, v, jnp.asarray(slots), seq_ids=seq, positions=jnp.asarray(lens))
+        b = _stage(b, k, v, jnp.asarray(slots), seq_ids=seq, positions=jnp.asarray(lens))
         done = (lens % BS == BS - 1) & (lens >= BS)
         blk = np.where(done, tables[np.arange(NS), lens // BS], -1)
         # a fixed batch of 4 entries, padding included
         pad = lambda x, fill: jnp.asarray(np.concatenate([x, np.full(4 - NS, fill)]).astype(np.int32))  # noqa: E731
-        b = paged.commit_blocks(b, pad(blk, -1), pad(np.arange(NS), 0), pad(lens - BS + 1, 0))
+        b = _commit(b, pad(blk, -1), pad(np.arange(NS), 0), pad(lens - BS + 1, 0))
         lens = lens + 1
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -15,6 +15,10 @@ import pytest
 
 from kvarn_jax.serving import Engine, SamplingParams
 
+# 128 + 64 decode steps of a 30-layer model: its run, not its compiles, is this module's time (XLA's
+# optimizations on, tests/conftest.py: 2.3x less CPU time)
+pytestmark = pytest.mark.xla_optimized
+
 GOLDEN = json.loads((Path(__file__).parent / "data" / "golden_greedy.json").read_text())["cases"]
 
 

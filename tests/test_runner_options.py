@@ -23,8 +23,11 @@ def test_stores_compiled_with_the_options_give_the_same_tokens(monkeypatch, rng)
     prompts = [rng.integers(1, 128, n).tolist() for n in (45, 20)]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)  # 45 + 40 tokens: blocks complete in decode
     kw = dict(kv_cache_dtype="kvarn_k4v2_g32", block_size=32, max_seqs=2, max_model_len=96, prefill_chunk=32)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")  # no options: this module's level (0)
+    assert runner.store_options() is None
     want = [r.output_ids for r in Engine(model, **kw).generate(prompts, params)]
     runner._COMPILED.clear()
-    monkeypatch.setenv("XLA_FLAGS", "")  # the options are passed (the suite's flags set level 0)
+    monkeypatch.setenv("XLA_FLAGS", "")  # the options are passed
+    assert runner.store_options() is not None or jax.default_backend() != "cpu"
     got = [r.output_ids for r in Engine(model, **kw).generate(prompts, params)]
     assert got == want
