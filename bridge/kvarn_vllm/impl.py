@@ -122,14 +122,7 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
             return output
         plan = attn_metadata.plan
         n = plan.num_tokens
-        bound = self._bind(layer, kv_cache)
-        impl = self.settings.decode_impl
-        pooled = self.hp_pool.in_place(bound, plan, torch_ops.decode_impl(impl))  # most decode steps: no staging
-        if pooled is None:
-            self.hp_pool.gather(bound, plan)
-        torch_ops.forward(bound, query[:n].view(n, self.num_heads, self.head_size), key[:n], value[:n], plan,
-                          scale=self.scale, impl=impl, out=output[:n].view(n, self.num_heads, self.head_size),
-                          pooled=pooled)
-        if pooled is None:
-            self.hp_pool.scatter(bound, plan)
+        self.hp_pool.forward(self._bind(layer, kv_cache), query[:n].view(n, self.num_heads, self.head_size), key[:n],
+                             value[:n], plan, scale=self.scale, impl=self.settings.decode_impl,
+                             out=output[:n].view(n, self.num_heads, self.head_size))
         return output

@@ -65,6 +65,31 @@ from .plan import StepPlan, bucket
 
 IMPLS = ("auto", "pallas", "reference")
 
+
+# ------------------------------------------------------------------------------------- compiling
+# XLA:CPU hands fused elementwise and reduction computations to its YNNPACK library when their
+# shapes are large enough, and YNNPACK's exp rounds differently from XLA's own: a decode row's
+# softmax then depended on how many rows the step had (row bucket 1 or 2 vs 4 and up), and a server
+# gave the same request other tokens when other requests came and went. Single dots stay with the
+# library: a row's result does not depend on the other rows there (tests/test_vllm_determinism.py).
+CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+
+
+def _jit(**kw):
+    """`jax.jit` with CPU_COMPILER_OPTIONS when JAX runs on the CPU (decided at the first call, when
+    the backend is known; other backends take none)."""
+    def wrap(f):
+        made = []
+
+        @functools.wraps(f)
+        def call(*args, **kwargs):
+            if not made:
+                opts = CPU_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
+                made.append(jax.jit(f, compiler_options=opts, **kw))
+            return made[0](*args, **kwargs)
+        return call
+    return wrap
+
 # ------------------------------------------------------------------------------------- counters
 _COUNTERS = {"bind": 0, "write_calls": 0, "write_tokens": 0, "blocks_quantized": 0, "decode_calls": 0,
              "decode_rows": 0, "prefill_calls": 0, "prefill_tokens": 0, "blocks_dequantized": 0, "write_s": 0.0,
@@ -510,7 +535,7 @@ def _packed(fields: dict) -> jnp.ndarray:
     return jnp.concatenate(parts, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("size", "quantizer", "dtype", "pack"))
+@_jit(static_argnames=("size", "quantizer", "dtype", "pack"))
 def _write_step(cache, kv, ids, keep, own=None, *, size: int, quantizer: str, dtype: str = "float32",
                 pack: bool = False):
     """A quantized cache's write in one XLA computation: the tokens as the cache stores them
@@ -651,7 +676,7 @@ def decode_impl(impl: str) -> str:
     return impl
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "impl", "passthrough"))
+@_jit(static_argnames=("scale", "impl", "passthrough"))
 def _decode_library(q, cache, idx, *, scale, impl, passthrough):
     """`kvarn_jax.paged_decode_attention` on the step's packed indices [B, cols + 2] (block table,
     lengths, slots), in one dispatch."""
@@ -715,10 +740,10 @@ def _served_jnp(cache, blk, hp, dtype: str):
     return tuple(out)
 
 
-_served = functools.partial(jax.jit, static_argnames=("dtype",))(_served_jnp)
+_served = _jit(static_argnames=("dtype",))(_served_jnp)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype",))
+@_jit(static_argnames=("dtype",))
 def _served_split(cache, blk, hp, q, q_src, qb_src, prev, own_k, own_v, *, dtype: str):
     """The split prefill's inputs in one XLA computation, in `dtype`: the served blocks
     (`_served_jnp`, K/V [Hk, N, bs, D]); the queries in the storage frame (rotated for KVarN) as
@@ -744,7 +769,7 @@ def _served_split(cache, blk, hp, q, q_src, qb_src, prev, own_k, own_v, *, dtype
             *own)
 
 
-@functools.partial(jax.jit, static_argnames=("rotated", "dtype"))
+@_jit(static_argnames=("rotated", "dtype"))
 def _merge_split(oa, la, ob, lb, o2, l2, tok_slot, b_slot, *, rotated: bool, dtype: str):
     """The split prefill's three softmax parts merged by their log-sum-exps: the blocks before the
     chunk's first block (oa [Hq, nb, D], la [nb, Hq] - the layouts torch's flash attention returns;
@@ -843,7 +868,7 @@ def _kvarn_page_values(cache, f: dict, p):
     return o.sum(2)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "size", "quantizer", "slots"))
+@_jit(static_argnames=("scale", "size", "quantizer", "slots"))
 def _decode_served(q, cache, blk, entries, info, kv=None, ids=None, units=None, hp_src=None, *, scale, size=0,
                    quantizer="reference", slots=1):
     """Decode rows on the CPU in one XLA computation: dequantize the pages each row reads, attend
@@ -906,18 +931,15 @@ def _decode_served(q, cache, blk, entries, info, kv=None, ids=None, units=None, 
             raw = units[hp_src].reshape(b, 4, hk, bs, d, jnp.dtype(vd).itemsize)
             hp = list(jax.lax.bitcast_convert_type(raw, vd).transpose(1, 0, 2, 3, 4))   # 4 x [B, Hk, bs, D]
         for (kk, vv), lens, here in ((hp[:2], info[1], in_sink), (hp[2:], info[3], ~in_sink)):
+            if rows is not None:
+                # the new token's row (as stored: rounded to the value dtype) in its place, as if written
+                # first: the same sums, in the same order, as a step that writes and then attends
+                at = ((here & live)[:, None] & (pos[None, :] == info[4][:, None]))[:, None, :, None]
+                kk, vv = (jnp.where(at, x[:, :, None, :].astype(kk.dtype), y) for x, y in zip(rows, (kk, vv)))
             seen = pos[None, :] < lens[:, None]
-            if rows is not None:  # the new token's position holds no row yet: it is its own part below
-                seen = seen & ~((here & live)[:, None] & (pos[None, :] == info[4][:, None]))
             sh = jnp.einsum("bhgd,bhtd->bhgt", qg, kk.astype(jnp.float32), precision="highest") * scale
             sh = jnp.where(seen[:, None, None, :], sh, -jnp.inf)
             parts.append((sh, vv.astype(jnp.float32)))
-            mx = jnp.maximum(mx, sh.max(-1))
-        if rows is not None:  # the new token, as stored (rounded to the value dtype); padding rows: none
-            kn, vn = (x.astype(jnp.float32)[:, :, None, :] for x in rows)                # [B, Hk, 1, D]
-            sh = jnp.einsum("bhgd,bhtd->bhgt", qg, kn, precision="highest") * scale
-            sh = jnp.where(live[:, None, None, None], sh, -jnp.inf)
-            parts.append((sh, vn))
             mx = jnp.maximum(mx, sh.max(-1))
         if rows is not None and size:
             p = write_plan(cache, rows[0], rows[1], ids[0], ids[1], ids[2])._replace(xs={"k": rows[0], "v": rows[1]})
