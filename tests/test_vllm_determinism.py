@@ -21,25 +21,28 @@ DTYPE = torch.float32
 
 
 def _lengths(bs: int) -> dict:
-    """Tokens each sequence ever holds: T's prompt ends two tokens before a block end (its decodes
-    complete a block), the others are short, long and in between."""
-    return {T: 3 * bs + 2, 1: bs // 2 + 6, 2: bs + 6, 3: bs // 6 + 4, 4: 9}
+    """Tokens each sequence ever holds: T's prompt ends two tokens before a block end (its second
+    decode completes a block), the others are short, long and in between."""
+    return {T: 3 * bs + 2, 1: bs // 2 + 6, 2: bs + 6, 3: 2 * bs + 4, 4: 9}
 
 
 def _steps(bs: int, crowd: bool) -> list:
     """Per step, (sequence, new tokens). T's own steps are the same in every schedule: a prompt of
-    3 * bs - 2 tokens in two chunks, then four decodes (the second one completes a block). crowd=False:
-    T alone. crowd=True: its chunks beside another prefill and beside decodes, its decodes in mixed
-    steps (another row prefilling) and in decode-only steps of 2, 3 and 5 rows (row buckets 2, 4, 8)."""
-    c1, c2 = 2 * bs - 40, bs + 38
+    3 * bs - 2 tokens in three chunks (the second completes a block), then four decodes (the second
+    completes a block). crowd=False: T alone. crowd=True: its chunks beside other prefills and
+    decodes (other padded token counts, another block completing in the same write), its decodes in
+    mixed steps (another row prefilling) and in decode-only steps of 5, 2 and 3 rows (row buckets 8,
+    2, 4)."""
+    c1, c2, c3 = 2 * bs - 40, bs + 30, 8
     if not crowd:
-        return [[(T, c1)], [(T, c2)]] + [[(T, 1)]] * 4
+        return [[(T, c1)], [(T, c2)], [(T, c3)]] + [[(T, 1)]] * 4
     return [[(1, bs // 2), (T, c1)],
-            [(1, 1), (T, c2), (2, bs + 2)],
-            [(1, 1), (T, 1), (2, 1), (3, bs // 6)],
+            [(1, 1), (T, c2), (3, 2 * bs)],
+            [(1, 1), (3, 1), (T, c3), (2, bs + 2)],
             [(3, 1), (2, 1), (T, 1), (1, 1), (4, 7)],
             [(T, 1), (4, 1), (1, 1), (2, 1), (3, 1)],
-            [(2, 1), (T, 1)]]
+            [(2, 1), (T, 1)],
+            [(T, 1), (1, 1), (2, 1)]]
 
 
 def _tokens(lens: dict) -> dict:
@@ -106,7 +109,7 @@ def test_a_requests_outputs_do_not_depend_on_the_batch_or_the_run(scheme, bs):
     alone = _serve(scheme, bs, _steps(bs, False), seed=1)
     crowd = _serve(scheme, bs, _steps(bs, True), seed=2)
     again = _serve(scheme, bs, _steps(bs, True), seed=3)
-    assert len(alone) == len(crowd) == len(again) == 6
+    assert len(alone) == len(crowd) == len(again) == 7
     for i, (a, b, c) in enumerate(zip(alone, crowd, again)):
         assert torch.isfinite(a).all(), f"step {i}"
         assert torch.equal(b, c), f"T's step {i}: the same batch on another run differs"

@@ -5,7 +5,7 @@
 
 Runs the batch (one request per --prompt-lens entry, prompts cut from the shipped text as
 `benchmarks/vllm_serve.py` cuts them) twice, and with --alone each prompt by itself, recording every
-attention layer call: the layer's inputs (q, k, v), the step's metadata (rows' request ids, query
+attention layer call (and timing it): the layer's inputs (q, k, v), the step's metadata (rows' request ids, query
 starts and lengths, sequence lengths) and the output. For each request it then compares runs row by
 row (the request's k-th step against its k-th step, layer by layer) and prints the first (step,
 layer) where they differ and what differed there: the inputs (vLLM's side: the schedule or its own
@@ -31,6 +31,7 @@ class Recorder:
     q, k, v, out} (tensors cloned on the host)."""
 
     def __init__(self):
+        self.times = collections.defaultdict(list)  # "decode" / "other": seconds per layer forward
         self.calls = None
         self.step = -1
         self.last_meta = None
@@ -38,6 +39,7 @@ class Recorder:
 
     def start(self):
         self.calls, self.step, self.last_meta = [], -1, None
+        self.times.clear()
 
     def record(self, impl, query, key, value, output, meta, rows, n, cache=None):
         if self.calls is None:
@@ -92,9 +94,12 @@ def install(rec: Recorder, scheme: str):
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw):
             digests = None if attn_metadata is None else _cache_digests(self, layer, kv_cache, attn_metadata.plan)
+            t0 = time.perf_counter()
             res = fwd(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw)
+            dt = time.perf_counter() - t0
             if attn_metadata is not None:
                 p = attn_metadata.plan
+                rec.times["decode" if p.num_decodes == p.num_rows else "other"].append(dt)
                 qsl = list(p.q_start) + [p.num_tokens]
                 rec.record(self, query, key, value, output, attn_metadata,
                            _req_rows(find_model_runner(), qsl, p.seq_len), p.num_tokens, digests)
@@ -188,11 +193,14 @@ def main(argv=None):
                     tokens[int(r.request_id.split("-")[1])] = list(r.outputs[0].token_ids)
         dt = time.perf_counter() - t0
         by_req = {int(k.split("-")[1]): v for k, v in per_request(rec.calls).items()}
-        print(f"{name}: {dt:.1f} s, {rec.step + 1} steps", flush=True)
+        layer_ms = {k: round(1e3 * sum(v) / len(v), 3) for k, v in rec.times.items() if v}
+        print(f"{name}: {dt:.1f} s, {rec.step + 1} steps; mean layer forward ms {layer_ms}", flush=True)
+        report["runs"].append({"name": name, "wall_s": dt, "steps": rec.step + 1, "layer_forward_ms": layer_ms,
+                               "decode_layer_calls": len(rec.times["decode"])})
         return tokens, by_req
 
+    report = {"scheme": a.scheme, "prompt_lens": lens, "max_tokens": a.max_tokens, "runs": [], "comparisons": []}
     runs = [run(f"batch{j}", range(len(prompts))) for j in range(a.runs)]
-    report = {"scheme": a.scheme, "prompt_lens": lens, "max_tokens": a.max_tokens, "comparisons": []}
 
     def compare(label, x, y, reqs):
         for i in reqs:

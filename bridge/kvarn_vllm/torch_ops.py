@@ -68,27 +68,30 @@ IMPLS = ("auto", "pallas", "reference")
 
 # ------------------------------------------------------------------------------------- compiling
 # XLA:CPU hands fused elementwise and reduction computations to its YNNPACK library when their
-# shapes are large enough, and YNNPACK's exp rounds differently from XLA's own: a decode row's
-# softmax then depended on how many rows the step had (row bucket 1 or 2 vs 4 and up), and a server
-# gave the same request other tokens when other requests came and went. Single dots stay with the
-# library: a row's result does not depend on the other rows there (tests/test_vllm_determinism.py).
-CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+# shapes are large enough, and YNNPACK's exp and sums round differently from XLA's own: a decode
+# row's softmax then depended on how many rows the step had (row bucket 1 or 2 vs 4 and up), and a
+# server gave the same request other tokens when other requests came and went. The decode
+# computation keeps single dots there (a row's result does not depend on the other rows) and its
+# other fusions in XLA. The prefill computations (write, split inputs, merge) keep YNNPACK: their
+# rows came out the same bits at every padded size tried, and it makes a prefill layer ~1.4x faster
+# (tests/test_vllm_determinism.py checks both).
+ROW_INVARIANT_CPU = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 
-def _jit(**kw):
-    """`jax.jit` with CPU_COMPILER_OPTIONS when JAX runs on the CPU (decided at the first call, when
-    the backend is known; other backends take none)."""
+def _jit(*, cpu_options: dict, **kw):
+    """`jax.jit` with XLA compiler options `cpu_options` when JAX runs on the CPU (decided at the
+    first call, when the backend is known; other backends take none)."""
     def wrap(f):
         made = []
 
         @functools.wraps(f)
         def call(*args, **kwargs):
             if not made:
-                opts = CPU_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
-                made.append(jax.jit(f, compiler_options=opts, **kw))
+                made.append(jax.jit(f, compiler_options=cpu_options if jax.default_backend() == "cpu" else None, **kw))
             return made[0](*args, **kwargs)
         return call
     return wrap
+
 
 # ------------------------------------------------------------------------------------- counters
 _COUNTERS = {"bind": 0, "write_calls": 0, "write_tokens": 0, "blocks_quantized": 0, "decode_calls": 0,
@@ -535,7 +538,7 @@ def _packed(fields: dict) -> jnp.ndarray:
     return jnp.concatenate(parts, axis=1)
 
 
-@_jit(static_argnames=("size", "quantizer", "dtype", "pack"))
+@functools.partial(jax.jit, static_argnames=("size", "quantizer", "dtype", "pack"))
 def _write_step(cache, kv, ids, keep, own=None, *, size: int, quantizer: str, dtype: str = "float32",
                 pack: bool = False):
     """A quantized cache's write in one XLA computation: the tokens as the cache stores them
@@ -676,7 +679,7 @@ def decode_impl(impl: str) -> str:
     return impl
 
 
-@_jit(static_argnames=("scale", "impl", "passthrough"))
+@functools.partial(jax.jit, static_argnames=("scale", "impl", "passthrough"))
 def _decode_library(q, cache, idx, *, scale, impl, passthrough):
     """`kvarn_jax.paged_decode_attention` on the step's packed indices [B, cols + 2] (block table,
     lengths, slots), in one dispatch."""
@@ -740,10 +743,10 @@ def _served_jnp(cache, blk, hp, dtype: str):
     return tuple(out)
 
 
-_served = _jit(static_argnames=("dtype",))(_served_jnp)
+_served = functools.partial(jax.jit, static_argnames=("dtype",))(_served_jnp)
 
 
-@_jit(static_argnames=("dtype",))
+@functools.partial(jax.jit, static_argnames=("dtype",))
 def _served_split(cache, blk, hp, q, q_src, qb_src, prev, own_k, own_v, *, dtype: str):
     """The split prefill's inputs in one XLA computation, in `dtype`: the served blocks
     (`_served_jnp`, K/V [Hk, N, bs, D]); the queries in the storage frame (rotated for KVarN) as
@@ -769,7 +772,7 @@ def _served_split(cache, blk, hp, q, q_src, qb_src, prev, own_k, own_v, *, dtype
             *own)
 
 
-@_jit(static_argnames=("rotated", "dtype"))
+@functools.partial(jax.jit, static_argnames=("rotated", "dtype"))
 def _merge_split(oa, la, ob, lb, o2, l2, tok_slot, b_slot, *, rotated: bool, dtype: str):
     """The split prefill's three softmax parts merged by their log-sum-exps: the blocks before the
     chunk's first block (oa [Hq, nb, D], la [nb, Hq] - the layouts torch's flash attention returns;
@@ -868,7 +871,7 @@ def _kvarn_page_values(cache, f: dict, p):
     return o.sum(2)
 
 
-@_jit(static_argnames=("scale", "size", "quantizer", "slots"))
+@_jit(static_argnames=("scale", "size", "quantizer", "slots"), cpu_options=ROW_INVARIANT_CPU)
 def _decode_served(q, cache, blk, entries, info, kv=None, ids=None, units=None, hp_src=None, *, scale, size=0,
                    quantizer="reference", slots=1):
     """Decode rows on the CPU in one XLA computation: dequantize the pages each row reads, attend
