@@ -2,9 +2,10 @@
 
 Unsupported setups are refused before workers start (`checks.check_config`, from the plugin's
 config hook); what only a layer knows (ALiBi, learned sinks, ...) is refused when vLLM builds the
-layer, still at engine start, never mid-request. Each forward is `torch_ops.forward`: the step's K/V
-stored in place, then every row (decode and prefill) attended, both reading the cache in place, with
-the step's `plan.StepPlan` that the metadata builder made once for all layers.
+layer, still at engine start, never mid-request. Each forward is `hp_pool.HpPool.forward` (the
+sink and tail rows in the pool's blocks) around `torch_ops.forward`: the step's K/V stored in place,
+then every row (decode and prefill) attended, both reading the cache in place, with the step's
+`plan.StepPlan` that the metadata builder made once for all layers.
 
 Per-layer schemes (`kvarn_layer_config`): vLLM does not tell an attention impl which layer it
 belongs to when it builds it, and the scheme must be known then (it sizes the sink/tail). vLLM

@@ -69,8 +69,8 @@ IMPLS = ("auto", "pallas", "reference")
 # ------------------------------------------------------------------------------------- compiling
 # XLA:CPU hands fused elementwise and reduction computations to its YNNPACK library when their
 # shapes are large enough, and YNNPACK's exp and sums round differently from XLA's own: a decode
-# row's softmax then depended on how many rows the step had (row bucket 1 or 2 vs 4 and up), and a
-# server gave the same request other tokens when other requests came and went. The decode
+# row's softmax then depended on how many rows the step had (row bucket 1 or 2 vs 4 and up), so a
+# request's tokens depended on the other requests in its steps. The decode
 # computation keeps single dots there (a row's result does not depend on the other rows) and its
 # other fusions in XLA. The prefill computations (write, split inputs, merge) keep YNNPACK: their
 # rows came out the same bits at every padded size tried, and it makes a prefill layer ~1.4x faster
