@@ -1,8 +1,9 @@
 """The bridge repeats itself: a request's attention outputs are the same bits whatever else is in the
 batch and on every run. No vLLM engine: vLLM's impl path (`HpPool.forward`: the sink and tail in the
 pool's blocks, used in place or staged) on steps planned as vLLM's metadata builder plans them
-(decode rows first, a row's high-precision slot its row index), on SmolLM2's attention shapes in
-bfloat16 - the shapes at which XLA:CPU picks different code for different batch sizes."""
+(decode rows first, a row's high-precision slot its row index), on SmolLM2's attention shapes - at
+which XLA:CPU picks different code for different batch sizes - in a float32 model (outputs in
+float32 show the one-ulp differences that bfloat16 outputs mostly round away)."""
 
 import numpy as np
 import pytest
@@ -79,7 +80,8 @@ def _serve(scheme: str, bs: int, steps: list, seed: int) -> list:
     for step in steps:
         rows = sorted(step, key=lambda r: 0 if r[1] == 1 and done[r[0]] else 1)  # decodes first
         qsl = np.concatenate([[0], np.cumsum([n for _, n in rows])])
-        table = torch.from_numpy(rng.integers(0, n_blocks, (len(rows), width)).astype(np.int32))  # junk past the used blocks
+        # junk block ids past the blocks each row uses
+        table = torch.from_numpy(rng.integers(0, n_blocks, (len(rows), width)).astype(np.int32))
         slots = []
         for r, (s, n) in enumerate(rows):
             table[r, :need[s]] = torch.tensor(pages[s])

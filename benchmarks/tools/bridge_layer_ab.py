@@ -1,14 +1,16 @@
-"""One decode (or prefill) layer of the vLLM bridge on the CPU, this checkout against another, in one process.
+"""One decode (or prefill) layer of the vLLM bridge on the CPU, this checkout against another, in
+one process.
 
     git archive <commit> bridge | tar -x -C /tmp/base
-    python benchmarks/tools/bridge_layer_ab.py --against /tmp/base/bridge [--scheme kvarn_k4v2_g128]
+    python benchmarks/tools/bridge_layer_ab.py --against /tmp/base/bridge [--step prefill]
 
-Both bridges (this one's `kvarn_vllm`, and the other imported as `kvarn_vllm_<n>`) get the same
+Both bridges (this one's `kvarn_vllm`, and the other imported as `kvarn_vllm_against`) get the same
 pooled cache (the sink and tail in the sequences' own blocks, as vLLM's impl keeps them), prefilled
 with the same prompts (default: `benchmarks/vllm_serve.py`'s batch lengths) on SmolLM2's attention
-shapes, and then time the same decode-only step (--step prefill: the prompts' prefill, one step) through vLLM's impl path (`in_place` or staging,
-`torch_ops.forward`), alternating bridges --rounds times; reports the median per bridge and whether
-their outputs are the same bits. Shared-machine noise hits both alike.
+shapes in bfloat16, and time the same decode-only step (one token per prompt; --step prefill: all
+the prompts' prefill as one step) through vLLM's impl path (the pool in place or staged,
+`torch_ops.forward`), alternating bridges --rounds times (round 0 compiles, untimed). Reports the
+median per bridge, their ratio and whether their outputs are the same bits.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def main(argv=None):
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--prompt-lens", default="5,40,120,250,500,800,1100,1516")
     p.add_argument("--step", choices=["decode", "prefill"], default="decode",
-                   help="the step timed: one decode token per prompt after prefilling them, or all the prompts' prefill")
+                   help="the step timed: a decode token per prompt after their prefill, or their prefill")
     p.add_argument("--calls", type=int, default=50, help="layer calls per timing")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--json", default="")

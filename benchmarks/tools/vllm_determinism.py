@@ -4,13 +4,15 @@
         [--prompt-lens 5,40,120,250] [--max-tokens 16] [--alone]
 
 Runs the batch (one request per --prompt-lens entry, prompts cut from the shipped text as
-`benchmarks/vllm_serve.py` cuts them) twice, and with --alone each prompt by itself, recording every
-attention layer call (and timing it): the layer's inputs (q, k, v), the step's metadata (rows' request ids, query
-starts and lengths, sequence lengths) and the output. For each request it then compares runs row by
-row (the request's k-th step against its k-th step, layer by layer) and prints the first (step,
-layer) where they differ and what differed there: the inputs (vLLM's side: the schedule or its own
-matrix products) or, with identical inputs, the output (the attention). --scheme none records
-vLLM's own attention (`CPUAttentionBackendImpl.forward`) instead.
+`benchmarks/vllm_serve.py` cuts them) --runs times, and with --alone each prompt by itself,
+recording every attention layer call: the layer's inputs (q, k, v), what the cache holds for each
+row before the call (a digest of its sink/tail rows and completed pages), the step's metadata (rows'
+request ids, query starts and lengths, sequence lengths), the output, and the call's wall time
+(mean per run, decode-only steps apart). For each request it then compares runs row by row (the
+request's k-th step against its k-th step, layer by layer) and prints the first (step, layer) where
+they differ and what differed there: the inputs (vLLM's side: the schedule or its own matrix
+products), the cache (an earlier write), or with both the same the output (the attention).
+--scheme none records vLLM's own attention (`CPUAttentionBackendImpl.forward`; no cache digest).
 """
 
 from __future__ import annotations
@@ -48,22 +50,21 @@ class Recorder:
             self.step += 1
             self.last_meta = meta
         layer = self.layer_of.setdefault(id(impl), len(self.layer_of))
-        self.calls.append({"step": self.step, "layer": layer, "rows": rows,
-                           "q": query[:n].detach().clone().reshape(n, -1), "k": key[:n].detach().clone().reshape(n, -1),
-                           "v": value[:n].detach().clone().reshape(n, -1), "out": output[:n].detach().clone().reshape(n, -1),
-                           "cache": cache})
+        rec = {name: x[:n].detach().clone().reshape(n, -1)
+               for name, x in (("q", query), ("k", key), ("v", value), ("out", output))}
+        self.calls.append({"step": self.step, "layer": layer, "rows": rows, "cache": cache, **rec})
 
 
 def _req_rows(runner, qsl, seq_lens) -> list:
-    ids = [rid for rid in runner.input_batch.req_ids]
+    ids = list(runner.input_batch.req_ids)
     return [(ids[r], int(qsl[r]), int(qsl[r + 1] - qsl[r]), int(seq_lens[r])) for r in range(len(seq_lens))]
 
 
 def _cache_digests(impl, layer, kv_cache, plan) -> list:
     """Per row, before the layer's forward: a digest of what the cache holds for it - its sink and
-    tail rows (the units of its high-precision blocks) and its completed pages (blocks 1 .. the one
-    before the block of its first query token) - comparable across runs whatever block ids vLLM
-    handed out."""
+    tail rows (the units of its high-precision blocks; none for a row starting its sequence) and its
+    quantized pages (blocks 1 .. ctx // block_size - 1) - comparable across runs whatever block ids
+    vLLM handed out."""
     import hashlib
 
     import torch
@@ -76,7 +77,7 @@ def _cache_digests(impl, layer, kv_cache, plan) -> list:
     out = []
     for r in range(plan.num_rows):
         h = hashlib.sha1()
-        if plan.context[r]:  # a row starting its sequence reads zeros, not its blocks
+        if plan.context[r]:  # a row starting its sequence reads zeros (hp_pool), not its blocks
             h.update(buf[hu.seq_units(hb[r:r + 1]).reshape(-1)].numpy().tobytes())
         full = int(plan.context[r]) // plan.block_size
         blocks = plan.block_table[r, 1:full].to(torch.int64) if full > 1 else plan.block_table[r, :0].to(torch.int64)
