@@ -24,7 +24,7 @@ DTYPE = torch.float32
 def _lengths(bs: int) -> dict:
     """Tokens each sequence ever holds: T's prompt ends two tokens before a block end (its second
     decode completes a block), the others are short, long and in between."""
-    return {T: 3 * bs + 2, 1: bs // 2 + 6, 2: bs + 6, 3: 2 * bs + 4, 4: 9}
+    return {T: 3 * bs + 2, 1: bs // 2 + 6, 2: bs + 6, 3: 2 * bs + 4, 4: 9, 5: 5}
 
 
 def _steps(bs: int, crowd: bool) -> list:
@@ -32,8 +32,8 @@ def _steps(bs: int, crowd: bool) -> list:
     3 * bs - 2 tokens in three chunks (the second completes a block), then four decodes (the second
     completes a block). crowd=False: T alone. crowd=True: its chunks beside other prefills and
     decodes (other padded token counts, another block completing in the same write), its decodes in
-    mixed steps (another row prefilling) and in decode-only steps of 5, 2 and 3 rows (row buckets 8,
-    2, 4)."""
+    mixed steps (another row prefilling; 5 decode rows: bucket 8), the block-completing one among
+    them, and in decode-only steps of 2 and 3 rows (row buckets 2, 4)."""
     c1, c2, c3 = 2 * bs - 40, bs + 30, 8
     if not crowd:
         return [[(T, c1)], [(T, c2)], [(T, c3)]] + [[(T, 1)]] * 4
@@ -41,7 +41,7 @@ def _steps(bs: int, crowd: bool) -> list:
             [(1, 1), (T, c2), (3, 2 * bs)],
             [(1, 1), (3, 1), (T, c3), (2, bs + 2)],
             [(3, 1), (2, 1), (T, 1), (1, 1), (4, 7)],
-            [(T, 1), (4, 1), (1, 1), (2, 1), (3, 1)],
+            [(T, 1), (4, 1), (1, 1), (2, 1), (3, 1), (5, 5)],
             [(2, 1), (T, 1)],
             [(T, 1), (1, 1), (2, 1)]]
 
@@ -105,9 +105,10 @@ def _serve(scheme: str, bs: int, steps: list, seed: int) -> list:
 @pytest.mark.parametrize("scheme, bs", [("kvarn_k4v2_g128", 128), ("int8", 32)])
 def test_a_requests_outputs_do_not_depend_on_the_batch_or_the_run(scheme, bs):
     """T's prefill chunks (alone: the one-row split; beside another prefill: per-row buffers) and its
-    decodes (alone in the row bucket 1, in decode-only steps of buckets 2, 4 and 8, in mixed steps
-    next to a prefill, and the decode that completes a block): bit-identical outputs alone, in a
-    crowd, and in the same crowd again on other block ids and other stale bytes."""
+    decodes (alone: decode-only steps of row bucket 1; in the crowd: decode-only steps of buckets 2
+    and 4, mixed steps next to a prefill with buckets 4 and 8, and the decode that completes a block
+    once alone and once in a mixed step): bit-identical outputs alone, in a crowd, and in the same
+    crowd again on other block ids and other stale bytes."""
     alone = _serve(scheme, bs, _steps(bs, False), seed=1)
     crowd = _serve(scheme, bs, _steps(bs, True), seed=2)
     again = _serve(scheme, bs, _steps(bs, True), seed=3)
