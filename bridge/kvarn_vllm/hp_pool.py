@@ -29,6 +29,7 @@ import jax
 import numpy as np
 import torch
 
+from . import torch_ops
 from .layout import HpUnits, PageLayout, allocate_hp
 from .plan import bucket
 
@@ -151,6 +152,18 @@ class HpPool:
                     None if every else torch.from_numpy(src))
         hp_src, dst, src = plan.cached(("hp_in_place", self.layout, bound.num_blocks), make)
         return InPlace(hu.unit, buf, arr, hp_src, dst, src)
+
+    def forward(self, bound, query, key, value, plan, *, scale: float, impl: str, out: torch.Tensor) -> torch.Tensor:
+        """One attention layer of a step on a pooled cache (what vLLM's impl runs): `torch_ops.forward`
+        with the rows' sink and tail used in place (`in_place`) or staged around it (`gather`,
+        `scatter`)."""
+        pooled = self.in_place(bound, plan, torch_ops.decode_impl(impl))
+        if pooled is None:
+            self.gather(bound, plan)
+        torch_ops.forward(bound, query, key, value, plan, scale=scale, impl=impl, out=out, pooled=pooled)
+        if pooled is None:
+            self.scatter(bound, plan)
+        return out
 
     def _indices(self, bound, plan):
         """Once per step for every layer of this scheme and buffer size, on the cache's device: the

@@ -2,9 +2,10 @@
 
 Unsupported setups are refused before workers start (`checks.check_config`, from the plugin's
 config hook); what only a layer knows (ALiBi, learned sinks, ...) is refused when vLLM builds the
-layer, still at engine start, never mid-request. Each forward is `torch_ops.forward`: the step's K/V
-stored in place, then every row (decode and prefill) attended, both reading the cache in place, with
-the step's `plan.StepPlan` that the metadata builder made once for all layers.
+layer, still at engine start, never mid-request. Each forward is `hp_pool.HpPool.forward` (the
+sink and tail rows in the pool's blocks) around `torch_ops.forward`: the step's K/V stored in place,
+then every row (decode and prefill) attended, both reading the cache in place, with the step's
+`plan.StepPlan` that the metadata builder made once for all layers.
 
 Per-layer schemes (`kvarn_layer_config`): vLLM does not tell an attention impl which layer it
 belongs to when it builds it, and the scheme must be known then (it sizes the sink/tail). vLLM
@@ -122,14 +123,7 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
             return output
         plan = attn_metadata.plan
         n = plan.num_tokens
-        bound = self._bind(layer, kv_cache)
-        impl = self.settings.decode_impl
-        pooled = self.hp_pool.in_place(bound, plan, torch_ops.decode_impl(impl))  # most decode steps: no staging
-        if pooled is None:
-            self.hp_pool.gather(bound, plan)
-        torch_ops.forward(bound, query[:n].view(n, self.num_heads, self.head_size), key[:n], value[:n], plan,
-                          scale=self.scale, impl=impl, out=output[:n].view(n, self.num_heads, self.head_size),
-                          pooled=pooled)
-        if pooled is None:
-            self.hp_pool.scatter(bound, plan)
+        self.hp_pool.forward(self._bind(layer, kv_cache), query[:n].view(n, self.num_heads, self.head_size), key[:n],
+                             value[:n], plan, scale=self.scale, impl=self.settings.decode_impl,
+                             out=output[:n].view(n, self.num_heads, self.head_size))
         return output

@@ -65,6 +65,34 @@ from .plan import StepPlan, bucket
 
 IMPLS = ("auto", "pallas", "reference")
 
+
+# ------------------------------------------------------------------------------------- compiling
+# XLA:CPU hands fused elementwise and reduction computations to its YNNPACK library when their
+# shapes are large enough, and YNNPACK's exp and sums round differently from XLA's own: a decode
+# row's softmax then depended on how many rows the step had (row bucket 1 or 2 vs 4 and up), so a
+# request's tokens depended on the other requests in its steps. The decode
+# computation keeps single dots there (a row's result does not depend on the other rows) and its
+# other fusions in XLA. The prefill computations (write, split inputs, merge) keep YNNPACK: their
+# rows came out the same bits at every padded size tried, and it makes a prefill layer ~1.4x faster
+# (tests/test_vllm_determinism.py checks both).
+ROW_INVARIANT_CPU = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+
+
+def _jit(*, cpu_options: dict, **kw):
+    """`jax.jit` with XLA compiler options `cpu_options` when JAX runs on the CPU (decided at the
+    first call, when the backend is known; other backends take none)."""
+    def wrap(f):
+        made = []
+
+        @functools.wraps(f)
+        def call(*args, **kwargs):
+            if not made:
+                made.append(jax.jit(f, compiler_options=cpu_options if jax.default_backend() == "cpu" else None, **kw))
+            return made[0](*args, **kwargs)
+        return call
+    return wrap
+
+
 # ------------------------------------------------------------------------------------- counters
 _COUNTERS = {"bind": 0, "write_calls": 0, "write_tokens": 0, "blocks_quantized": 0, "decode_calls": 0,
              "decode_rows": 0, "prefill_calls": 0, "prefill_tokens": 0, "blocks_dequantized": 0, "write_s": 0.0,
@@ -843,21 +871,19 @@ def _kvarn_page_values(cache, f: dict, p):
     return o.sum(2)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "size", "quantizer", "slots"))
-def _decode_served(q, cache, blk, entries, info, kv=None, ids=None, units=None, hp_src=None, *, scale, size=0,
-                   quantizer="reference", slots=1):
+@_jit(static_argnames=("scale", "slots"), cpu_options=ROW_INVARIANT_CPU)
+def _decode_served(q, cache, blk, entries, info, kv=None, units=None, hp_src=None, *, scale, slots=1):
     """Decode rows on the CPU in one XLA computation: dequantize the pages each row reads, attend
     with the sink and the ring's last block (quantized caches), softmax over all of a row's blocks.
     q [B, Hq, D]; entries / info: `StepPlan.decode_entries`. Each row's sums run over its own blocks
     in position order, whatever else is in the batch. Returns [B, Hq, D] in q's dtype.
 
     With kv ([2, B, Hk, D]: the step's new keys and values, one per row, not yet written) the step's
-    write is done here too: it returns (rows, out, completed, altered) - the rows as the cache stores
-    them ([2, B, Hk, D], `kvarn_jax.storage.storage_values`), the attention computed as if they were written
-    (each row's new token in its sink, ring or page), and with size > 0 the page fields of the
-    blocks the write completes (`_quantized_completions`, ids: the write's [3, B] slots, slots'
-    sequences, positions); altered: int32 [slots + 1, 3] per-slot counts in `ALTERED` order. The
-    caller stores rows and pages afterwards.
+    write is done here too (a write that completes no block of a quantized cache: `forward`): it
+    returns (rows, out, altered) - the rows as the cache stores them ([2, B, Hk, D],
+    `kvarn_jax.storage.storage_values`), the attention computed as if they were written (each row's
+    new token in its sink, ring or page); altered: int32 [slots + 1, 3] per-slot counts in `ALTERED`
+    order. The caller stores the rows afterwards.
 
     With units ([n, unit] uint8: a layer's whole vLLM buffer) and hp_src ([B, 4 * Hk * bs * U] unit
     indices, `hp_pool.HpPool.in_place`) the rows' sink and the ring's last block (K and V) are read
@@ -869,7 +895,7 @@ def _decode_served(q, cache, blk, entries, info, kv=None, ids=None, units=None, 
     if cache.cfg.rotated:
         qf = rotate(qf)
     qg = qf.reshape(b, hk, g, d)
-    rows = completed = None
+    rows = None
     if kv is not None:
         store = cache.value_dtype
         k_s, v_s, nonfinite, saturated = storage_values(cache.cfg, kv[0], kv[1], store)
@@ -906,24 +932,16 @@ def _decode_served(q, cache, blk, entries, info, kv=None, ids=None, units=None, 
             raw = units[hp_src].reshape(b, 4, hk, bs, d, jnp.dtype(vd).itemsize)
             hp = list(jax.lax.bitcast_convert_type(raw, vd).transpose(1, 0, 2, 3, 4))   # 4 x [B, Hk, bs, D]
         for (kk, vv), lens, here in ((hp[:2], info[1], in_sink), (hp[2:], info[3], ~in_sink)):
+            if rows is not None:
+                # the new token's row (as stored: rounded to the value dtype) in its place, as if written
+                # first: the same sums, in the same order, as a step that writes and then attends
+                at = ((here & live)[:, None] & (pos[None, :] == info[4][:, None]))[:, None, :, None]
+                kk, vv = (jnp.where(at, x[:, :, None, :].astype(kk.dtype), y) for x, y in zip(rows, (kk, vv)))
             seen = pos[None, :] < lens[:, None]
-            if rows is not None:  # the new token's position holds no row yet: it is its own part below
-                seen = seen & ~((here & live)[:, None] & (pos[None, :] == info[4][:, None]))
             sh = jnp.einsum("bhgd,bhtd->bhgt", qg, kk.astype(jnp.float32), precision="highest") * scale
             sh = jnp.where(seen[:, None, None, :], sh, -jnp.inf)
             parts.append((sh, vv.astype(jnp.float32)))
             mx = jnp.maximum(mx, sh.max(-1))
-        if rows is not None:  # the new token, as stored (rounded to the value dtype); padding rows: none
-            kn, vn = (x.astype(jnp.float32)[:, :, None, :] for x in rows)                # [B, Hk, 1, D]
-            sh = jnp.einsum("bhgd,bhtd->bhgt", qg, kn, precision="highest") * scale
-            sh = jnp.where(live[:, None, None, None], sh, -jnp.inf)
-            parts.append((sh, vn))
-            mx = jnp.maximum(mx, sh.max(-1))
-        if rows is not None and size:
-            p = write_plan(cache, rows[0], rows[1], ids[0], ids[1], ids[2])._replace(xs={"k": rows[0], "v": rows[1]})
-            c_m, fields, bad = _quantized_completions(cache, p, size, quantizer)
-            completed = (c_m, fields)
-            altered = altered.at[:, 2].add(bad)
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
     p = jnp.exp(s - jnp.concatenate([mx, jnp.zeros((1, hk, g))])[jnp.clip(row, 0, b)][..., None])
     den = jax.ops.segment_sum(p.sum(-1), row, num_segments=b + 1, indices_are_sorted=True)[:b]
@@ -938,7 +956,7 @@ def _decode_served(q, cache, blk, entries, info, kv=None, ids=None, units=None, 
     if cache.cfg.rotated:
         o = unrotate(o)
     o = o.astype(q.dtype)
-    return o if kv is None else (rows, o, completed, altered)
+    return o if kv is None else (rows, o, altered)
 
 
 def _decode_inputs(bound, plan):
@@ -964,8 +982,8 @@ def _decode_rows_served(bound, query, plan, scale, out):
 
 
 def _decode_step_served(bound, query, key, value, plan, scale, out, pooled=None):
-    """A decode-only step on the CPU: the write and the attention in one XLA computation
-    (`_decode_served` with kv); torch then stores the rows (and completed pages) and the output.
+    """A decode-only step on the CPU that completes no block of a quantized cache: the write and the
+    attention in one XLA computation (`_decode_served` with kv); torch then stores the rows and the output.
     pooled: `hp_pool.InPlace` - the sink and ring rows are read from and the new rows stored into
     the pool's blocks directly (no staging)."""
     nd, c = plan.num_decodes, plan.completing
@@ -974,28 +992,17 @@ def _decode_step_served(bound, query, key, value, plan, scale, out, pooled=None)
     q = _pad_rows(query[:nd], bb)
     kv = torch.stack((_pad_rows(key[:nd], bb), _pad_rows(value[:nd], bb)))
     q_j, kv_j = _to_jax(q), _to_jax(kv)
-    size, ids_j, quantizer = 0, None, "reference"
     if c and not bound.cfg.is_passthrough:
-        sizes = completion_sizes(bound.cache, bb)
-        size = next(m for m in sizes if m >= c)
-        ids_j = plan.cached(("decode_write_ids", bb), lambda: _to_jax(_write_ids(plan, bb)))
-        quantizer = auto_quantizer(bound.cache)
+        raise ValueError("kvarn: a decode step that completes blocks of a quantized cache writes with `write`")
     if pooled is not None and (c or pooled.hp_src.shape[0] != bb):
         raise ValueError("kvarn: a decode step in the pool's blocks must complete no block and have its rows padded "
                          f"to {bb}")
     units_j, src_j = (None, None) if pooled is None else (pooled.units, pooled.hp_src)
-    rows_j, res, completed, altered = _decode_served(q_j, bound.cache, b_j, e_j, i_j, kv_j, ids_j, units_j, src_j,
-                                                     scale=scale, size=size, quantizer=quantizer,
-                                                     slots=bound.layout.max_seqs)
+    rows_j, res, altered = _decode_served(q_j, bound.cache, b_j, e_j, i_j, kv_j, units_j, src_j, scale=scale,
+                                          slots=bound.layout.max_seqs)
     altered_t = _to_torch(altered)
     _count_altered(bound, altered_t)
-    held = [q, kv, q_j, kv_j, rows_j, res, completed, altered, altered_t]
-    if completed is not None:  # before the rows: the pages came from the ring as it was
-        blocks = _to_torch(completed[0])[:c].to(torch.int64)
-        for key_, f in completed[1].items():
-            vals = _to_torch(f)
-            bound.views[key_].index_copy_(0, blocks, vals[:c])
-            held.append(vals)
+    held = [q, kv, q_j, kv_j, rows_j, res, altered, altered_t]
     rows = _to_torch(rows_j)
     if pooled is None:
         dst, src = _row_destinations(plan, bound, bb)
@@ -1225,12 +1232,16 @@ def forward(bound: BoundCache, query: torch.Tensor, key: torch.Tensor, value: to
     """One attention layer of a step: `write` the step's key/value, then `attend` (what vLLM's impl
     calls). On the CPU a decode-only step runs both in one XLA computation (`_decode_step_served`):
     vLLM's CPU worker pins its threads to every core, and each torch op it then runs costs a wake-up
-    of all of them - one JAX call instead of a dozen small ops. pooled (`hp_pool.HpPool.in_place`,
-    such a step only): the sink and tail rows live in the pool's blocks and are used there."""
+    of all of them - one JAX call instead of a dozen small ops. A quantized cache's decode step that
+    completes blocks (one step in block_size) writes with `write` as a prefill step does: its blocks
+    are quantized by the same compiled computation (`_write_step`), so a block's fields do not depend
+    on whether the step that completed it had prefill rows. pooled (`hp_pool.HpPool.in_place`, a
+    fused step only): the sink and tail rows live in the pool's blocks and are used there."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
     n, nd = plan.num_tokens, plan.num_decodes
-    if not (nd == plan.num_rows and nd and decode_impl(impl) == "served"):
+    quantizes = plan.completing and not bound.cfg.is_passthrough
+    if not (nd == plan.num_rows and nd and decode_impl(impl) == "served" and not quantizes):
         if pooled is not None:
             raise ValueError("pooled is for decode-only steps of the CPU's served decode")
         written = write(bound, key, value, plan)
