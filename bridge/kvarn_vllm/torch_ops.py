@@ -55,6 +55,7 @@ import torch.nn.functional as F
 
 import kvarn_jax
 from kvarn_jax import schemes
+from kvarn_jax.schemes import kvarn
 from kvarn_jax.attention.prefill import dequantize_blocks
 from kvarn_jax.cache.paged import auto_quantizer, completed_blocks, completion_sizes, saturated_blocks, write_plan
 from kvarn_jax.hadamard import hadamard_matrix_np, rotate, unrotate
@@ -829,46 +830,19 @@ def _page_fields(cache, blk):
     return {side: {name: a[ids] for name, a in cache.pages[side].items()} for side in schemes.SIDES}
 
 
-def _codes(packed, bits: int, axis: int):
-    """The codes of a stored field as fp32, one slice per position within the byte, stacked at `axis`:
-    code j of byte m is element m * (8 // bits) + j along the packed axis (`kvarn_jax.packing`)."""
-    per, mask = 8 // bits, (1 << bits) - 1
-    x = jnp.expand_dims(packed, axis)
-    shifts = (jnp.arange(per, dtype=jnp.uint8) * bits).reshape((per,) + (1,) * (x.ndim - axis - 1))
-    return ((x >> shifts) & jnp.uint8(mask)).astype(jnp.float32)  # broadcast, not a concatenation (XLA-CPU)
-
-
 def _kvarn_page_scores(cache, f: dict, qn):
-    """q . k for every position of KVarN key pages, without dequantizing them: a key is
-    (code[d, t] * scale_chan[d] + zero_chan[d]) * scale_tok[t] (`kvarn_jax.schemes.kvarn`), so
-    q . k_t = scale_tok[t] * ((q * scale_chan) . code[:, t] + q . zero_chan). The codes stay in the
-    stored layout ([tokens * bits / 8, D] per tile, the contraction axis contiguous).
+    """q . k for every position of KVarN key pages, on their codes (`kvarn_jax.schemes.kvarn.key_scores`).
     qn [N, Hk, G, D] fp32 in the storage frame; returns [N, Hk, G, block_size]."""
-    n, hk, g, d = qn.shape
-    codes = _codes(f["codes"], cache.cfg.bits("k"), 3)                                   # [N, Hk, R, J, M, D]
-    qs = qn[:, :, None] * f["scale_chan"].astype(jnp.float32)[:, :, :, None, :]           # [N, Hk, R, G, D]
-    s = jnp.einsum("nhrgd,nhrjmd->nhrgmj", qs, codes, precision="highest")
-    s = s.reshape(*s.shape[:4], -1)                                                       # [N, Hk, R, G, Tt]
-    qz = jnp.einsum("nhgd,nhrd->nhrg", qn, f["zero_chan"].astype(jnp.float32), precision="highest")
-    s = (s + qz[..., None]) * f["scale_tok"].astype(jnp.float32)[:, :, :, None, :]
-    return s.transpose(0, 1, 3, 2, 4).reshape(n, hk, g, -1)
+    s = kvarn.key_scores(f, qn, cache.cfg.bits("k"))                                   # [N, Hk, R, G, T]
+    return s.swapaxes(2, 3).reshape(s.shape[:2] + (s.shape[3], -1))
 
 
 def _kvarn_page_values(cache, f: dict, p):
-    """sum_t p[t] v_t over KVarN value pages, without dequantizing them: a value is
-    (code[t, d] * scale_tok[t] + zero_tok[t]) * scale_chan[d], so the sum is
-    scale_chan[d] * ((p * scale_tok) . code[:, d] + p . zero_tok) per tile.
+    """sum_t p[t] v_t over KVarN value pages, on their codes (`kvarn_jax.schemes.kvarn.value_sums`).
     p [N, Hk, G, block_size] fp32; returns [N, Hk, G, D]."""
     n, hk, g, _ = p.shape
-    codes = _codes(f["codes"], cache.cfg.bits("v"), 3)                                   # [N, Hk, R, J, M, Tt]
-    r = codes.shape[2]
-    pr = p.reshape(n, hk, g, r, -1).transpose(0, 1, 3, 2, 4)                             # [N, Hk, R, G, Tt]
-    ps = pr * f["scale_tok"].astype(jnp.float32)[:, :, :, None, :]
-    o = jnp.einsum("nhrgt,nhrjmt->nhrgmj", ps, codes, precision="highest")
-    o = o.reshape(*o.shape[:4], -1)                                                       # [N, Hk, R, G, D]
-    pz = jnp.einsum("nhrgt,nhrt->nhrg", pr, f["zero_tok"].astype(jnp.float32), precision="highest")
-    o = (o + pz[..., None]) * f["scale_chan"].astype(jnp.float32)[:, :, :, None, :]
-    return o.sum(2)
+    pr = p.reshape(n, hk, g, f["codes"].shape[2], -1).swapaxes(2, 3)                   # [N, Hk, R, G, T]
+    return kvarn.value_sums(f, pr, cache.cfg.bits("v")).sum(2)
 
 
 @_jit(static_argnames=("scale", "slots"), cpu_options=ROW_INVARIANT_CPU)
