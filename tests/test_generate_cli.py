@@ -206,7 +206,7 @@ def test_generation_benchmark_cpu_smoke(tmp_path, capsys):
     spec.loader.exec_module(bench)
     out = tmp_path / "gen.json"
     rc = bench.main(["--config", "smollm2-135m", "--num-layers", "2", "--prompt-len", "64", "--batch", "1,2",
-                     "--new-tokens", "4", "--kv-cache-dtype", "int8,fp16", "--json", str(out)])
+                     "--new-tokens", "4", "--kv-cache-dtype", "int8,fp16", "--repeats", "2", "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
     res = json.loads(out.read_text())
@@ -218,6 +218,7 @@ def test_generation_benchmark_cpu_smoke(tmp_path, capsys):
         assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
         assert r["compiles_during_timed_run"] == 0  # the warm-up compiled every shape
         assert r["decode_steps"] == 3 and r["dropped_tokens"] == 0
+        assert len(r["decode_ms_per_step_runs"]) == 2 and r["decode_ms_per_step"] == min(r["decode_ms_per_step_runs"])
         assert 0 < r["floor_ms_per_step"] and r["floor_share"] == pytest.approx(r["floor_ms_per_step"]
                                                                                 / r["decode_ms_per_step"])
         base = rows[(b, "fp16")]["decode_tokens_per_s"]
