@@ -5,7 +5,8 @@ README's short prompt ("Once upon a time", 64 new tokens) and a 561-token passag
 (its first 128 of 400 new tokens: the prompt fills four blocks and decoding completes a fifth at
 position 640), under kvarn_k4v2_g128 (fp16: the short prompt). The prompts run batched in one engine per scheme,
 so batching must not change them either. A change to these tokens is a change of semantics: regenerate the
-file only with a reason stated in the commit.
+file only with a reason stated in the commit and in the file's "source" (long561/kvarn_k4v2_g128 from
+token 81 on was regenerated when the decode attention began summing pages, sink and ring separately).
 """
 
 import json

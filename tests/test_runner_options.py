@@ -23,7 +23,9 @@ def test_stores_compiled_with_the_options_give_the_same_tokens(monkeypatch, rng)
     prompts = [rng.integers(1, 128, n).tolist() for n in (45, 20)]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)  # 45 + 40 tokens: blocks complete in decode
     kw = dict(kv_cache_dtype="kvarn_k4v2_g32", block_size=32, max_seqs=2, max_model_len=96, prefill_chunk=32)
-    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")  # no options: this module's level (0)
+    # store_options reads XLA_FLAGS: a level set there means no options of its own (the backend is
+    # already up, so this changes only which options the engine passes, not the process's flags)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
     assert runner.store_options() is None
     want = [r.output_ids for r in Engine(model, **kw).generate(prompts, params)]
     runner._COMPILED.clear()

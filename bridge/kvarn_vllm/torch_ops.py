@@ -418,8 +418,9 @@ def _check_tokens(bound: BoundCache, x: torch.Tensor, name: str, n: int, heads: 
 class Written:
     """What a write hands the same step's attention: the stored rows [2, tokens, Hk, D]; for the
     split prefill (`_split_prefill`) the prefill queries' own-block rows (K, V) [NQB, Hk, bs, D], JAX
-    arrays that the attention's XLA call takes as they are (`StepPlan.own_blocks`); otherwise, per prefill row whose chunk starts inside a block, that
-    block's earlier rows as they were before the write ({row: (k, v) [Hk, n, D]})."""
+    arrays that the attention's XLA call takes as they are (`StepPlan.own_blocks`); otherwise, per
+    prefill row whose chunk starts inside a block, that block's earlier rows as they were before the
+    write ({row: (k, v) [Hk, n, D]})."""
 
     rows: torch.Tensor
     before: dict

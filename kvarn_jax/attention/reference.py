@@ -2,8 +2,9 @@
 
 Each part of a sequence's cache (pages, sink, the ring's block) is attended where it is stored, in
 fp32 with GQA and one softmax over all parts (`attend`); what each position reads is what
-`gather_dense` returns for it. For rotated schemes the query is rotated once and the output un-rotated once, since the
-cache holds rotated K/V and H is orthonormal: (qH)(KH)^T = qK^T and (P·VH)H = P·V.
+`gather_dense` returns for it. For rotated schemes the query is rotated once and the output
+un-rotated once, since the cache holds rotated K/V and H is orthonormal: (qH)(KH)^T = qK^T and
+(P·VH)H = P·V.
 """
 
 from __future__ import annotations
