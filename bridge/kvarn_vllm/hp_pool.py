@@ -62,14 +62,15 @@ def _units_view(t: torch.Tensor, unit: int) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True)
 class InPlace:
     """A decode step's sink/tail rows used where they live (`HpPool.in_place`): the layer's buffer
-    as [n, unit] bytes in torch (buffer_units) and JAX (units, zero-copy); hp_src [B, 4 * Hk * bs *
-    row_units] int32 (JAX): per padded row, the units of its sink K, sink V, last ring block K and V;
+    as [n, unit] bytes in torch (buffer_units) and in JAX as [n, unit / itemsize] of the sink/tail's
+    value dtype (values, zero-copy: the computation gathers rows, not bytes); hp_src [B, 4 * Hk * bs
+    * row_units] int32 (JAX): per padded row, the units of its sink K, sink V, last ring block K and V;
     dst / src: the write's indexed copy, destination units in the buffer and source units in the
     rows [2, B, Hk, D] as bytes (None: all of them, in order)."""
 
     unit: int
     buffer_units: torch.Tensor
-    units: jax.Array
+    values: jax.Array
     hp_src: jax.Array
     dst: torch.Tensor
     src: torch.Tensor | None
@@ -91,13 +92,15 @@ class HpPool:
         return self._bound_units(bound)[0]
 
     def _bound_units(self, bound) -> tuple:
-        """(HpUnits, the buffer as [n, unit] bytes in torch, the same in JAX): built when the buffer
-        is first seen, the JAX array imported once (zero-copy, checked)."""
+        """(HpUnits, the buffer as [n, unit] bytes in torch, as [n, unit / itemsize] of the sink/tail's
+        value dtype in JAX): built when the buffer is first seen, the JAX array imported once
+        (zero-copy, checked)."""
         key = (bound.buffer.data_ptr(), bound.num_blocks)
         if self._units is None or self._units[:2] != key:
             hu = HpUnits.build(self.layout, bound.num_blocks)
             buf = _units_view(bound.buffer, hu.unit)
-            arr = jax.dlpack.from_dlpack(buf) if buf.device.type == "cpu" else None
+            vd = self.staging[HP_LEAVES[0]].dtype
+            arr = jax.dlpack.from_dlpack(buf.view(vd)) if buf.device.type == "cpu" else None
             if arr is not None and arr.unsafe_buffer_pointer() != buf.data_ptr():
                 raise ValueError("kvarn: DLPack import of the KV cache buffer copied it; the bridge only runs zero-copy")
             self._units = key + (hu, buf, arr)
