@@ -37,6 +37,8 @@ exporting a JAX array to torch makes torch's stream wait for JAX's. Every JAX ca
 cache imports a torch tensor made in the same step (the fence), and torch's writes into the cache
 follow its import of JAX's results. Each bound cache keeps its last call's exchanged arrays alive
 until its next call, so that neither allocator reuses a buffer the other's stream may still read.
+On the CPU, where JAX runs the computations on the calling thread, the fused decode step passes
+q, k and v through a buffer imported once (`_qkv`): an import costs more than the copy.
 """
 
 from __future__ import annotations
@@ -850,8 +852,7 @@ def _kvarn_page_values(cache, f: dict, p):
 
 
 @_jit(static_argnames=("scale", "slots", "q_heads"), cpu_options=ROW_INVARIANT_CPU)
-def _decode_served(q, cache, blk, entries, info, units=None, hp_src=None, altered_total=None, *, scale, slots=1,
-                   q_heads=None):
+def _decode_served(q, cache, blk, entries, info, hp_rows=None, altered_total=None, *, scale, slots=1, q_heads=None):
     """Decode rows on the CPU in one XLA computation: dequantize the pages each row reads, attend
     with the sink and the ring's last block (quantized caches), softmax over all of a row's blocks.
     q [B, Hq, D]; entries / info: `StepPlan.decode_entries`. Each row's sums run over its own blocks
@@ -866,10 +867,8 @@ def _decode_served(q, cache, blk, entries, info, units=None, hp_src=None, altere
     altered_total ([slots + 1, 3] int32 running totals in `ALTERED` order) plus this step's per-slot
     counts, kept as a JAX array until read (`_fold_altered`).
 
-    With units ([n, unit / itemsize]: a layer's whole vLLM buffer in the value dtype) and hp_src ([B,
-    4 * Hk * bs * U] unit indices, `hp_pool.HpPool.in_place`) the rows' sink and the ring's last block
-    (K and V) are read from the blocks that hold them in the pool, not from the cache's staging
-    leaves."""
+    With hp_rows ([B, 4, Hk, bs, D] in the value dtype, `_hp_rows`) the rows' sink and the ring's last
+    block (K, V, K, V) are those, copied from the pool's blocks, not the cache's staging leaves."""
     kv = None
     if q_heads is not None:
         hk_ = cache.num_kv_heads
@@ -910,11 +909,11 @@ def _decode_served(q, cache, blk, entries, info, units=None, hp_src=None, altere
         # ring (a gather of whole [bs, D] rows; a per-position gather costs XLA-CPU a slow transpose)
         ring_blk = info[2] // bs
         in_sink = info[3] == 0                                               # the new token's block is the sink
-        if hp_src is None:
+        if hp_rows is None:
             hp = [src[x][seq] if src is cache.sink else src[x].reshape(src[x].shape[0], hk, -1, bs, d)[seq, :, ring_blk]
                   for src in (cache.sink, cache.tail) for x in ("k", "v")]
-        else:  # the rows gathered from the pool's blocks (the buffer read as the leaves' dtype)
-            hp = list(units[hp_src].reshape(b, 4, hk, bs, d).transpose(1, 0, 2, 3, 4))   # 4 x [B, Hk, bs, D]
+        else:
+            hp = list(hp_rows.transpose(1, 0, 2, 3, 4))                                  # 4 x [B, Hk, bs, D]
         for (kk, vv), lens, here in ((hp[:2], info[1], in_sink), (hp[2:], info[3], ~in_sink)):
             if rows is not None:
                 # the new token's row (as stored: rounded to the value dtype) in its place, as if written
@@ -983,22 +982,51 @@ def _decode_rows_served(bound, query, plan, scale, out):
     return (q, q_j, res, o)
 
 
-def _qkv(query, key, value, nd: int, bb: int, plan: StepPlan) -> torch.Tensor:
-    """The decode rows' q, k and v side by side as one [bb, Hq + 2 * Hk, D] tensor: vLLM's qkv
-    projection output itself when q, k and v are its adjacent column ranges and no row is padding
-    (a view, no copy), else one copy into a buffer the step's layers share (padding rows zero)."""
+# the fused decode step's input buffers and their JAX imports (`_qkv`, `_hp_rows`), made once per
+# shape: importing a tensor costs more than copying into one
+_QKV: dict = {}
+
+
+def _qkv(query, key, value, nd: int, bb: int):
+    """The decode rows' q, k and v side by side in a [bb, Hq + 2 * Hk, D] buffer imported into JAX
+    once (rows past nd: padding, whatever an earlier step left there - finite, and their results
+    dropped): one copy from vLLM's qkv projection output when q, k and v are its adjacent column
+    ranges, else one concatenation. Returns the JAX array. The buffer is rewritten by the next
+    layer, after this layer's computation has run (JAX on the CPU runs it synchronously, and its
+    outputs are read before the layer returns)."""
     hq, hk, d = query.shape[1], key.shape[1], query.shape[2]
     w = hq + 2 * hk
+    k_ = (str(query.device), bb, w, d, query.dtype)
+    if k_ not in _QKV:
+        with torch.inference_mode(False):  # outlives vLLM's inference mode
+            buf = torch.zeros((bb, w, d), dtype=query.dtype, device=query.device)
+        _QKV[k_] = (buf, jax.dlpack.from_dlpack(buf))
+    buf, arr = _QKV[k_]
     size = query.element_size()
-    if nd == bb and key.dtype == query.dtype == value.dtype and all(
-            x.stride() == (w * d, d, 1) for x in (query, key, value)) and \
-            key.data_ptr() == query.data_ptr() + hq * d * size and value.data_ptr() == key.data_ptr() + hk * d * size \
-            and query.untyped_storage().data_ptr() == value.untyped_storage().data_ptr() and \
-            value.storage_offset() + hk * d + (nd - 1) * w * d <= value.untyped_storage().nbytes() // size:
-        return query.as_strided((nd, w, d), (w * d, d, 1))
-    buf = plan.cached(("qkv", w, d, query.dtype), lambda: query.new_zeros((bb, w, d)))
-    torch.cat((query[:nd], key[:nd], value[:nd]), 1, out=buf[:nd])
-    return buf
+    if key.dtype == query.dtype == value.dtype and all(x.stride() == (w * d, d, 1) for x in (query, key, value)) \
+            and key.data_ptr() == query.data_ptr() + hq * d * size and value.data_ptr() == key.data_ptr() + hk * d * size:
+        buf[:nd].copy_(query.as_strided((nd, w, d), (w * d, d, 1)))
+    else:
+        torch.cat((query[:nd], key[:nd], value[:nd]), 1, out=buf[:nd])
+    return arr
+
+
+def _hp_rows(bound: BoundCache, pooled):
+    """The decode rows' sink and last ring block rows, copied from the pool's blocks (`pooled`:
+    `hp_pool.InPlace`) with one indexed copy into a buffer imported into JAX once (per rows and
+    layout, like `_qkv`'s). Returns it as [B, 4, Hk, bs, D] in the value dtype."""
+    lay = bound.layout
+    b, per = pooled.hp_src.shape
+    vd = bound.rows.dtype
+    k_ = ("hp", str(bound.buffer.device), b, per, pooled.unit, vd, lay.num_kv_heads, lay.block_size, lay.head_dim)
+    if k_ not in _QKV:
+        with torch.inference_mode(False):
+            buf = torch.zeros((b * per, pooled.unit), dtype=torch.uint8, device=bound.buffer.device)
+        arr = jax.dlpack.from_dlpack(buf.view(vd).view(b, 4, lay.num_kv_heads, lay.block_size, lay.head_dim))
+        _QKV[k_] = (buf, arr)
+    buf, arr = _QKV[k_]
+    torch.index_select(pooled.buffer_units, 0, pooled.hp_src.view(-1), out=buf)
+    return arr
 
 
 # per (device, max_seqs): the running totals of the fused decode steps' altered-token counts, a JAX
@@ -1034,8 +1062,8 @@ def _fold_altered() -> None:
 def _decode_step_served(bound, query, key, value, plan, scale, out, pooled=None):
     """A decode-only step on the CPU that completes no block of a quantized cache: the write and the
     attention in one XLA computation (`_decode_served` with q_heads); torch then stores the rows and
-    the output. q, k and v cross into JAX as one tensor (`_qkv`), the rows and the output come back
-    as one. pooled: `hp_pool.InPlace` - the sink and ring rows are read from and the new rows stored
+    the output. q, k and v cross into JAX in one buffer imported once (`_qkv`), the rows and the
+    output come back as one array. pooled: `hp_pool.InPlace` - the sink and ring rows are read from and the new rows stored
     into the pool's blocks directly (no staging)."""
     nd, c = plan.num_decodes, plan.completing
     e_j, i_j, b_j = _decode_inputs(bound, plan)
@@ -1045,11 +1073,10 @@ def _decode_step_served(bound, query, key, value, plan, scale, out, pooled=None)
     if pooled is not None and (c or pooled.hp_src.shape[0] != bb):
         raise ValueError("kvarn: a decode step in the pool's blocks must complete no block and have its rows padded "
                          f"to {bb}")
-    qkv = _qkv(query, key, value, nd, bb, plan)
-    qkv_j = _to_jax(qkv)  # the fence (module docstring)
-    units_j, src_j = (None, None) if pooled is None else (pooled.values, pooled.hp_src)
+    qkv_j = _qkv(query, key, value, nd, bb)
+    hp_j = None if pooled is None else _hp_rows(bound, pooled)
     dev, slots = bound.buffer.device, bound.layout.max_seqs
-    packed_j, total = _decode_served(qkv_j, bound.cache, b_j, e_j, i_j, units_j, src_j,
+    packed_j, total = _decode_served(qkv_j, bound.cache, b_j, e_j, i_j, hp_j,
                                      _pending_altered(dev, slots), scale=scale, slots=slots, q_heads=query.shape[1])
     _set_pending_altered(dev, slots, total)
     packed = _to_torch(packed_j)
@@ -1063,7 +1090,7 @@ def _decode_step_served(bound, query, key, value, plan, scale, out, pooled=None)
         flat, target = rows.reshape(-1).view(torch.uint8).view(-1, pooled.unit), pooled.buffer_units
     target.index_copy_(0, dst, flat if src is None else flat.index_select(0, src))
     out[:nd].copy_(o[:nd])
-    return [qkv, qkv_j, packed_j, packed]
+    return [packed_j, packed]
 
 
 def _prefill_mask(plan: StepPlan, r: int, passthrough: bool, device, dtype) -> torch.Tensor:
