@@ -10,6 +10,9 @@ apart from the others) and, for the plugin, the pieces of a decode-only layer (`
 `hp_pool` functions wrapped with timers). --scheme none times vLLM's own attention
 (`CPUAttentionBackendImpl.forward`). To compare two bridges, run it once per checkout, back to back,
 with the other checkout's `bridge` first on PYTHONPATH; the generated token ids are in the JSON.
+--replay N then times the last fused decode step's XLA computation N times in a row in the same
+process (warm caches, no model in between). The last run also reports its busiest threads' CPU
+seconds (Linux).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class Timers:
         self.n = collections.Counter()
         self.decode_layers: list = []
         self.other_layers: list = []
+        self.last_decode = None
 
     def clear(self):
         self.t.clear()
@@ -59,6 +63,21 @@ class Timers:
         setattr(owner, name, w)
 
 
+def thread_cpu_seconds() -> dict:
+    """{thread id: (name, CPU seconds)} of this process's threads (Linux /proc; empty elsewhere)."""
+    import glob
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for t in glob.glob("/proc/self/task/*"):
+        try:
+            name = open(t + "/comm").read().strip()
+            stat = open(t + "/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[os.path.basename(t)] = (name, (int(stat[11]) + int(stat[12])) / tick)
+    return out
+
+
 def install(timers: Timers, scheme: str):
     if scheme == "none":
         from vllm.v1.attention.backends import cpu_attn
@@ -74,6 +93,13 @@ def install(timers: Timers, scheme: str):
         cpu_attn.CPUAttentionBackendImpl.forward = forward
         return
     from kvarn_vllm import hp_pool, impl as kimpl, torch_ops
+    served = torch_ops._decode_served
+
+    def keep_last(*args, **kw):  # the last fused decode step's arguments, for --replay
+        if kw.get("q_heads") is not None:
+            timers.last_decode = (args, kw)
+        return served(*args, **kw)
+    torch_ops._decode_served = keep_last
     for name in PIECES["torch_ops"]:
         timers.wrap(torch_ops, name)
     for name in ("in_place", "gather", "scatter"):
@@ -99,6 +125,8 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--runs", type=int, default=3, help="runs of the batch (the first compiles)")
     p.add_argument("--label", default="", help="a name for this run in the JSON")
+    p.add_argument("--replay", type=int, default=0, help="after the runs, call the last fused decode step's XLA "
+                   "computation this many times in a row (same inputs, warm caches) and report its mean")
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -122,6 +150,7 @@ def main(argv=None):
               "max_tokens": a.max_tokens, "runs": []}
     for run in range(a.runs):
         timers.clear()
+        cpu0 = dict(thread_cpu_seconds()) if run == a.runs - 1 else None
         for i in range(len(prompts)):
             engine.add_request(f"r{run}-{i}", {"prompt_token_ids": list(prompts[i])}, sp)
         tokens, steps = {}, 0
@@ -140,6 +169,9 @@ def main(argv=None):
                "pieces_ms_per_decode_layer": {k: round(1e3 * v / max(1, len(d)), 4) for k, v in timers.t.items()},
                "piece_calls": dict(timers.n),
                "tokens": [tokens[i] for i in range(len(prompts))]}
+        if cpu0 is not None:  # the last run's CPU seconds per thread: vLLM's OpenMP workers, XLA's pool
+            cpu = [(name, sec - cpu0.get(tid, (name, 0.0))[1]) for tid, (name, sec) in thread_cpu_seconds().items()]
+            res["thread_cpu_s"] = [(n, round(x, 2)) for n, x in sorted(cpu, key=lambda x: -x[1])[:6]]
         report["runs"].append(res)
         print(f"run {run}: " + json.dumps({k: v for k, v in res.items() if k != "tokens"}), flush=True)
     timed = report["runs"][1:] or report["runs"]
@@ -149,6 +181,16 @@ def main(argv=None):
                                       for i in range(len(prompts)))
     print("summary", json.dumps(report["summary"]), "last run's tokens equal to the first's:",
           report["repeats_identical"], "/", len(prompts), flush=True)
+    if a.replay and timers.last_decode is not None:
+        import jax
+        from kvarn_vllm import torch_ops
+        args, kw = timers.last_decode
+        jax.block_until_ready(torch_ops._decode_served(*args, **kw))
+        t0 = time.perf_counter()
+        for _ in range(a.replay):
+            jax.block_until_ready(torch_ops._decode_served(*args, **kw))
+        report["replay_ms"] = round(1e3 * (time.perf_counter() - t0) / a.replay, 4)
+        print("replay: the last fused decode step's XLA computation, warm, ms", report["replay_ms"], flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)
