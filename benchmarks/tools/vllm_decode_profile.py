@@ -130,16 +130,12 @@ def main(argv=None):
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from vllm_serve import _prompts, resolve_model
-    a = resolve_model(a)
+    from vllm_serve import offline_llm
     lens = [int(x) for x in a.prompt_lens.split(",")]
-    prompts, _ = _prompts(a.model, lens, None)
     timers = Timers()
     install(timers, a.scheme)
-
-    from vllm import LLM, SamplingParams
-    kw = {} if a.scheme == "none" else {"additional_config": {"kvarn_kv_cache_dtype": a.scheme}}
-    llm = LLM(model=a.model, enable_prefix_caching=False, max_num_seqs=8, max_model_len=4096, **kw)
+    llm, prompts = offline_llm(a, lens)
+    from vllm import SamplingParams
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
     engine = llm.llm_engine
     bridge = None
