@@ -989,11 +989,11 @@ _QKV: dict = {}
 
 def _qkv(query, key, value, nd: int, bb: int):
     """The decode rows' q, k and v side by side in a [bb, Hq + 2 * Hk, D] buffer imported into JAX
-    once (rows past nd: padding, whatever an earlier step left there - finite, and their results
-    dropped): one copy from vLLM's qkv projection output when q, k and v are its adjacent column
-    ranges, else one concatenation. Returns the JAX array. The buffer is rewritten by the next
-    layer, after this layer's computation has run (JAX on the CPU runs it synchronously, and its
-    outputs are read before the layer returns)."""
+    once (rows past nd: padding rows, holding whatever an earlier step left there; their results are
+    dropped and nothing of theirs is stored or counted): one copy from vLLM's qkv projection
+    output when q, k and v are its adjacent column ranges, else one concatenation. Returns the JAX
+    array. The buffer is rewritten by the next layer, after this layer's computation has run (JAX
+    on the CPU runs it synchronously, and its outputs are read before the layer returns)."""
     hq, hk, d = query.shape[1], key.shape[1], query.shape[2]
     w = hq + 2 * hk
     k_ = (str(query.device), bb, w, d, query.dtype)
@@ -1003,8 +1003,9 @@ def _qkv(query, key, value, nd: int, bb: int):
         _QKV[k_] = (buf, jax.dlpack.from_dlpack(buf))
     buf, arr = _QKV[k_]
     size = query.element_size()
-    if key.dtype == query.dtype == value.dtype and all(x.stride() == (w * d, d, 1) for x in (query, key, value)) \
-            and key.data_ptr() == query.data_ptr() + hq * d * size and value.data_ptr() == key.data_ptr() + hk * d * size:
+    adjacent = key.data_ptr() == query.data_ptr() + hq * d * size and value.data_ptr() == key.data_ptr() + hk * d * size
+    if adjacent and key.dtype == query.dtype == value.dtype and \
+            all(x.stride() == (w * d, d, 1) for x in (query, key, value)):
         buf[:nd].copy_(query.as_strided((nd, w, d), (w * d, d, 1)))
     else:
         torch.cat((query[:nd], key[:nd], value[:nd]), 1, out=buf[:nd])
@@ -1063,8 +1064,8 @@ def _decode_step_served(bound, query, key, value, plan, scale, out, pooled=None)
     """A decode-only step on the CPU that completes no block of a quantized cache: the write and the
     attention in one XLA computation (`_decode_served` with q_heads); torch then stores the rows and
     the output. q, k and v cross into JAX in one buffer imported once (`_qkv`), the rows and the
-    output come back as one array. pooled: `hp_pool.InPlace` - the sink and ring rows are read from and the new rows stored
-    into the pool's blocks directly (no staging)."""
+    output come back as one array. pooled: `hp_pool.InPlace` - the sink and ring rows are read from
+    and the new rows stored into the pool's blocks directly (no staging)."""
     nd, c = plan.num_decodes, plan.completing
     e_j, i_j, b_j = _decode_inputs(bound, plan)
     bb = i_j.shape[1]
