@@ -201,6 +201,18 @@ def _prompts(model: str, lens, long_len: int | None):
     return batch, (ids[:long_len] if long_len else None)
 
 
+def offline_llm(a: argparse.Namespace, lens, **llm_kw):
+    """For the offline tools (`benchmarks/tools/vllm_*.py`): an in-process `vllm.LLM` (a.model, or
+    SmolLM2; a.scheme: a kvarn scheme or none for stock vLLM) and the batch's prompts of these
+    lengths as token ids. Returns (llm, prompts)."""
+    a = resolve_model(a)
+    prompts, _ = _prompts(a.model, lens, None)
+    from vllm import LLM
+
+    kw = {} if a.scheme == "none" else {"additional_config": {"kvarn_kv_cache_dtype": a.scheme}}
+    return LLM(model=a.model, enable_prefix_caching=False, max_num_seqs=8, max_model_len=4096, **kw, **llm_kw), prompts
+
+
 def _agreement(a: list, b: list) -> dict:
     same = sum(x == y for x, y in zip(a, b))
     prefix = []

@@ -119,7 +119,8 @@ def test_decode_in_the_pools_blocks_equals_staging(scheme, dtype, bs):
     """Decode-only steps that use the sink/tail rows where they live (`HpPool.in_place`: read by the
     XLA computation from the layer's buffer, new rows stored there) give bit for bit the outputs
     and buffer bytes of staging them (gather / forward / scatter), across steps that fill the sink,
-    wrap the ring, complete blocks (staged), pad the batch (5 rows -> 8) and start sequences."""
+    wrap the ring, complete blocks (staged), pad the batch (5 rows -> 8) and start sequences - the
+    pooled side given q, k and v as views of one qkv tensor, as vLLM gives them."""
     hk, d, hq = 3, 64, 9
     tdt = getattr(torch, dtype)
     lay = PageLayout(scheme, block_size=bs, num_kv_heads=hk, head_dim=d, dtype=dtype, max_seqs=8)
@@ -146,6 +147,9 @@ def test_decode_in_the_pools_blocks_equals_staging(scheme, dtype, bs):
             rows = [(ctx[s], 1, pages[s]) for s in order]
         t = sum(q for _, q, _ in rows)
         q_, k_, v_ = (torch.randn((t, heads, d), generator=gen).to(tdt) for heads in (hq, hk, hk))
+        # the pooled side gets q, k and v as vLLM hands them: column ranges of one qkv tensor
+        qkv = torch.cat((q_, k_, v_), 1).reshape(t, -1)
+        views = [x.view(t, -1, d) for x in qkv.split([hq * d, hk * d, hk * d], 1)]
         outs = []
         for i, (bound, pool) in enumerate(zip(caches, pools)):
             plan = _plan(lay, rows, per_seq, list(range(seqs)))
@@ -156,7 +160,7 @@ def test_decode_in_the_pools_blocks_equals_staging(scheme, dtype, bs):
                 used[pooled is not None] += 1
             if pooled is None:
                 pool.gather(bound, plan)
-            outs.append(torch_ops.forward(bound, q_, k_, v_, plan, pooled=pooled))
+            outs.append(torch_ops.forward(bound, *(views if i == 0 else (q_, k_, v_)), plan, pooled=pooled))
             if pooled is None:
                 pool.scatter(bound, plan)
         assert torch.isfinite(outs[0]).all()

@@ -72,7 +72,7 @@ def _cache_digests(impl, layer, kv_cache, plan) -> list:
     bound = impl._bind(layer, kv_cache)
     if bound.cfg.is_passthrough:
         return None
-    hu, buf, _ = impl.hp_pool._bound_units(bound)
+    hu, buf = impl.hp_pool._bound_units(bound)
     hb = plan.cache[HP_BLOCKS]
     out = []
     for r in range(plan.num_rows):
@@ -167,18 +167,13 @@ def main(argv=None):
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from vllm_serve import _prompts, resolve_model
-    a = resolve_model(a)
+    from vllm_serve import offline_llm
     lens = [int(x) for x in a.prompt_lens.split(",")]
-    prompts, _ = _prompts(a.model, lens, None)
     rec = Recorder()
     install(rec, a.scheme)
-
-    from vllm import LLM, SamplingParams
-    kw = {} if a.scheme == "none" else {"additional_config": {"kvarn_kv_cache_dtype": a.scheme}}
-    if a.max_num_batched_tokens:
-        kw["max_num_batched_tokens"] = a.max_num_batched_tokens
-    llm = LLM(model=a.model, enable_prefix_caching=False, max_num_seqs=8, max_model_len=4096, dtype=a.dtype, **kw)
+    kw = {"max_num_batched_tokens": a.max_num_batched_tokens} if a.max_num_batched_tokens else {}
+    llm, prompts = offline_llm(a, lens, dtype=a.dtype, **kw)
+    from vllm import SamplingParams
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
     engine = llm.llm_engine
 

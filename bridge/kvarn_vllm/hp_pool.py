@@ -15,9 +15,9 @@ rows of one layer, outside the KV budget) instead of max_num_seqs rows of every 
 indexed copy of the batch's rows per layer and step.
 
 A decode-only step on the CPU that starts and completes no block (most steps) skips the staging
-(`HpPool.in_place`): its XLA computation reads the rows' sink and last ring block from the pool's
-blocks (the layer's buffer, imported into JAX once when bound), and torch stores the new rows there,
-one indexed copy per layer.
+(`HpPool.in_place`): torch copies the rows' sink and last ring block from the pool's blocks into a
+buffer its XLA computation reads (one indexed copy: XLA's CPU gather costs more per byte), and stores
+the new rows there, one indexed copy per layer.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-import jax
 import numpy as np
 import torch
 
@@ -62,15 +61,14 @@ def _units_view(t: torch.Tensor, unit: int) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True)
 class InPlace:
     """A decode step's sink/tail rows used where they live (`HpPool.in_place`): the layer's buffer
-    as [n, unit] bytes in torch (buffer_units) and JAX (units, zero-copy); hp_src [B, 4 * Hk * bs *
-    row_units] int32 (JAX): per padded row, the units of its sink K, sink V, last ring block K and V;
-    dst / src: the write's indexed copy, destination units in the buffer and source units in the
-    rows [2, B, Hk, D] as bytes (None: all of them, in order)."""
+    as [n, unit] bytes (buffer_units); hp_src [B, 4 * Hk * bs * row_units] int64: per padded row, the
+    units of its sink K, sink V, last ring block K and V (`torch_ops` copies them, one indexed copy,
+    into a buffer the computation reads); dst / src: the write's indexed copy, destination units in
+    the buffer and source units in the rows [2, B, Hk, D] as bytes (None: all of them, in order)."""
 
     unit: int
     buffer_units: torch.Tensor
-    units: jax.Array
-    hp_src: jax.Array
+    hp_src: torch.Tensor
     dst: torch.Tensor
     src: torch.Tensor | None
 
@@ -81,7 +79,7 @@ class HpPool:
     def __init__(self, layout: PageLayout, staging_rows: dict | None):
         self.layout = layout
         self.staging = staging_rows
-        self._units: tuple | None = None  # (buffer data_ptr, num_blocks, HpUnits, buffer units torch, JAX)
+        self._units: tuple | None = None  # (buffer data_ptr, num_blocks, HpUnits, buffer units)
 
     @property
     def active(self) -> bool:
@@ -91,16 +89,11 @@ class HpPool:
         return self._bound_units(bound)[0]
 
     def _bound_units(self, bound) -> tuple:
-        """(HpUnits, the buffer as [n, unit] bytes in torch, the same in JAX): built when the buffer
-        is first seen, the JAX array imported once (zero-copy, checked)."""
+        """(HpUnits, the buffer as [n, unit] bytes): built when the buffer is first seen."""
         key = (bound.buffer.data_ptr(), bound.num_blocks)
         if self._units is None or self._units[:2] != key:
             hu = HpUnits.build(self.layout, bound.num_blocks)
-            buf = _units_view(bound.buffer, hu.unit)
-            arr = jax.dlpack.from_dlpack(buf) if buf.device.type == "cpu" else None
-            if arr is not None and arr.unsafe_buffer_pointer() != buf.data_ptr():
-                raise ValueError("kvarn: DLPack import of the KV cache buffer copied it; the bridge only runs zero-copy")
-            self._units = key + (hu, buf, arr)
+            self._units = key + (hu, _units_view(bound.buffer, hu.unit))
         return self._units[2:]
 
     def in_place(self, bound, plan, decode_impl: str) -> InPlace | None:
@@ -109,11 +102,9 @@ class HpPool:
         `scatter`): steps with prefill rows, rows starting their sequence, completed blocks, or
         decode rows not on the CPU's served decode. Index arrays made once per step."""
         if not self.active or not plan.num_rows or plan.num_decodes != plan.num_rows or decode_impl != "served" \
-                or plan.completing or plan.cache[HP_FRESH].any():
+                or plan.completing or plan.cache[HP_FRESH].any() or bound.buffer.device.type != "cpu":
             return None
-        hu, buf, arr = self._bound_units(bound)
-        if arr is None:
-            return None
+        hu, buf = self._bound_units(bound)
         seq, _, _, _, _ = self._indices(bound, plan)[1]
         bb = bucket(plan.num_decodes, 1)
 
@@ -148,10 +139,9 @@ class HpPool:
                             + np.arange(ru)[None, None, :]).reshape(-1))
             src = np.concatenate(src)
             every = bb == nd
-            return (jax.dlpack.from_dlpack(src_units.to(torch.int32).contiguous()), torch.cat(dst),
-                    None if every else torch.from_numpy(src))
+            return src_units.to(torch.int64).contiguous(), torch.cat(dst), None if every else torch.from_numpy(src)
         hp_src, dst, src = plan.cached(("hp_in_place", self.layout, bound.num_blocks), make)
-        return InPlace(hu.unit, buf, arr, hp_src, dst, src)
+        return InPlace(hu.unit, buf, hp_src, dst, src)
 
     def forward(self, bound, query, key, value, plan, *, scale: float, impl: str, out: torch.Tensor) -> torch.Tensor:
         """One attention layer of a step on a pooled cache (what vLLM's impl runs): `torch_ops.forward`

@@ -37,6 +37,8 @@ exporting a JAX array to torch makes torch's stream wait for JAX's. Every JAX ca
 cache imports a torch tensor made in the same step (the fence), and torch's writes into the cache
 follow its import of JAX's results. Each bound cache keeps its last call's exchanged arrays alive
 until its next call, so that neither allocator reuses a buffer the other's stream may still read.
+On the CPU, where JAX runs the computations on the calling thread, the fused decode step passes
+q, k and v through a buffer imported once (`_qkv`): an import costs more than the copy.
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ def altered_tokens() -> dict:
     `nonfinite_tokens` had a NaN/Inf in K or V and were stored as zeros, `saturated_tokens` had
     values the cache cannot hold and were stored clipped, `metadata_saturated_tokens` belong to
     quantized blocks whose KVarN scales saturated. Reads the device counters (waits for them)."""
+    _fold_altered()
     with _LOCK:
         tensors = list(_ALTERED.values())
         total = _TAKEN.copy()
@@ -142,6 +145,7 @@ def altered_tokens() -> dict:
 def take_altered_slots(device, max_seqs: int) -> np.ndarray:
     """[max_seqs, 3] int64: per high-precision slot, the tokens stored altered (ALTERED order) since
     the last call, and zero them (the totals of `altered_tokens` keep them). Waits for the device."""
+    _fold_altered()
     acc = _altered(torch.device(device), max_seqs)
     with _LOCK:
         got = acc[:max_seqs].cpu().numpy().copy()
@@ -167,6 +171,7 @@ def reset_counters() -> None:
         for k in _COUNTERS:
             _COUNTERS[k] = 0.0 if k.endswith("_s") else 0
         _ALTERED.clear()
+        _PENDING.clear()
         _TAKEN[:] = 0
 
 
@@ -846,23 +851,28 @@ def _kvarn_page_values(cache, f: dict, p):
     return kvarn.value_sums(f, pr, cache.cfg.bits("v")).sum(2)
 
 
-@_jit(static_argnames=("scale", "slots"), cpu_options=ROW_INVARIANT_CPU)
-def _decode_served(q, cache, blk, entries, info, kv=None, units=None, hp_src=None, *, scale, slots=1):
+@_jit(static_argnames=("scale", "slots", "q_heads"), cpu_options=ROW_INVARIANT_CPU)
+def _decode_served(q, cache, blk, entries, info, hp_rows=None, altered_total=None, *, scale, slots=1, q_heads=None):
     """Decode rows on the CPU in one XLA computation: dequantize the pages each row reads, attend
     with the sink and the ring's last block (quantized caches), softmax over all of a row's blocks.
     q [B, Hq, D]; entries / info: `StepPlan.decode_entries`. Each row's sums run over its own blocks
     in position order, whatever else is in the batch. Returns [B, Hq, D] in q's dtype.
 
-    With kv ([2, B, Hk, D]: the step's new keys and values, one per row, not yet written) the step's
-    write is done here too (a write that completes no block of a quantized cache: `forward`): it
-    returns (rows, out, altered) - the rows as the cache stores them ([2, B, Hk, D],
-    `kvarn_jax.storage.storage_values`), the attention computed as if they were written (each row's
-    new token in its sink, ring or page); altered: int32 [slots + 1, 3] per-slot counts in `ALTERED`
-    order. The caller stores the rows afterwards.
+    With q_heads the step's write is done here too (a write that completes no block of a quantized
+    cache: `forward`): q is then the step's queries, keys and values side by side, [B, q_heads + 2 *
+    Hk, D] (one exchange, `_qkv`), and the attention is computed as if the new keys and values were
+    written (each row's new token in its sink, ring or page). Returns (packed, altered): the rows as
+    the cache stores them ([2, B, Hk, D], `kvarn_jax.storage.storage_values`) and the output as one
+    uint8 array (`_unpacked_step`; one exchange back), which the caller stores afterwards; and
+    altered_total ([slots + 1, 3] int32 running totals in `ALTERED` order) plus this step's per-slot
+    counts, kept as a JAX array until read (`_fold_altered`).
 
-    With units ([n, unit] uint8: a layer's whole vLLM buffer) and hp_src ([B, 4 * Hk * bs * U] unit
-    indices, `hp_pool.HpPool.in_place`) the rows' sink and the ring's last block (K and V) are read
-    from the blocks that hold them in the pool, not from the cache's staging leaves."""
+    With hp_rows ([B, 4, Hk, bs, D] in the value dtype, `_hp_rows`) the rows' sink and the ring's last
+    block (K, V, K, V) are those, copied from the pool's blocks, not the cache's staging leaves."""
+    kv = None
+    if q_heads is not None:
+        hk_ = cache.num_kv_heads
+        q, kv = q[:, :q_heads], jnp.stack((q[:, q_heads:q_heads + hk_], q[:, q_heads + hk_:]))
     b, hq, d = q.shape
     hk, bs = cache.num_kv_heads, cache.block_size
     g = hq // hk
@@ -899,13 +909,11 @@ def _decode_served(q, cache, blk, entries, info, kv=None, units=None, hp_src=Non
         # ring (a gather of whole [bs, D] rows; a per-position gather costs XLA-CPU a slow transpose)
         ring_blk = info[2] // bs
         in_sink = info[3] == 0                                               # the new token's block is the sink
-        if hp_src is None:
+        if hp_rows is None:
             hp = [src[x][seq] if src is cache.sink else src[x].reshape(src[x].shape[0], hk, -1, bs, d)[seq, :, ring_blk]
                   for src in (cache.sink, cache.tail) for x in ("k", "v")]
-        else:  # the rows' bytes gathered from the pool's blocks, then read as the leaves' dtype
-            vd = cache.sink["k"].dtype
-            raw = units[hp_src].reshape(b, 4, hk, bs, d, jnp.dtype(vd).itemsize)
-            hp = list(jax.lax.bitcast_convert_type(raw, vd).transpose(1, 0, 2, 3, 4))   # 4 x [B, Hk, bs, D]
+        else:
+            hp = list(hp_rows.transpose(1, 0, 2, 3, 4))                                  # 4 x [B, Hk, bs, D]
         for (kk, vv), lens, here in ((hp[:2], info[1], in_sink), (hp[2:], info[3], ~in_sink)):
             if rows is not None:
                 # the new token's row (as stored: rounded to the value dtype) in its place, as if written
@@ -931,7 +939,25 @@ def _decode_served(q, cache, blk, entries, info, kv=None, units=None, hp_src=Non
     if cache.cfg.rotated:
         o = unrotate(o)
     o = o.astype(q.dtype)
-    return o if kv is None else (rows, o, altered)
+    if kv is None:
+        return o
+    return _packed_step(rows, o), altered + (0 if altered_total is None else altered_total)
+
+
+def _bytes(x):
+    """x flattened to uint8 (little-endian, as torch reads it back)."""
+    return (x if x.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(x, jnp.uint8)).reshape(-1)
+
+
+def _packed_step(rows, o):
+    """The fused decode step's rows and output as one uint8 array (`_unpacked_step` reads it)."""
+    return jnp.concatenate([_bytes(rows), _bytes(o)])
+
+
+def _unpacked_step(packed: torch.Tensor, rows_shape, rows_dtype, o_shape, o_dtype):
+    """torch views of `_packed_step`'s parts: rows [2, B, Hk, D] and the output [B, Hq, D]."""
+    n = math.prod(rows_shape) * rows_dtype.itemsize
+    return packed[:n].view(rows_dtype).view(rows_shape), packed[n:].view(o_dtype).view(o_shape)
 
 
 def _decode_inputs(bound, plan):
@@ -956,39 +982,116 @@ def _decode_rows_served(bound, query, plan, scale, out):
     return (q, q_j, res, o)
 
 
+# the fused decode step's input buffers and their JAX imports (`_qkv`, `_hp_rows`), made once per
+# shape: importing a tensor costs more than copying into one
+_QKV: dict = {}
+
+
+def _qkv(query, key, value, nd: int, bb: int):
+    """The decode rows' q, k and v side by side in a [bb, Hq + 2 * Hk, D] buffer imported into JAX
+    once (rows past nd: padding rows, holding whatever an earlier step left there; their results are
+    dropped and nothing of theirs is stored or counted): one copy from vLLM's qkv projection
+    output when q, k and v are its adjacent column ranges, else one concatenation. Returns the JAX
+    array. The buffer is rewritten by the next layer, after this layer's computation has run (JAX
+    on the CPU runs it synchronously, and its outputs are read before the layer returns)."""
+    hq, hk, d = query.shape[1], key.shape[1], query.shape[2]
+    w = hq + 2 * hk
+    k_ = (str(query.device), bb, w, d, query.dtype)
+    if k_ not in _QKV:
+        with torch.inference_mode(False):  # outlives vLLM's inference mode
+            buf = torch.zeros((bb, w, d), dtype=query.dtype, device=query.device)
+        _QKV[k_] = (buf, jax.dlpack.from_dlpack(buf))
+    buf, arr = _QKV[k_]
+    size = query.element_size()
+    adjacent = key.data_ptr() == query.data_ptr() + hq * d * size and value.data_ptr() == key.data_ptr() + hk * d * size
+    if adjacent and key.dtype == query.dtype == value.dtype and \
+            all(x.stride() == (w * d, d, 1) for x in (query, key, value)):
+        buf[:nd].copy_(query.as_strided((nd, w, d), (w * d, d, 1)))
+    else:
+        torch.cat((query[:nd], key[:nd], value[:nd]), 1, out=buf[:nd])
+    return arr
+
+
+def _hp_rows(bound: BoundCache, pooled):
+    """The decode rows' sink and last ring block rows, copied from the pool's blocks (`pooled`:
+    `hp_pool.InPlace`) with one indexed copy into a buffer imported into JAX once (per rows and
+    layout, like `_qkv`'s). Returns it as [B, 4, Hk, bs, D] in the value dtype."""
+    lay = bound.layout
+    b, per = pooled.hp_src.shape
+    vd = bound.rows.dtype
+    k_ = ("hp", str(bound.buffer.device), b, per, pooled.unit, vd, lay.num_kv_heads, lay.block_size, lay.head_dim)
+    if k_ not in _QKV:
+        with torch.inference_mode(False):
+            buf = torch.zeros((b * per, pooled.unit), dtype=torch.uint8, device=bound.buffer.device)
+        arr = jax.dlpack.from_dlpack(buf.view(vd).view(b, 4, lay.num_kv_heads, lay.block_size, lay.head_dim))
+        _QKV[k_] = (buf, arr)
+    buf, arr = _QKV[k_]
+    torch.index_select(pooled.buffer_units, 0, pooled.hp_src.view(-1), out=buf)
+    return arr
+
+
+# per (device, max_seqs): the running totals of the fused decode steps' altered-token counts, a JAX
+# array that each step's computation adds to (no torch op per layer); folded into `_altered`'s
+# tensor when read (`_fold_altered`)
+_PENDING: dict = {}
+
+
+def _pending_altered(device, num_slots: int):
+    key = (str(device), int(num_slots))
+    with _LOCK:
+        got = _PENDING.get(key)
+    return jnp.zeros((num_slots + 1, len(ALTERED)), jnp.int32) if got is None else got
+
+
+def _set_pending_altered(device, num_slots: int, total) -> None:
+    with _LOCK:
+        _PENDING[(str(device), int(num_slots))] = total
+
+
+def _fold_altered() -> None:
+    """Add the fused decode steps' pending totals to the `_altered` tensors (reads them: waits)."""
+    with _LOCK:
+        pending = list(_PENDING.items())
+        _PENDING.clear()
+    for (device, slots), total in pending:
+        counts = torch.from_numpy(np.asarray(total).astype(np.int64))
+        acc = _altered(torch.device(device), slots)
+        with torch.inference_mode(False):
+            acc.add_(counts.to(acc.device))
+
+
 def _decode_step_served(bound, query, key, value, plan, scale, out, pooled=None):
     """A decode-only step on the CPU that completes no block of a quantized cache: the write and the
-    attention in one XLA computation (`_decode_served` with kv); torch then stores the rows and the output.
-    pooled: `hp_pool.InPlace` - the sink and ring rows are read from and the new rows stored into
-    the pool's blocks directly (no staging)."""
+    attention in one XLA computation (`_decode_served` with q_heads); torch then stores the rows and
+    the output. q, k and v cross into JAX in one buffer imported once (`_qkv`), the rows and the
+    output come back as one array. pooled: `hp_pool.InPlace` - the sink and ring rows are read from
+    and the new rows stored into the pool's blocks directly (no staging)."""
     nd, c = plan.num_decodes, plan.completing
     e_j, i_j, b_j = _decode_inputs(bound, plan)
     bb = i_j.shape[1]
-    q = _pad_rows(query[:nd], bb)
-    kv = torch.stack((_pad_rows(key[:nd], bb), _pad_rows(value[:nd], bb)))
-    q_j, kv_j = _to_jax(q), _to_jax(kv)
     if c and not bound.cfg.is_passthrough:
         raise ValueError("kvarn: a decode step that completes blocks of a quantized cache writes with `write`")
     if pooled is not None and (c or pooled.hp_src.shape[0] != bb):
         raise ValueError("kvarn: a decode step in the pool's blocks must complete no block and have its rows padded "
                          f"to {bb}")
-    units_j, src_j = (None, None) if pooled is None else (pooled.units, pooled.hp_src)
-    rows_j, res, altered = _decode_served(q_j, bound.cache, b_j, e_j, i_j, kv_j, units_j, src_j, scale=scale,
-                                          slots=bound.layout.max_seqs)
-    altered_t = _to_torch(altered)
-    _count_altered(bound, altered_t)
-    held = [q, kv, q_j, kv_j, rows_j, res, altered, altered_t]
-    rows = _to_torch(rows_j)
+    qkv_j = _qkv(query, key, value, nd, bb)
+    hp_j = None if pooled is None else _hp_rows(bound, pooled)
+    dev, slots = bound.buffer.device, bound.layout.max_seqs
+    packed_j, total = _decode_served(qkv_j, bound.cache, b_j, e_j, i_j, hp_j,
+                                     _pending_altered(dev, slots), scale=scale, slots=slots, q_heads=query.shape[1])
+    _set_pending_altered(dev, slots, total)
+    packed = _to_torch(packed_j)
+    hk, d = bound.layout.num_kv_heads, bound.layout.head_dim
+    rows, o = _unpacked_step(packed, (2, bb, hk, d), bound.rows.dtype, (bb, query.shape[1], d), query.dtype)
     if pooled is None:
         dst, src = _row_destinations(plan, bound, bb)
-        flat, target = rows.reshape(-1, bound.layout.head_dim), bound.rows
+        flat, target = rows.reshape(-1, d), bound.rows
     else:
         dst, src = pooled.dst, pooled.src
         flat, target = rows.reshape(-1).view(torch.uint8).view(-1, pooled.unit), pooled.buffer_units
     target.index_copy_(0, dst, flat if src is None else flat.index_select(0, src))
-    o = _to_torch(res)
     out[:nd].copy_(o[:nd])
-    return held + [rows, o]
+    return [packed_j, packed]
 
 
 def _prefill_mask(plan: StepPlan, r: int, passthrough: bool, device, dtype) -> torch.Tensor:
