@@ -130,7 +130,9 @@ def profile_decode_steps(engine: Engine, prompts, steps: int) -> dict:
     return {"steps": steps, "wall_ms_per_step": 1000 * wall / steps, "busy_ms_per_step": busy / steps,
             "kernels_per_step": sum(k[0] for k in kernels.values()) / steps,
             "top_kernels": [{"name": n[:120], "calls_per_step": c / steps, "ms_per_step": t / steps}
-                            for n, (c, t) in top]}
+                            for n, (c, t) in top],
+            # every kernel, to match against the step's optimized HLO (XLA_FLAGS=--xla_dump_to=...)
+            "kernels": {n[:120]: [c / steps, t / steps] for n, (c, t) in sorted(kernels.items())}}
 
 
 def run_one(model, scheme: str, prompts, args):
