@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvarn_jax.evaluation.cli import main
-from kvarn_jax.evaluation.tune import (bits_per_element, choose_schemes, costs_from_file, kl_scaled_costs,
-                                       one_layer_configs, pick_winner)
+from kvarn_jax.evaluation.tune import (bits_per_element, candidate_scaled_costs, choose_schemes, costs_from_file,
+                                       kl_scaled_costs, one_layer_configs, pick_winner)
 from kvarn_jax.layer_config import load_layer_config, write_layer_config
 from test_eval_support import one_torch_thread, tiny_model_folder
 
@@ -61,6 +61,27 @@ def test_kl_scaled_costs_rejects():
         kl_scaled_costs(np.ones((2, 2)), 0, [0.1, np.nan])
     # a hair below zero (float rounding of an almost exact layer) costs nothing, never a negative cost
     assert kl_scaled_costs(np.ones((1, 2)), 0, [-1e-12]).min() == 0.0
+
+
+@settings(max_examples=30, deadline=None)
+@given(layers=st.integers(1, 6), cands=st.integers(1, 4), seed=st.integers(0, 2 ** 31 - 1))
+def test_candidate_scaled_costs_match_each_candidates_measured_kl(layers, cands, seed):
+    rng = np.random.default_rng(seed)
+    costs = rng.uniform(0.01, 1.0, (layers, cands))
+    kl = rng.uniform(0.0, 0.1, cands)
+    out = candidate_scaled_costs(costs, kl)
+    np.testing.assert_allclose(out.sum(axis=0), kl, rtol=1e-12, atol=1e-15)   # each column sums to its KL
+    np.testing.assert_allclose(out * costs.sum(axis=0), costs * kl, rtol=1e-12, atol=1e-15)   # its shape is kept
+
+
+def test_candidate_scaled_costs_edge_cases():
+    # an exact candidate (no cost anywhere) stays free; a KL a hair below zero counts as zero
+    out = candidate_scaled_costs(np.array([[0.0, 1.0], [0.0, 3.0]]), [0.5, -1e-12])
+    assert np.array_equal(out, np.zeros((2, 2)))
+    with pytest.raises(ValueError, match="one value per candidate"):
+        candidate_scaled_costs(np.ones((2, 2)), [0.1])
+    with pytest.raises(ValueError, match="finite"):
+        candidate_scaled_costs(np.ones((2, 2)), [0.1, np.inf])
 
 
 def test_pick_winner_by_kl_or_perplexity():
@@ -119,14 +140,19 @@ def test_tune_kl_end_to_end(folder, tmp_path, capsys):
     model, tok, _ = load_model_and_tokenizer(str(folder))
     args = type("A", (), {"text": None, "start_char": 5000, "window": 128})()
     calib, _, _ = _windows(args, tok, 128, offset_windows=2)
-    res = evaluate_perplexity(model, calib, {"0": ["int2_g32", None], "1": [None, "int2_g32"]}, block_size=32,
-                              progress=False)
+    res = evaluate_perplexity(model, calib, {"0": ["int2_g32", None], "1": [None, "int2_g32"],
+                                             **{c: c for c in CANDIDATES}}, block_size=32, progress=False)
     assert doc["probe_kl"] == pytest.approx([res["0"].kl_mean, res["1"].kl_mean], rel=1e-6)
     assert res["0"].kl_mean != pytest.approx(res["1"].kl_mean, rel=1e-3)
-    # costs: the attention errors, each layer scaled so that the probe's cost is its KL
+    uniform = [res[c].kl_mean for c in CANDIDATES]
+    assert doc["uniform_kl"] == pytest.approx(uniform, rel=1e-6)
+    # costs: the attention errors, each layer scaled by its KL under the probe, each candidate by its KL
     attn = np.array([[np.mean(np.square(errors.layer_errors(a, c, block_size=32)["attn"])) for c in CANDIDATES]
                      for a in errors.capture_activations(model, calib, block_size=32)])
-    np.testing.assert_allclose(doc["layer_costs"], attn * (np.array(doc["probe_kl"]) / attn[:, 0])[:, None], rtol=1e-6)
+    by_layer = attn * (np.array(doc["probe_kl"]) / attn[:, 0])[:, None]
+    np.testing.assert_allclose(doc["layer_costs"], by_layer * (np.array(uniform) / by_layer.sum(0))[None, :],
+                               rtol=1e-6)
+    np.testing.assert_allclose(np.sum(doc["layer_costs"], axis=0), uniform, rtol=1e-6)
 
     check = doc["check"]
     # int8 is over the budget: measured as a comparison only, never a candidate for the file

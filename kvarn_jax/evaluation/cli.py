@@ -524,8 +524,8 @@ def _cmd_tune(args) -> int:
     from ..layer_config import write_layer_config
     from .loading import load_model_and_tokenizer, load_tokenizer, model_geometry
     from .perplexity import REFERENCE, evaluate_perplexity
-    from .tune import (bits_per_element, choose_schemes, costs_from_file, kl_scaled_costs, layer_costs, mean_bits,
-                       one_layer_configs, parse_fraction, pick_winner)
+    from .tune import (bits_per_element, candidate_scaled_costs, choose_schemes, costs_from_file, kl_scaled_costs,
+                       layer_costs, mean_bits, one_layer_configs, parse_fraction, pick_winner)
 
     max_inc = parse_fraction(args.max_ppl_increase, "--max-ppl-increase") if args.max_ppl_increase else None
     if max_inc is not None and args.no_verify:
@@ -563,7 +563,7 @@ def _cmd_tune(args) -> int:
                          f"({bits_per_element(cheapest, d):.4f} bits per element at head_dim {d}); raise the budget "
                          "or add a cheaper candidate to --candidates")
     progress = not args.no_progress
-    probe_kl = None
+    probe_kl = uniform_kl = None
     if args.costs_from is not None:
         costs, cost_kind = costs_from_file(args.costs_from, candidates, geo["num_layers"])
         print(f"layer costs ({cost_kind}) from {args.costs_from}")
@@ -573,13 +573,17 @@ def _cmd_tune(args) -> int:
         del acts
         cost_kind = args.costs
         if cost_kind == "kl":
-            # One run per layer with only that layer quantized by the cheapest candidate: its KL.
-            res = evaluate_perplexity(model, calib, one_layer_configs(cheapest, geo["num_layers"]),
+            # One run per layer with only that layer quantized by the cheapest candidate, and one per
+            # candidate in every layer: their KL on the calibration text.
+            res = evaluate_perplexity(model, calib, {**one_layer_configs(cheapest, geo["num_layers"]),
+                                                     **{f"uniform {c}": c for c in candidates}},
                                       block_size=args.block_size, progress=progress)
             probe_kl = [max(res[f"layer {i}"].kl_mean, 0.0) for i in range(geo["num_layers"])]
-            costs = kl_scaled_costs(costs, candidates.index(cheapest), probe_kl)
+            uniform_kl = [max(res[f"uniform {c}"].kl_mean, 0.0) for c in candidates]
+            costs = candidate_scaled_costs(kl_scaled_costs(costs, candidates.index(cheapest), probe_kl), uniform_kl)
             top = sorted(range(len(probe_kl)), key=lambda i: -probe_kl[i])[:5]
-            print(f"KL of each layer alone under {cheapest}: total {sum(probe_kl):.4g}; largest: " +
+            print(f"KL of each layer alone under {cheapest}: total {sum(probe_kl):.4g} (all layers at once: "
+                  f"{uniform_kl[candidates.index(cheapest)]:.4g}); largest: " +
                   ", ".join(f"layer {i} {probe_kl[i]:.3g}" for i in top))
     layers = choose_schemes(costs, candidates, d, args.budget_bits, block_size=args.block_size)
     bits = mean_bits(layers, d)
@@ -662,6 +666,7 @@ def _cmd_tune(args) -> int:
         budget_bits=args.budget_bits, mean_bits_per_element=bits, candidates=candidates,
         per_layer_choice=layers, chosen=winner or "per-layer (not checked)", select=args.select,
         costs=cost_kind, layer_costs=costs.tolist(), costs_from=args.costs_from, probe_kl=probe_kl,
+        uniform_kl=uniform_kl,
         max_ppl_increase=max_inc, compare=compare, check=check,
         calibration={"tokens": args.calib_tokens, "window": args.window, "start_char": args.start_char,
                      "after_eval_windows": eval_windows})
@@ -797,7 +802,8 @@ def register(subparsers) -> None:
     p.add_argument("--costs", default="attn", choices=("attn", "kl"),
                    help="per-layer cost: attn = the layer's squared relative attention-output error; kl = the same "
                         "scaled by the KL that layer alone adds (one extra run of the calibration text per layer, "
-                        "only that layer quantized by the cheapest candidate)")
+                        "only that layer quantized by the cheapest candidate) and by each candidate's measured KL "
+                        "(one run per candidate in every layer)")
     p.add_argument("--costs-from", default=None, metavar="FILE",
                    help="reuse the layer costs of an earlier tune's file (same model and --candidates) instead of "
                         "measuring them, e.g. to try other budgets")

@@ -12,7 +12,10 @@
    teacher-forced run per layer with only that layer quantized (by the cheapest candidate, the probe)
    gives its KL to the unquantized model, and cost[l, c] = attn[l, c] * KL_l / attn[l, probe]
    (`kl_scaled_costs`). Equal attention errors cost more KL in some layers than in others; the attention
-   error alone cannot see that.
+   error alone cannot see that. Then each candidate's column is scaled so that its sum is the KL measured
+   with that candidate in every layer (`candidate_scaled_costs`; one more run per candidate): per unit of
+   attention error, schemes differ in KL (on SmolLM2 a KVarN 4-bit-key layer costs about half the KL
+   that its attention error, scaled by a KIVI 2-bit probe, predicts).
 3. Check it: teacher-forced perplexity of the per-layer choice and of every uniform candidate that
    fits the same budget, on the same tokens. The per-layer costs are a proxy (each layer's error
    alone, on other text), so the choice can lose to a uniform scheme: whichever configuration has the
@@ -165,6 +168,21 @@ def kl_scaled_costs(attn_costs: np.ndarray, probe: int, probe_kl: Sequence[float
                          "probe with a quantizing candidate")
     # KL of a nearly exact layer can come out a hair below 0 (float rounding): no layer costs less than nothing.
     return attn_costs * (np.maximum(probe_kl, 0.0) / base)[:, None]
+
+
+def candidate_scaled_costs(costs: np.ndarray, uniform_kl: Sequence[float]) -> np.ndarray:
+    """costs with column c scaled so that it sums to uniform_kl[c] (the KL measured with candidate c in
+    every layer): the layer-to-layer shape of each column is kept, its level is measured."""
+    costs = np.asarray(costs, dtype=np.float64)
+    uniform_kl = np.maximum(np.asarray(uniform_kl, dtype=np.float64), 0.0)
+    if costs.ndim != 2 or uniform_kl.shape != (costs.shape[1],):
+        raise ValueError(f"uniform_kl must have one value per candidate ({costs.shape[1:]}), got {uniform_kl.shape}")
+    if not (np.all(np.isfinite(costs)) and np.all(np.isfinite(uniform_kl))):
+        raise ValueError("costs and uniform_kl must be finite")
+    total = costs.sum(axis=0)
+    # A column without cost (an exact passthrough candidate) stays without cost.
+    scale = np.divide(uniform_kl, total, out=np.zeros_like(total), where=total > 0)
+    return costs * scale[None, :]
 
 
 def costs_from_file(path, candidates: Sequence[str], num_layers: int) -> tuple[np.ndarray, str]:
