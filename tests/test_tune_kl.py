@@ -20,13 +20,18 @@ _one_thread = pytest.fixture(autouse=True)(one_torch_thread)
 CANDIDATES = ("int2_g32", "int4", "int8")   # 3.0, 5.0 and 9.0 bits per element at head_dim 32
 
 
+def _cost_shapes(test):
+    """Run `test(layers, cands, seed)` on cost tables of random shapes (values drawn from the seed)."""
+    shapes = given(layers=st.integers(1, 6), cands=st.integers(1, 4), seed=st.integers(0, 2 ** 31 - 1))
+    return settings(max_examples=30, deadline=None)(shapes(test))
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return tiny_model_folder(tmp_path_factory.mktemp("tiny") / "model", num_layers=2, head_dim=32)
 
 
-@settings(max_examples=30, deadline=None)
-@given(layers=st.integers(1, 6), cands=st.integers(1, 4), seed=st.integers(0, 2 ** 31 - 1))
+@_cost_shapes
 def test_kl_scaled_costs_puts_each_layer_on_its_kl_scale(layers, cands, seed):
     rng = np.random.default_rng(seed)
     attn = rng.uniform(0.01, 1.0, (layers, cands))
@@ -63,8 +68,7 @@ def test_kl_scaled_costs_rejects():
     assert kl_scaled_costs(np.ones((1, 2)), 0, [-1e-12]).min() == 0.0
 
 
-@settings(max_examples=30, deadline=None)
-@given(layers=st.integers(1, 6), cands=st.integers(1, 4), seed=st.integers(0, 2 ** 31 - 1))
+@_cost_shapes
 def test_candidate_scaled_costs_match_each_candidates_measured_kl(layers, cands, seed):
     rng = np.random.default_rng(seed)
     costs = rng.uniform(0.01, 1.0, (layers, cands))
