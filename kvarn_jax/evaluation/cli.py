@@ -515,12 +515,17 @@ def _ratio(x) -> str:
 
 
 # ------------------------------------------------------------------------------------------ tune
+def _higher(x: float, than: float) -> str:
+    return f"{100 * (x / than - 1):.2f}% higher" if than > 0 else "higher"
+
+
 def _cmd_tune(args) -> int:
     from .errors import capture_activations
     from ..layer_config import write_layer_config
     from .loading import load_model_and_tokenizer, load_tokenizer, model_geometry
     from .perplexity import REFERENCE, evaluate_perplexity
-    from .tune import bits_per_element, choose_schemes, layer_costs, mean_bits, parse_fraction, pick_winner
+    from .tune import (bits_per_element, candidate_scaled_costs, choose_schemes, costs_from_file, kl_scaled_costs,
+                       layer_costs, mean_bits, one_layer_configs, parse_fraction, pick_winner)
 
     max_inc = parse_fraction(args.max_ppl_increase, "--max-ppl-increase") if args.max_ppl_increase else None
     if max_inc is not None and args.no_verify:
@@ -528,8 +533,17 @@ def _cmd_tune(args) -> int:
     candidates = list(_scheme_entries(args.candidates, "--candidates"))
     if any(not isinstance(c, str) for c in candidates):
         raise ValueError("--candidates takes scheme strings, not layer-scheme files")
-    _check_schemes({c: c for c in candidates}, args.block_size)
+    compare = list(_scheme_entries(args.compare, "--compare")) if args.compare else []
+    if any(not isinstance(c, str) for c in compare):
+        raise ValueError("--compare takes scheme strings, not layer-scheme files")
+    if compare and args.no_verify:
+        raise ValueError("--compare is measured in the check; drop --no-verify")
+    if args.select == "kl" and args.no_verify:
+        raise ValueError("--select kl chooses on the check; drop --no-verify")
+    _check_schemes({c: c for c in candidates + compare}, args.block_size)
     _check_inputs(args, "--out")
+    if args.costs_from is not None:
+        A.existing_file(args.costs_from, "--costs-from")
     if args.calib_tokens % args.window:
         raise ValueError(f"--calib-tokens {args.calib_tokens} must be a multiple of --window {args.window}")
     _setup_torch(args.threads)
@@ -539,19 +553,38 @@ def _cmd_tune(args) -> int:
     # Calibrate on the windows right after the ones the check uses.
     calib, _, _ = _windows(args, tok, args.calib_tokens, offset_windows=eval_windows)
     windows, _, _ = _windows(args, tok, args.tokens) if not args.no_verify else (None, None, None)
-    model, tok, folder = load_model_and_tokenizer(args.model, tokenizer=tok)
+    model, tok, folder = load_model_and_tokenizer(args.model, args.model_dtype, tokenizer=tok)
     geo = model_geometry(model)
     d = geo["head_dim"]
-    _check_schemes({c: c for c in candidates}, args.block_size, geo)
+    _check_schemes({c: c for c in candidates + compare}, args.block_size, geo)
     cheapest = min(candidates, key=lambda c: bits_per_element(c, d))
     if bits_per_element(cheapest, d) > args.budget_bits + 1e-9:
         raise ValueError(f"--budget-bits {args.budget_bits} is below the cheapest candidate {cheapest} "
                          f"({bits_per_element(cheapest, d):.4f} bits per element at head_dim {d}); raise the budget "
                          "or add a cheaper candidate to --candidates")
-    acts = capture_activations(model, calib, block_size=args.block_size)
     progress = not args.no_progress
-    costs = layer_costs(acts, candidates, block_size=args.block_size, progress=progress)
-    del acts
+    probe_kl = uniform_kl = None
+    if args.costs_from is not None:
+        costs, cost_kind = costs_from_file(args.costs_from, candidates, geo["num_layers"])
+        print(f"layer costs ({cost_kind}) from {args.costs_from}")
+    else:
+        acts = capture_activations(model, calib, block_size=args.block_size)
+        costs = layer_costs(acts, candidates, block_size=args.block_size, progress=progress)
+        del acts
+        cost_kind = args.costs
+        if cost_kind == "kl":
+            # One run per layer with only that layer quantized by the cheapest candidate, and one per
+            # candidate in every layer: their KL on the calibration text.
+            res = evaluate_perplexity(model, calib, {**one_layer_configs(cheapest, geo["num_layers"]),
+                                                     **{f"uniform {c}": c for c in candidates}},
+                                      block_size=args.block_size, progress=progress)
+            probe_kl = [max(res[f"layer {i}"].kl_mean, 0.0) for i in range(geo["num_layers"])]
+            uniform_kl = [max(res[f"uniform {c}"].kl_mean, 0.0) for c in candidates]
+            costs = candidate_scaled_costs(kl_scaled_costs(costs, candidates.index(cheapest), probe_kl), uniform_kl)
+            top = sorted(range(len(probe_kl)), key=lambda i: -probe_kl[i])[:5]
+            print(f"KL of each layer alone under {cheapest}: total {sum(probe_kl):.4g} (all layers at once: "
+                  f"{uniform_kl[candidates.index(cheapest)]:.4g}); largest: " +
+                  ", ".join(f"layer {i} {probe_kl[i]:.3g}" for i in top))
     layers = choose_schemes(costs, candidates, d, args.budget_bits, block_size=args.block_size)
     bits = mean_bits(layers, d)
     counts = {c: layers.count(c) for c in sorted(set(layers))}
@@ -566,37 +599,58 @@ def _cmd_tune(args) -> int:
         for u in uniform:
             if layers != [u] * len(layers):
                 configs[f"uniform {u}"] = u
-        res = evaluate_perplexity(model, windows, configs, block_size=args.block_size, progress=progress)
+        n_layers = len(layers)
+        compared = {f"compare {c}": c for c in compare
+                    if not any(s == c or s == [c] * n_layers for s in configs.values())}
+        checked = {**configs, **compared}
+        res = evaluate_perplexity(model, windows, checked, block_size=args.block_size, progress=progress)
         ref = res[REFERENCE]
         check = {}
         for name, r in res.items():
-            cfg_bits = 16.0 if name == REFERENCE else _mean_bits(configs[name], d)
+            cfg_bits = 16.0 if name == REFERENCE else _mean_bits(checked[name], d)
             check[name] = {"ppl": r.ppl, "ppl_increase": r.ppl / ref.ppl - 1, "kl_mean": max(r.kl_mean, 0.0),
                            "top1_agreement": r.top1_agreement, "bits_per_element": cfg_bits}
-        winner = pick_winner({n: v for n, v in check.items() if n != REFERENCE})
-        rows = [[n, f"{v['bits_per_element']:.3f}", f"{v['ppl']:.3f}", _pct(v["ppl_increase"]),
-                 _fmt_small(v["kl_mean"]), f"{100 * v['top1_agreement']:.1f}%", "<- written" if n == winner else ""]
-                for n, v in check.items()]
+        winner = pick_winner({n: v for n, v in check.items() if n in configs}, args.select)
+        # The first --compare scheme is the yardstick: every row's KL as a multiple of its KL.
+        anchor = None
+        if compare:
+            anchor = next(n for n, s in checked.items() if s == compare[0] or s == [compare[0]] * n_layers)
+            for v in check.values():
+                v["kl_vs_compare"] = v["kl_mean"] / check[anchor]["kl_mean"] if check[anchor]["kl_mean"] > 0 else None
+        cols = ["config", "bits/elem", "PPL", "ΔPPL", "KL (nats)"]
+        cols += [f"KL / {compare[0]}'s"] if compare else []
+        rows = []
+        for n, v in check.items():
+            line = [n, f"{v['bits_per_element']:.3f}", f"{v['ppl']:.3f}", _pct(v["ppl_increase"]), _fmt_small(v["kl_mean"])]
+            if compare:
+                line.append("n/a" if v["kl_vs_compare"] is None else f"{v['kl_vs_compare']:.2f}x")
+            rows.append(line + [f"{100 * v['top1_agreement']:.1f}%", "<- written" if n == winner else ""])
         _table(f"check on {windows.shape[0]} x {args.window} tokens (not the calibration text); every uniform "
-               f"candidate within {args.budget_bits} bits on the same tokens",
-               ["config", "bits/elem", "PPL", "ΔPPL", "KL (nats)", "top-1", ""], rows)
-        others = sorted((n for n in check if n not in (REFERENCE, winner)), key=lambda n: check[n]["ppl"])
+               f"candidate within {args.budget_bits} bits" + (" and every --compare scheme" if compare else "") +
+               " on the same tokens", cols + ["top-1", ""], rows)
+        key, what = ("kl_mean", "KL") if args.select == "kl" else ("ppl", "PPL")
+        fmt = (lambda x: f"{x:.4g}") if args.select == "kl" else (lambda x: f"{x:.3f}")
+        others = sorted((n for n in configs if n != winner), key=lambda n: check[n][key])
         w = check[winner]
         if winner == "per-layer":
             if others:
                 o = check[others[0]]
-                print(f"the per-layer choice wins: PPL {w['ppl']:.3f} vs {o['ppl']:.3f} for the best uniform scheme "
-                      f"within the budget, {others[0][len('uniform '):]} ({100 * (o['ppl'] / w['ppl'] - 1):.2f}% "
-                      "higher)")
+                print(f"the per-layer choice wins: {what} {fmt(w[key])} vs {fmt(o[key])} for the best uniform scheme "
+                      f"within the budget, {others[0][len('uniform '):]} ({_higher(o[key], w[key])})")
             else:
                 print("the per-layer choice is the only configuration within the budget")
         else:
             p = check["per-layer"]
             written = [configs[winner]] * len(layers)
             bits = mean_bits(written, d)
-            print(f"{winner} wins: PPL {w['ppl']:.3f} at {w['bits_per_element']:.3f} bits vs the per-layer choice's "
-                  f"{p['ppl']:.3f} at {p['bits_per_element']:.3f} bits ({100 * (p['ppl'] / w['ppl'] - 1):.2f}% "
-                  f"higher): writing {winner} for every layer")
+            print(f"{winner} wins: {what} {fmt(w[key])} at {w['bits_per_element']:.3f} bits vs the per-layer choice's "
+                  f"{fmt(p[key])} at {p['bits_per_element']:.3f} bits ({_higher(p[key], w[key])}): writing {winner} "
+                  "for every layer")
+        if anchor is not None and w["kl_vs_compare"] is not None:
+            a = check[anchor]
+            print(f"written config: KL {w['kl_mean']:.4g} = {w['kl_vs_compare']:.2f}x {compare[0]}'s ({a['kl_mean']:.4g} "
+                  f"at {a['bits_per_element']:.3f} bits), at {w['bits_per_element']:.3f} bits: "
+                  + ("at most" if w["kl_mean"] <= a["kl_mean"] else "MORE than") + f" {compare[0]}'s KL")
         if max_inc is not None and w["ppl_increase"] > max_inc:
             print(f"FAILED: the best configuration within the budget ({winner}) raises perplexity by "
                   f"{100 * w['ppl_increase']:.2f}%, more than --max-ppl-increase {100 * max_inc:.2f}%; nothing "
@@ -607,10 +661,13 @@ def _cmd_tune(args) -> int:
               f"the budget ({', '.join(uniform)}) and may be worse than one of them")
     doc = write_layer_config(
         args.out, written, block_size=args.block_size,
-        model={"name": _display_name(args, folder), **{k: geo[k] for k in ("num_layers", "num_kv_heads", "head_dim")}},
+        model={"name": _display_name(args, folder), "dtype": args.model_dtype,
+               **{k: geo[k] for k in ("num_layers", "num_kv_heads", "head_dim")}},
         budget_bits=args.budget_bits, mean_bits_per_element=bits, candidates=candidates,
-        per_layer_choice=layers, chosen=winner or "per-layer (not checked)",
-        layer_costs=costs.tolist(), max_ppl_increase=max_inc, check=check,
+        per_layer_choice=layers, chosen=winner or "per-layer (not checked)", select=args.select,
+        costs=cost_kind, layer_costs=costs.tolist(), costs_from=args.costs_from, probe_kl=probe_kl,
+        uniform_kl=uniform_kl,
+        max_ppl_increase=max_inc, compare=compare, check=check,
         calibration={"tokens": args.calib_tokens, "window": args.window, "start_char": args.start_char,
                      "after_eval_windows": eval_windows})
     print(f"wrote {args.out} ({len(doc['layers'])} layers, {bits:.4f} bits per element; "
@@ -742,6 +799,22 @@ def register(subparsers) -> None:
     from .tune import DEFAULT_CANDIDATES
     p.add_argument("--candidates", default=",".join(DEFAULT_CANDIDATES), metavar="SCHEMES",
                    help=f"comma-separated candidate schemes {A.list_default(','.join(DEFAULT_CANDIDATES))}")
+    p.add_argument("--costs", default="attn", choices=("attn", "kl"),
+                   help="per-layer cost: attn = the layer's squared relative attention-output error; kl = the same "
+                        "scaled by the KL that layer alone adds (one extra run of the calibration text per layer, "
+                        "only that layer quantized by the cheapest candidate) and by each candidate's measured KL "
+                        "(one run per candidate in every layer)")
+    p.add_argument("--costs-from", default=None, metavar="FILE",
+                   help="reuse the layer costs of an earlier tune's file (same model and --candidates) instead of "
+                        "measuring them, e.g. to try other budgets")
+    p.add_argument("--select", default="ppl", choices=("ppl", "kl"),
+                   help="write the checked configuration with the lowest perplexity or the lowest mean KL to the "
+                        "unquantized model")
+    p.add_argument("--compare", default=None, metavar="SCHEMES",
+                   help="comma-separated schemes of any size measured in the check on the same tokens and reported "
+                        "(never written); every KL is also given as a multiple of the first one's")
+    p.add_argument("--model-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="dtype of the model's weights and activations, as in eval")
     _model_args(p)
     p.add_argument("--calib-tokens", type=A.positive_int, metavar="N", default=1024,
                    help="calibration tokens for the per-layer costs (taken after the checked tokens)")

@@ -8,11 +8,21 @@
    mean_l bits_per_element(c_l) <= budget_bits: a multiple-choice knapsack, solved exactly by dynamic
    programming over block bytes (bits per element include every scale and zero point, like the tables).
    Layers whose keys have outlier channels have higher costs at low bits, so they get more bits.
+   With costs "kl" the attention errors are first put on the scale of the model's output: one
+   teacher-forced run per layer with only that layer quantized (by the cheapest candidate, the probe)
+   gives its KL to the unquantized model, and cost[l, c] = attn[l, c] * KL_l / attn[l, probe]
+   (`kl_scaled_costs`). Equal attention errors cost more KL in some layers than in others; the attention
+   error alone cannot see that. Then each candidate's column is scaled so that its sum is the KL measured
+   with that candidate in every layer (`candidate_scaled_costs`; one more run per candidate): per unit of
+   attention error, schemes differ in KL (on SmolLM2 a KVarN 4-bit-key layer costs about half the KL
+   that its attention error, scaled by a KIVI 2-bit probe, predicts).
 3. Check it: teacher-forced perplexity of the per-layer choice and of every uniform candidate that
    fits the same budget, on the same tokens. The per-layer costs are a proxy (each layer's error
    alone, on other text), so the choice can lose to a uniform scheme: whichever configuration has the
-   lowest perplexity is written (`pick_winner`), and the command says which won and by how much. With
-   `max_ppl_increase`, a winner that misses it is reported as a failure and nothing is written.
+   lowest perplexity (or KL, `select="kl"`) is written (`pick_winner`), and the command says which won
+   and by how much. Comparison schemes of any size (e.g. the scheme the budget is meant to beat) are
+   measured on the same tokens and reported, never written. With `max_ppl_increase`, a winner that
+   misses it is reported as a failure and nothing is written.
 
 The result is a layer-scheme file (`kvarn_jax/layer_config.py`), read back by `load_layer_config`.
 """
@@ -117,11 +127,84 @@ def mean_bits(layers: Sequence[str], head_dim: int) -> float:
     return float(np.mean([bits_per_element(s, head_dim) for s in layers]))
 
 
-def pick_winner(check: dict) -> str:
-    """The name of the configuration to write: lowest perplexity, then fewest bits.
+SELECT_KEYS = {"ppl": "ppl", "kl": "kl_mean"}
 
-    check: {name: {"ppl": float, "bits_per_element": float, ...}} measured on the same tokens.
+
+def pick_winner(check: dict, select: str = "ppl") -> str:
+    """The name of the configuration to write: lowest perplexity (select="ppl") or mean KL to the
+    unquantized model (select="kl"), then fewest bits.
+
+    check: {name: {"ppl": float, "kl_mean": float, "bits_per_element": float, ...}} measured on the same tokens.
     """
+    if select not in SELECT_KEYS:
+        raise ValueError(f"select must be one of {sorted(SELECT_KEYS)}, got {select!r}")
     if not check:
         raise ValueError("check is empty: nothing to choose from")
-    return min(check, key=lambda n: (check[n]["ppl"], check[n]["bits_per_element"]))
+    key = SELECT_KEYS[select]
+    return min(check, key=lambda n: (check[n][key], check[n]["bits_per_element"]))
+
+
+def one_layer_configs(scheme: str, num_layers: int) -> dict:
+    """{"layer i": per-layer list with only layer i quantized by `scheme`, the others exact (None)}."""
+    return {f"layer {i}": [scheme if j == i else None for j in range(num_layers)] for i in range(num_layers)}
+
+
+def kl_scaled_costs(attn_costs: np.ndarray, probe: int, probe_kl: Sequence[float]) -> np.ndarray:
+    """cost[l, c] = attn_costs[l, c] * probe_kl[l] / attn_costs[l, probe]: each layer's attention errors
+    in units of the KL that layer alone adds under the probe candidate (a small perturbation's KL is
+    quadratic in it, as the squared attention error is, so the ratio carries over to the other
+    candidates of the layer)."""
+    attn_costs = np.asarray(attn_costs, dtype=np.float64)
+    probe_kl = np.asarray(probe_kl, dtype=np.float64)
+    if attn_costs.ndim != 2 or not 0 <= probe < attn_costs.shape[1]:
+        raise ValueError(f"probe {probe} is not a column of costs {attn_costs.shape}")
+    if probe_kl.shape != (attn_costs.shape[0],):
+        raise ValueError(f"probe_kl must have one value per layer ({attn_costs.shape[0]}), got {probe_kl.shape}")
+    if not (np.all(np.isfinite(probe_kl)) and np.all(np.isfinite(attn_costs))):
+        raise ValueError("costs and probe_kl must be finite")
+    base = attn_costs[:, probe]
+    if np.any(base <= 0):
+        raise ValueError(f"the probe candidate has no attention error in layers {np.flatnonzero(base <= 0).tolist()}: "
+                         "probe with a quantizing candidate")
+    # KL of a nearly exact layer can come out a hair below 0 (float rounding): no layer costs less than nothing.
+    return attn_costs * (np.maximum(probe_kl, 0.0) / base)[:, None]
+
+
+def candidate_scaled_costs(costs: np.ndarray, uniform_kl: Sequence[float]) -> np.ndarray:
+    """costs with column c scaled so that it sums to uniform_kl[c] (the KL measured with candidate c in
+    every layer): the layer-to-layer shape of each column is kept, its level is measured."""
+    costs = np.asarray(costs, dtype=np.float64)
+    uniform_kl = np.maximum(np.asarray(uniform_kl, dtype=np.float64), 0.0)
+    if costs.ndim != 2 or uniform_kl.shape != (costs.shape[1],):
+        raise ValueError(f"uniform_kl must have one value per candidate ({costs.shape[1:]}), got {uniform_kl.shape}")
+    if not (np.all(np.isfinite(costs)) and np.all(np.isfinite(uniform_kl))):
+        raise ValueError("costs and uniform_kl must be finite")
+    total = costs.sum(axis=0)
+    # A column without cost (an exact passthrough candidate) stays without cost.
+    scale = np.divide(uniform_kl, total, out=np.zeros_like(total), where=total > 0)
+    return costs * scale[None, :]
+
+
+def costs_from_file(path, candidates: Sequence[str], num_layers: int) -> tuple[np.ndarray, str]:
+    """(layer costs, their kind "attn" or "kl") a previous `tune` wrote, for the same candidates and layer
+    count."""
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        try:
+            doc = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--costs-from {str(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(doc, dict) or "layer_costs" not in doc or "candidates" not in doc:
+        raise ValueError(f"--costs-from {str(path)!r} has no layer_costs and candidates (a file written by tune)")
+    names = [kj.parse(c).name for c in candidates]
+    if [kj.parse(c).name for c in doc["candidates"]] != names:
+        raise ValueError(f"--costs-from {str(path)!r} was measured for candidates {doc['candidates']}, not {names}: "
+                         "give the same --candidates in the same order")
+    costs = np.asarray(doc["layer_costs"], dtype=np.float64)
+    if costs.shape != (num_layers, len(names)):
+        raise ValueError(f"--costs-from {str(path)!r} has costs of shape {costs.shape}, the model and candidates "
+                         f"need {(num_layers, len(names))}")
+    if not np.all(np.isfinite(costs)):
+        raise ValueError(f"--costs-from {str(path)!r} has non-finite costs")
+    return costs, doc.get("costs", "attn")
