@@ -984,7 +984,17 @@ def _decode_rows_served(bound, query, plan, scale, out):
 
 # the fused decode step's input buffers and their JAX imports (`_qkv`, `_hp_rows`), made once per
 # shape: importing a tensor costs more than copying into one
-_QKV: dict = {}
+_IMPORTED: dict = {}
+
+
+def _imported(key, make):
+    """(torch buffer, JAX import of its view) for `key`, made once: make() -> (buffer, the view to
+    import), run outside vLLM's inference mode (the buffer outlives it)."""
+    if key not in _IMPORTED:
+        with torch.inference_mode(False):
+            buf, view = make()
+        _IMPORTED[key] = (buf, jax.dlpack.from_dlpack(view))
+    return _IMPORTED[key]
 
 
 def _qkv(query, key, value, nd: int, bb: int):
@@ -996,12 +1006,8 @@ def _qkv(query, key, value, nd: int, bb: int):
     on the CPU runs it synchronously, and its outputs are read before the layer returns)."""
     hq, hk, d = query.shape[1], key.shape[1], query.shape[2]
     w = hq + 2 * hk
-    k_ = (str(query.device), bb, w, d, query.dtype)
-    if k_ not in _QKV:
-        with torch.inference_mode(False):  # outlives vLLM's inference mode
-            buf = torch.zeros((bb, w, d), dtype=query.dtype, device=query.device)
-        _QKV[k_] = (buf, jax.dlpack.from_dlpack(buf))
-    buf, arr = _QKV[k_]
+    buf, arr = _imported(("qkv", str(query.device), bb, w, d, query.dtype),
+                         lambda: (torch.zeros((bb, w, d), dtype=query.dtype, device=query.device),) * 2)
     size = query.element_size()
     adjacent = key.data_ptr() == query.data_ptr() + hq * d * size and value.data_ptr() == key.data_ptr() + hk * d * size
     if adjacent and key.dtype == query.dtype == value.dtype and \
@@ -1019,13 +1025,12 @@ def _hp_rows(bound: BoundCache, pooled):
     lay = bound.layout
     b, per = pooled.hp_src.shape
     vd = bound.rows.dtype
-    k_ = ("hp", str(bound.buffer.device), b, per, pooled.unit, vd, lay.num_kv_heads, lay.block_size, lay.head_dim)
-    if k_ not in _QKV:
-        with torch.inference_mode(False):
-            buf = torch.zeros((b * per, pooled.unit), dtype=torch.uint8, device=bound.buffer.device)
-        arr = jax.dlpack.from_dlpack(buf.view(vd).view(b, 4, lay.num_kv_heads, lay.block_size, lay.head_dim))
-        _QKV[k_] = (buf, arr)
-    buf, arr = _QKV[k_]
+    key = ("hp", str(bound.buffer.device), b, per, pooled.unit, vd, lay.num_kv_heads, lay.block_size, lay.head_dim)
+
+    def make():
+        buf = torch.zeros((b * per, pooled.unit), dtype=torch.uint8, device=bound.buffer.device)
+        return buf, buf.view(vd).view(b, 4, lay.num_kv_heads, lay.block_size, lay.head_dim)
+    buf, arr = _imported(key, make)
     torch.index_select(pooled.buffer_units, 0, pooled.hp_src.view(-1), out=buf)
     return arr
 
