@@ -86,3 +86,22 @@ def test_quantize_kernel_inline_asm(scheme, monkeypatch):
         assert all("tensor<" in line.split(":")[-1] for line in asm), [line for line in asm if "tensor<" not in line]
         assert any("lg2.approx.f32" in line for line in asm) == (cfg.method == "kvarn")
         assert any("div.rn.f32" in line for line in asm) == (cfg.method != "kvarn")
+
+
+@pytest.mark.parametrize("scheme", ["kvarn_k4v2_g128", "kivi_k2v2_g128", "int8", "int4", "fp8", "bf16"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_wide_cache_decode_lowers_for_cuda(scheme, dtype):
+    """bf16/fp32 caches take the wide products (operands narrowed to fp16 by a power of two, once per
+    operand: `layout.Narrowed`): that path lowers too, for the default launch and tokens/heads-major."""
+    cfg = kj.parse(scheme)
+    bs = max(cfg.tile_tokens, 32)
+    cache = kj.PagedKVCache.create(scheme, num_blocks=8, block_size=bs, num_kv_heads=2, head_dim=128, max_seqs=2,
+                                   dtype=dtype)
+    args = (jnp.zeros((2, 8, 128), jnp.float32), cache, jnp.zeros((2, 4), jnp.int32),
+            jnp.full((2,), 3 * bs + 1, jnp.int32), jnp.arange(2, dtype=jnp.int32))
+    for launch in (pdp.Launch(), pdp.Launch(num_splits=2, orient="heads"), pdp.Launch(sums="mma")):
+        if launch is not None and launch.sums and cfg.method not in ("kvarn", "kivi"):
+            continue
+        fn = lambda q, c, t, l, s, launch=launch: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1,  # noqa: E731
+                                                                          window=None, launch=launch)
+        assert f"kvarn_paged_decode_{cfg.name}" in lower_for_cuda(fn, *args)

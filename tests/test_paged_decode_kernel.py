@@ -670,3 +670,24 @@ def test_tpu_kernel_argument_errors(rng):
     if jax.default_backend() != "tpu":
         with pytest.raises(ValueError, match="compiles for TPUs only"):
             kj.paged_decode_attention(q, cache, bt, sl, impl="pallas", kernel="tpu", interpret=False)
+
+
+def test_narrowed_operands_equal_per_product_scaling(rng):
+    """A bf16/fp32 cache's operand narrowed once (`layout.narrow`) gives every product exactly what
+    scaling it inside each product gives, values beyond fp16's range included; small products
+    (broadcast multiply and sum) see the unrounded operand."""
+    from kvarn_jax.attention.paged_decode_pallas import layout
+    a = jnp.asarray(rng.standard_normal((16, 64)) * np.where(rng.random((16, 64)) < 0.05, 3e5, 1.0), jnp.float32)
+    codes = jnp.asarray(rng.integers(0, 16, (32, 64)), jnp.float16)
+    n = layout.narrow(a)
+    assert float(jnp.max(jnp.abs(n.x16.astype(jnp.float32)))) <= 65504.0
+    want = layout.dot_t(a, codes, wide=True)
+    np.testing.assert_array_equal(np.asarray(layout.dot_t(n, codes, wide=True)), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(layout.dot_t(codes, n, wide=True)), np.asarray(layout.dot_t(codes, a, wide=True)))
+    assert np.isfinite(np.asarray(want)).all()
+    exact = np.asarray(a, np.float64) @ np.asarray(codes, np.float64).T
+    np.testing.assert_allclose(np.asarray(want), exact, rtol=0, atol=2e-3 * np.abs(exact).max())
+    small = jnp.asarray(rng.integers(0, 4, (8, 64)), jnp.float16)  # N = 8 < 16: the broadcast path
+    np.testing.assert_array_equal(np.asarray(layout.dot_t(n, small, wide=True)),
+                                  np.asarray(layout.dot_t(a, small, wide=True)))
+    assert layout.narrow(codes).scale is None

@@ -37,15 +37,66 @@ def chunk_scale(x):
     return jnp.exp2(jnp.minimum(0.0, 14.0 - top))
 
 
-def _operands(a, b, wide: bool):
-    """(a, b) as fp16 and the factor to divide their product by. wide (a bf16/fp32 cache, whose
-    values may exceed fp16): an operand not already fp16 (codes are) enters scaled by `chunk_scale`,
-    so that its largest values keep fp16's precision instead of becoming inf; exact otherwise."""
+class Narrowed:
+    """An operand brought into fp16 once for several products: x16 = fp16(x * scale), `scale` a
+    power of two (None: x16 is x itself, rounded). A bf16/fp32 cache's operand used by more than one
+    product (the scaled query of a tile's token classes, the scaled probabilities of its value
+    planes) is narrowed here once instead of by each product (`_operands`), which costs a
+    reduction over the whole operand per product."""
+
+    __slots__ = ("x16", "scale", "x")
+
+    def __init__(self, x16, scale=None, x=None):
+        self.x16, self.scale, self.x = x16, scale, x16 if x is None else x
+
+    @property
+    def shape(self):
+        return self.x16.shape
+
+    def rounded(self):
+        """The operand in fp32 as the matrix products see it (rounded, the scale removed)."""
+        x = self.x16.astype(jnp.float32)
+        return x if self.scale is None else x / self.scale
+
+
+def narrow(x) -> Narrowed:
+    """x as an fp16 operand scaled by `chunk_scale` (values beyond fp16's range kept, see `_operands`)."""
+    if x.dtype == jnp.float16:
+        return Narrowed(x)
+    s = chunk_scale(x)
+    return Narrowed(f16_sat(x * s), s, x)
+
+
+def _operand(x, wide: bool):
+    """(x as fp16, its scale or None) for a product; `Narrowed` operands as they are."""
+    if isinstance(x, Narrowed):
+        return x.x16, x.scale
     if not wide:
-        return f16(a), f16(b), None
-    sa = 1.0 if a.dtype == jnp.float16 else chunk_scale(a)
-    sb = 1.0 if b.dtype == jnp.float16 else chunk_scale(b)
-    return f16_sat(a * sa), f16_sat(b * sb), sa * sb
+        return f16(x), None
+    if x.dtype == jnp.float16:
+        return x, None
+    n = narrow(x)
+    return n.x16, n.scale
+
+
+def _operands(a, b, wide: bool):
+    """(a, b) as fp16 and the factor to divide their product by (None: 1). wide (a bf16/fp32 cache,
+    whose values may exceed fp16): an operand not already fp16 (codes are) enters scaled by
+    `chunk_scale`, so that its largest values keep fp16's precision instead of becoming inf; exact
+    otherwise. A `Narrowed` operand brings its own scale."""
+    (a, sa), (b, sb) = _operand(a, wide), _operand(b, wide)
+    s = sa if sb is None else (sb if sa is None else sa * sb)
+    return a, b, s
+
+
+def _f32(x):
+    """fp32 operand of a small product (a broadcast multiply and sum: no rounding to fp16)."""
+    return (x.x if isinstance(x, Narrowed) else x).astype(jnp.float32)
+
+
+def _rounded(x):
+    """fp32 of an operand as the matrix products see it (fp16, or `Narrowed`)."""
+    return x.rounded() if isinstance(x, Narrowed) else x.astype(jnp.float32)
 
 
 def _unscale(y, s):
@@ -59,7 +110,7 @@ def dot(a, b, min_n: int = 16, wide: bool = False):
     says otherwise); smaller products are computed as a broadcast multiply and sum instead.
     """
     if min(a.shape[0], a.shape[1]) < 16 or b.shape[1] < min_n:
-        return jnp.sum(a.astype(jnp.float32)[:, :, None] * b.astype(jnp.float32)[None, :, :], axis=1)
+        return jnp.sum(_f32(a)[:, :, None] * _f32(b)[None, :, :], axis=1)
     a, b, s = _operands(a, b, wide)
     return _unscale(jnp.dot(a, b, preferred_element_type=jnp.float32), s)
 
@@ -67,7 +118,7 @@ def dot(a, b, min_n: int = 16, wide: bool = False):
 def dot_t(a, b, min_n: int = 16, wide: bool = False):
     """[M, K] @ [N, K]^T in fp16 with fp32 accumulation (see `dot` for small shapes and `wide`)."""
     if min(a.shape[0], a.shape[1]) < 16 or b.shape[0] < min_n:
-        return jnp.sum(a.astype(jnp.float32)[:, None, :] * b.astype(jnp.float32)[None, :, :], axis=2)
+        return jnp.sum(_f32(a)[:, None, :] * _f32(b)[None, :, :], axis=2)
     a, b, s = _operands(a, b, wide)
     return _unscale(lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32), s)
 
@@ -75,7 +126,7 @@ def dot_t(a, b, min_n: int = 16, wide: bool = False):
 def dot_tn(a, b, min_n: int = 16, wide: bool = False):
     """[K, M]^T @ [K, N] in fp16 with fp32 accumulation (see `dot` for small shapes and `wide`)."""
     if min(a.shape[0], a.shape[1]) < 16 or b.shape[1] < min_n:
-        return jnp.sum(a.astype(jnp.float32)[:, :, None] * b.astype(jnp.float32)[:, None, :], axis=0)
+        return jnp.sum(_f32(a)[:, :, None] * _f32(b)[:, None, :], axis=0)
     a, b, s = _operands(a, b, wide)
     return _unscale(lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32), s)
 
@@ -177,7 +228,7 @@ class LayoutPlan:
         # products, which bring each into fp16's range by a power of two (`_operands`); the query
         # itself is rounded as always (`f16_sat`). fp16 caches: every operand rounded to fp16 here.
         self.wide = wide
-        self.f16 = (lambda x: x) if wide else f16
+        self.f16 = narrow if wide else f16
         self.dot, self.dot_t, self.dot_tn = (functools.partial(fn, wide=wide) for fn in (dot, dot_t, dot_tn))
         # fold: which products take biased codes (`launch.Launch`: "none", "keys" or "all")
         self.fold, self.value_fold, self.sums = fold in ("keys", "all"), fold == "all", sums
@@ -339,7 +390,7 @@ class LayoutPlan:
             srows = self.dot(ones, p16, min_n=8) if self.value_fold else None
             return [zrows - m * srows if self.value_fold else zrows for m in magic]
         zp = jnp.sum(pz, axis=0)[None, :]
-        psum = jnp.sum(p16.astype(jnp.float32), axis=0)[None, :] if self.value_fold else None
+        psum = jnp.sum(_rounded(p16), axis=0)[None, :] if self.value_fold else None
         return [zp - m * psum if self.value_fold else zp for m in magic]
 
     # ---------------------------------------------------------------- tokens-major (tiled schemes)
@@ -364,7 +415,7 @@ class LayoutPlan:
         # operand's sum; the product's own `sums="mma"` form is)
         if not (self.fold and not self.k_whole) or (self.wide and self.sums == "reduce"):
             return qs, zero, None
-        return qs, zero, qs if self.sums == "mma" else jnp.sum(qs.astype(jnp.float32), axis=1)[None, :]
+        return qs, zero, qs if self.sums == "mma" else jnp.sum(_rounded(qs), axis=1)[None, :]
 
     def tile_scores(self, qside, pages, blk, sub, part=0, parts: int = 1, tok_scales=None):
         """Tokens-major scores of a tiled scheme: list over token classes j of [T / kc, Gp] (tokens
