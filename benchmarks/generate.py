@@ -171,14 +171,17 @@ def run_one(model, scheme: str, prompts, args):
     ctxs = range(len(prompts[0]) + 1, max_len)
     kv = np.mean([decode_read_bytes(scheme, c, block_size=args.block_size, num_kv_heads=cfg.num_kv_heads,
                                     head_dim=cfg.head_dim, dtype=model.dtype) for c in ctxs])
+    # sequences per decode-only step: the batch, unless --prefill-batch lets sequences join (and finish)
+    # a group at a time, when the decode-only steps hold fewer; the floor reads what the steps held
+    seqs = st.decode_tokens / max(1, st.decode_calls)
     # per device under tensor parallelism: each reads its share of the split weights and of the cache
-    floor_bytes = (weight_bytes_read(model) + b * cfg.num_layers * kv) / args.tensor_parallel
+    floor_bytes = (weight_bytes_read(model) + seqs * cfg.num_layers * kv) / args.tensor_parallel
     ms = 1000 * st.decode_s / max(1, st.decode_calls)
     floor_ms = 1000 * floor_bytes / args.bandwidth
     row.update({
         "prefill_tokens_per_s": st.prefill_tokens / st.prefill_s, "decode_tokens_per_s": st.decode_tokens / st.decode_s,
         "decode_ms_per_step": ms, "floor_ms_per_step": floor_ms, "floor_share": floor_ms / ms,
-        "kv_bytes_per_step": b * cfg.num_layers * kv, "prefill_s": st.prefill_s, "decode_s": st.decode_s,
+        "kv_bytes_per_step": seqs * cfg.num_layers * kv, "decode_seqs_per_step": seqs, "prefill_s": st.prefill_s, "decode_s": st.decode_s,
         "wall_s": wall, "decode_steps": st.decode_calls, "decode_ms_per_step_runs": [r[0] for r in runs], "commit_calls": st.commit_calls,
         # tokens decoded in steps that also prefilled (with --prefill-batch below the batch): not in the
         # decode rate, whose time excludes those steps
