@@ -13,8 +13,9 @@ with `--repeats N`, N timed generations and the fastest decode kept (a shared CP
 
 Per row: prefill and decode tokens/s, decode ms per step, the step's byte floor - the weights read
 once plus the KV bytes one decode step must read (`kvarn_jax.cache.memory.decode_read_bytes`: quantized
-pages, high-precision sink and tail), averaged over the run's contexts, at --bandwidth (4.3 TB/s: a
-device-to-device copy on the H200) - and the share of it reached, and decode tokens/s against fp16's.
+pages, high-precision sink and tail), averaged over the run's contexts, at --bandwidth (default: a
+device-to-device copy measured at start, as `decode.py` does; 4.3 TB/s on the H200, 3.0 on an
+H100) - and the share of it reached, and decode tokens/s against fp16's.
 `--tensor-parallel N` runs the engine over N devices (heads, KV-cache heads and MLP units split;
 the floor is then a device's share, replicated embeddings counted whole). A scheme whose cache does
 not fit on the device is refused by the engine at start; the row records
@@ -51,6 +52,7 @@ from kvarn_jax.cache.memory import decode_read_bytes
 from kvarn_jax.models import ARCHITECTURES
 from kvarn_jax.models.llama import Decoder
 from kvarn_jax.serving import Engine, SamplingParams
+from timing import copy_bandwidth
 
 DEFAULT_SCHEMES = "fp16,kvarn_k4v2_g128,kvarn_k4v4_g128,int8,int4,fp8"
 
@@ -221,7 +223,8 @@ def main(argv=None) -> int:
     p.add_argument("--random-weights", action="store_true", help="random smollm2-135m weights (same as --config "
                                                                  "smollm2-135m)")
     p.add_argument("--num-layers", type=int, help="override the architecture's depth (random weights only)")
-    p.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s of the byte floor")
+    p.add_argument("--bandwidth", type=float, default=None,
+                   help="bytes/s of the byte floor (default: a device-to-device copy, measured at start)")
     p.add_argument("--seed", type=int, default=0, help="weights and prompts")
     p.add_argument("--repeats", type=int, default=1, help="timed generations per row after the warm-up; the row is "
                    "the one with the fastest decode (on a shared machine, the least disturbed)")
@@ -244,6 +247,9 @@ def main(argv=None) -> int:
     device = str(jax.devices()[0].device_kind)
     print(f"device: {device} ({backend}), jax {jax.__version__}; model: {weights}; dtype {dtype}; "
           f"prompt {args.prompt_len} + {args.new_tokens} new tokens; block size {args.block_size}", flush=True)
+    if args.bandwidth is None:
+        args.bandwidth = copy_bandwidth()
+        print(f"byte floors at the measured copy bandwidth: {args.bandwidth / 1e12:.2f} TB/s", flush=True)
     rng = np.random.default_rng(args.seed)
     rows = []
     for b in batches:
@@ -289,7 +295,7 @@ def main(argv=None) -> int:
             commit = ""
         env = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": device, "backend": backend,
                "jax": jax.__version__, "python": platform.python_version(), "commit": commit, "weights": weights,
-               "dtype": dtype, "argv": sys.argv[1:] if argv is None else list(argv),
+               "dtype": dtype, "bandwidth_Bps": args.bandwidth, "argv": sys.argv[1:] if argv is None else list(argv),
                "config": dataclasses.asdict(cfg)}
         with open(args.json, "w") as f:
             json.dump({"env": env, "rows": rows}, f, indent=2)
