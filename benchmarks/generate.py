@@ -13,9 +13,9 @@ with `--repeats N`, N timed generations and the fastest decode kept (a shared CP
 
 Per row: prefill and decode tokens/s, decode ms per step, the step's byte floor - the weights read
 once plus the KV bytes one decode step must read (`kvarn_jax.cache.memory.decode_read_bytes`: quantized
-pages, high-precision sink and tail), averaged over the run's contexts, at --bandwidth (default: a
-device-to-device copy measured at start, as `decode.py` does; 4.3 TB/s on the H200, 3.0 on an
-H100) - and the share of it reached, and decode tokens/s against fp16's.
+pages, high-precision sink and tail), averaged over the run's contexts, at --bandwidth (default on a GPU: a
+device-to-device copy measured at start, as `decode.py` does - 4.3 TB/s on the H200, 3.0 on an
+H100; none on a CPU, whose caches hold a small model's bytes) - and the share of it reached, and decode tokens/s against fp16's.
 `--tensor-parallel N` runs the engine over N devices (heads, KV-cache heads and MLP units split;
 the floor is then a device's share, replicated embeddings counted whole). A scheme whose cache does
 not fit on the device is refused by the engine at start; the row records
@@ -179,10 +179,10 @@ def run_one(model, scheme: str, prompts, args):
     # per device under tensor parallelism: each reads its share of the split weights and of the cache
     floor_bytes = (weight_bytes_read(model) + seqs * cfg.num_layers * kv) / args.tensor_parallel
     ms = 1000 * st.decode_s / max(1, st.decode_calls)
-    floor_ms = 1000 * floor_bytes / args.bandwidth
+    floor_ms = 1000 * floor_bytes / args.bandwidth if args.bandwidth else None
     row.update({
         "prefill_tokens_per_s": st.prefill_tokens / st.prefill_s, "decode_tokens_per_s": st.decode_tokens / st.decode_s,
-        "decode_ms_per_step": ms, "floor_ms_per_step": floor_ms, "floor_share": floor_ms / ms,
+        "decode_ms_per_step": ms, "floor_ms_per_step": floor_ms, "floor_share": floor_ms / ms if floor_ms else None,
         "kv_bytes_per_step": seqs * cfg.num_layers * kv, "decode_seqs_per_step": seqs, "prefill_s": st.prefill_s, "decode_s": st.decode_s,
         "wall_s": wall, "decode_steps": st.decode_calls, "decode_ms_per_step_runs": [r[0] for r in runs], "commit_calls": st.commit_calls,
         # tokens decoded in steps that also prefilled (with --prefill-batch below the batch): not in the
@@ -199,6 +199,13 @@ def run_one(model, scheme: str, prompts, args):
     del engine
     gc.collect()
     return row
+
+
+def _floor(row, lead: str, sep: str = " ms: ") -> str:
+    """The row's byte floor and the share of it reached, as text ('' or '- | -' without a floor)."""
+    if row["floor_ms_per_step"] is None:
+        return "" if lead else "-" + sep + "-"
+    return f"{lead}{row['floor_ms_per_step']:.2f}{sep}{100 * row['floor_share']:.0f}%"
 
 
 def main(argv=None) -> int:
@@ -247,9 +254,11 @@ def main(argv=None) -> int:
     device = str(jax.devices()[0].device_kind)
     print(f"device: {device} ({backend}), jax {jax.__version__}; model: {weights}; dtype {dtype}; "
           f"prompt {args.prompt_len} + {args.new_tokens} new tokens; block size {args.block_size}", flush=True)
-    if args.bandwidth is None:
+    if args.bandwidth is None and backend == "gpu":
         args.bandwidth = copy_bandwidth()
         print(f"byte floors at the measured copy bandwidth: {args.bandwidth / 1e12:.2f} TB/s", flush=True)
+    elif args.bandwidth is None:  # a CPU's caches hold small models' bytes: no meaningful floor
+        print("no byte floor on this backend (pass --bandwidth for one)", flush=True)
     rng = np.random.default_rng(args.seed)
     rows = []
     for b in batches:
@@ -265,8 +274,7 @@ def main(argv=None) -> int:
                 base = row
             row["decode_vs_fp16"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"] if base else None
             print(f"  batch {b:>3} {s:<18} [{row['decode_attention']}] prefill {row['prefill_tokens_per_s']:>9.0f} tok/s  decode "
-                  f"{row['decode_tokens_per_s']:>9.1f} tok/s ({row['decode_ms_per_step']:.2f} ms/step, floor "
-                  f"{row['floor_ms_per_step']:.2f} ms: {100 * row['floor_share']:.0f}%)"
+                  f"{row['decode_tokens_per_s']:>9.1f} tok/s ({row['decode_ms_per_step']:.2f} ms/step{_floor(row, ', floor ')})"
                   + (f"  {row['decode_vs_fp16']:.2f}x fp16" if row["decode_vs_fp16"] else "")
                   + f"  KV {row['kv_capacity_vs_fp16']:.2f}x fp16"
                   + (f", {row['kv_bytes_per_device'] / 2 ** 30:.2f} GiB per device x {row['devices']}"
@@ -286,7 +294,7 @@ def main(argv=None) -> int:
             continue
         vs = f"{r['decode_vs_fp16']:.2f}x" if r.get("decode_vs_fp16") else "-"
         print(f"| {r['batch']} | {r['scheme']} | {r['decode_attention']} | {r['decode_tokens_per_s']:.1f} | {r['decode_ms_per_step']:.2f} | "
-              f"{r['floor_ms_per_step']:.2f} | {100 * r['floor_share']:.0f}% | {vs} | {r['prefill_tokens_per_s']:.0f} |")
+              f"{_floor(r, '', ' | ')} | {vs} | {r['prefill_tokens_per_s']:.0f} |")
     if args.json:
         try:
             commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
