@@ -52,7 +52,6 @@ from kvarn_jax.cache.memory import decode_read_bytes
 from kvarn_jax.models import ARCHITECTURES
 from kvarn_jax.models.llama import Decoder
 from kvarn_jax.serving import Engine, SamplingParams
-from timing import copy_bandwidth
 
 DEFAULT_SCHEMES = "fp16,kvarn_k4v2_g128,kvarn_k4v4_g128,int8,int4,fp8"
 
@@ -255,6 +254,7 @@ def main(argv=None) -> int:
     print(f"device: {device} ({backend}), jax {jax.__version__}; model: {weights}; dtype {dtype}; "
           f"prompt {args.prompt_len} + {args.new_tokens} new tokens; block size {args.block_size}", flush=True)
     if args.bandwidth is None and backend == "gpu":
+        from timing import copy_bandwidth  # benchmarks/timing.py, beside this script
         args.bandwidth = copy_bandwidth()
         print(f"byte floors at the measured copy bandwidth: {args.bandwidth / 1e12:.2f} TB/s", flush=True)
     elif args.bandwidth is None:  # a CPU's caches hold small models' bytes: no meaningful floor

@@ -206,7 +206,8 @@ def test_generation_benchmark_cpu_smoke(tmp_path, capsys):
     spec.loader.exec_module(bench)
     out = tmp_path / "gen.json"
     rc = bench.main(["--config", "smollm2-135m", "--num-layers", "2", "--prompt-len", "64", "--batch", "1,2",
-                     "--new-tokens", "4", "--kv-cache-dtype", "int8,fp16", "--repeats", "2", "--json", str(out)])
+                     "--new-tokens", "4", "--kv-cache-dtype", "int8,fp16", "--repeats", "2", "--json", str(out),
+                     "--bandwidth", "4.3e12"])
     assert rc == 0
     text = capsys.readouterr().out
     res = json.loads(out.read_text())
@@ -221,6 +222,7 @@ def test_generation_benchmark_cpu_smoke(tmp_path, capsys):
         assert len(r["decode_ms_per_step_runs"]) == 2 and r["decode_ms_per_step"] == min(r["decode_ms_per_step_runs"])
         assert 0 < r["floor_ms_per_step"] and r["floor_share"] == pytest.approx(r["floor_ms_per_step"]
                                                                                 / r["decode_ms_per_step"])
+        assert r["decode_seqs_per_step"] == b  # the whole batch prefilled at once: every decode step holds it
         base = rows[(b, "fp16")]["decode_tokens_per_s"]
         assert r["decode_vs_fp16"] == pytest.approx(r["decode_tokens_per_s"] / base)
         # 2 layers x b sequences x 68 tokens: one 128-token page each in fp16; an int8 pool holds them in
@@ -228,3 +230,6 @@ def test_generation_benchmark_cpu_smoke(tmp_path, capsys):
         blocks = b if s == "fp16" else 1 + 2 * b
         assert r["kv_fp16_bytes"] == 2 * blocks * 128 * HEADS * D * 2 * 2
     assert rows[(2, "int8")]["kv_total_bytes"] != rows[(2, "fp16")]["kv_total_bytes"]
+    assert res["env"]["bandwidth_Bps"] == 4.3e12
+    # without --bandwidth a CPU run has no floor, and the table says so rather than printing a number
+    assert bench._floor({"floor_ms_per_step": None}, "", " | ") == "- | -" and bench._floor({"floor_ms_per_step": None}, ", floor ") == ""
