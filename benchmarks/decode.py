@@ -115,6 +115,9 @@ def variant_kwargs(var: str, scheme: str) -> dict | None:
     m = re.fullmatch(r"fold-(none|keys|all)", var)  # the defaults with this fold (`Launch.fold`)
     if m:
         return None if kj.parse(scheme).method == "fp8" else {"fold": m.group(1)}
+    m = re.fullmatch(r"narrow-(max|bound)", var)  # bf16/fp32 caches: how operands reach fp16 (`Launch.narrow`)
+    if m:
+        return {"narrow": m.group(1)}
     m = re.fullmatch(r"r(\d+)", var)
     if m:
         return {"maxnreg": int(m.group(1))}
@@ -162,7 +165,7 @@ def main():
                    "flags: a the PTX unpack, t tokens-major products (orient='tokens'), f the "
                    "magic bias folded into the sums (fold=True), m those sums as products with a ones matrix (sums='mma'); pP: tokens-major tiles in P parts; "
                    "iI: I tile-loop iterations per tile (steps); kK: per-token schemes' tokens per step (chunk); rR: at most R registers per thread (maxnreg); rR alone: the defaults with that cap; "
-                   "fold-none|fold-keys|fold-all alone: the defaults with that fold; "
+                   "fold-none|fold-keys|fold-all alone: the defaults with that fold; narrow-max|narrow-bound: with that Launch.narrow (bf16 caches); "
                    "suffix -pm: splits merged by the Pallas kernel, e.g. default-pm); default: the kernel's own defaults")
     p.add_argument("--no-baselines", action="store_true", help="skip torch SDPA and JAX's paged attention")
     p.add_argument("--check", action="store_true",

@@ -673,13 +673,13 @@ def test_tpu_kernel_argument_errors(rng):
 
 
 def test_narrowed_operands_equal_per_product_scaling(rng):
-    """A bf16/fp32 cache's operand narrowed once (`layout.narrow`) gives every product exactly what
+    """A bf16/fp32 cache's operand narrowed once (`layout.narrow_operand`) gives every product exactly what
     scaling it inside each product gives, values beyond fp16's range included; small products
     (broadcast multiply and sum) see the unrounded operand."""
     from kvarn_jax.attention.paged_decode_pallas import layout
     a = jnp.asarray(rng.standard_normal((16, 64)) * np.where(rng.random((16, 64)) < 0.05, 3e5, 1.0), jnp.float32)
     codes = jnp.asarray(rng.integers(0, 16, (32, 64)), jnp.float16)
-    n = layout.narrow(a)
+    n = layout.narrow_operand(a)
     assert float(jnp.max(jnp.abs(n.x16.astype(jnp.float32)))) <= 65504.0
     want = layout.dot_t(a, codes, wide=True)
     np.testing.assert_array_equal(np.asarray(layout.dot_t(n, codes, wide=True)), np.asarray(want))
@@ -690,4 +690,41 @@ def test_narrowed_operands_equal_per_product_scaling(rng):
     small = jnp.asarray(rng.integers(0, 4, (8, 64)), jnp.float16)  # N = 8 < 16: the broadcast path
     np.testing.assert_array_equal(np.asarray(layout.dot_t(n, small, wide=True)),
                                   np.asarray(layout.dot_t(a, small, wide=True)))
-    assert layout.narrow(codes).scale is None
+    assert layout.narrow_operand(codes).scale is None
+
+
+@pytest.mark.parametrize("cfg, kw", [("kvarn_k4v2_g32", {}), ("kvarn_k4v2_g32", {"orient": "heads"}),
+                                     ("kivi_k2v2_g32", {"sums": "reduce"})])
+def test_narrow_bound_gives_the_same_bits_as_max(cfg, kw, rng):
+    """narrow="bound" (the power of two from the query's maximum and the tile's scale vector) against
+    "max" (from the scaled operand's own maximum) on a bf16 cache whose values exceed fp16's range:
+    a power of two changes no fp16 rounding of a normal number, so the outputs are the same bits,
+    finite, and within the kernel's tolerance of the reference."""
+    from helpers import allocate_tables, random_kv, serve_writes
+    from kvarn_jax.attention import paged_decode_pallas as pdp
+    from kvarn_jax.hadamard import rotate, unrotate
+    lens, bs = [70, 129], 64
+    nb = sum(-(-L // bs) for L in lens) + 2
+    cache = kj.PagedKVCache.create(cfg, num_blocks=nb, block_size=bs, num_kv_heads=2, head_dim=64, max_seqs=2,
+                                   dtype=jnp.bfloat16)
+    seqs = []
+    for L in lens:
+        k, v = random_kv(rng, L, 2, 64, dtype=np.float32, outliers=2)
+        seqs.append((k * np.where(rng.random((L, 1, 1)) < 0.1, 3e5, 1.0), v * 3e5))
+    tables = allocate_tables(rng, lens, bs, nb)
+    cache = serve_writes(cache, tables, seqs, rng)
+    bt, sl, sid = jnp.asarray(tables), jnp.asarray(lens, jnp.int32), jnp.arange(2, dtype=jnp.int32)
+    q = jnp.asarray(rng.standard_normal((2, 8, 64)) * 2, jnp.float32)
+    c = kj.parse(cfg)
+    outs = {}
+    for narrow in ("max", "bound"):
+        o = pdp.paged_decode_pallas(rotate(q) if c.rotated else q, cache, bt, sl, sid, scale=0.125, window=None,
+                                    interpret=INTERPRET, launch=pdp.Launch(num_splits=2, narrow=narrow, **kw))
+        outs[narrow] = np.asarray(unrotate(o) if c.rotated else o, np.float32)
+    np.testing.assert_array_equal(outs["bound"], outs["max"])
+    assert np.isfinite(outs["bound"]).all()
+    ref = np.asarray(kj.paged_decode_attention(q, cache, bt, sl, impl="reference", scale=0.125), np.float32)
+    np.testing.assert_allclose(outs["bound"], ref, rtol=0, atol=4e-3 * np.abs(ref).max())
+    with pytest.raises(ValueError, match="narrow must be"):
+        pdp.resolve_launch(c, pdp.CallShape(batch=2, q_heads=8, kv_heads=2, head_dim=64, block_size=bs, max_blocks=3,
+                                            interpret=True), pdp.Launch(narrow="exact"))

@@ -52,7 +52,8 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     grp = hq // hk
     gp, written = group_rows(grp, tokens_major)
     tiles_per_block = cache.block_size // t_tok
-    plan = LayoutPlan(cfg, d, t_tok, run.unpack, fold=run.fold, sums=run.sums, wide=cache.dtype != "float16")
+    plan = LayoutPlan(cfg, d, t_tok, run.unpack, fold=run.fold, sums=run.sums, wide=cache.dtype != "float16",
+                      narrow=run.narrow)
     # Under a register cap, or with read-ahead stages, the sink/tail is walked in half the steps
     # (docs/kernels.md: faster there; with 3+ stages its buffers then no longer set the shared memory).
     hp_chunk = table.hp_chunk // 2 if (run.maxnreg is not None or run.num_stages >= 3) else table.hp_chunk

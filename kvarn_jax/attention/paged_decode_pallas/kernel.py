@@ -83,6 +83,8 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
         # were 4e-3 of the output's maximum off the reference instead of 4e-4. Rounded once here,
         # not per tile (int4 heads-major: 751 -> 722 loop instructions offline).
         q, q_planes = f16_sat(q).astype(jnp.float32), [f16_sat(x).astype(jnp.float32) for x in q_planes]
+    # narrow="bound": the query's largest magnitude, once per program (`LayoutPlan.scaled`)
+    q_max = jnp.max(jnp.abs(q)) if plan.bounded else None
     # static int parameters [D/planes, planes] -> one [D/planes] vector per plane (Triton cannot
     # slice a loaded block: `layout.columns`); fp8's [1] scale as it is
     st = {side: {n: (columns(r[...].astype(jnp.float32)) if plan.cfg.method == "int" else r[...])
@@ -170,7 +172,7 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
                 z, chan = here[0], (here[1] if len(here) > 1 else None)
                 tsc = here[2] if tok_ahead else None
                 next_tile = tile_ahead(jnp.minimum(t + 1, hi - 1), t + 1 < hi)
-            qside = plan.tile_query(q, pages, blk, sub, z)
+            qside = plan.tile_query(q, pages, blk, sub, z, q_max)
             n_parts = steps * parts
             for k in range(parts):  # parts of a step one after the other: fewer live registers
                 part = step * parts + k
@@ -182,7 +184,7 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
                                                           pages, blk, sub, part, n_parts, chan_tile=chan)
                 carry = update(carry, ss, poss, vfn, masked=tiles_partial, lo=ws_rest)
             return carry + next_tile if ahead else carry
-        ss = [token_order(plan.scores_heads_major(q, q_planes, pages, st, blk, sub), gp)]
+        ss = [token_order(plan.scores_heads_major(q, q_planes, pages, st, blk, sub, q_max), gp)]
         poss = [t * t_tok + tok]
         return update(carry, ss, poss, lambda ps: plan.values_heads_major(ps, pages, st, blk, sub), masked=tiles_partial, lo=ws_rest)
 

@@ -40,6 +40,11 @@ class Launch:
     merge: "xla", "pallas" (`merge.py`) or "kernel" (one split, the kernel finishes its output).
     chunk: per-token schemes: tokens per step of the tile loop.
     q_in_kernel: read the GQA group's query rows in the kernel rather than from a copy padded in XLA.
+    narrow: bf16/fp32 caches (`layout.Narrowed`): the power of two that brings a product's operand
+      into fp16's range, from the operand's own maximum ("max", a reduction over it per tile) or,
+      for the tiled schemes' scaled query and probabilities, from a bound - the query's maximum (once
+      per program) or 1 (probabilities) times the maximum of the tile's scale vector ("bound": a
+      reduction over that vector only). Both give 1, the same bits, while the bound is below 2^15.
     """
 
     num_splits: int | None = None
@@ -55,6 +60,7 @@ class Launch:
     merge: str | None = None
     chunk: int | None = None
     q_in_kernel: bool | None = None
+    narrow: str | None = None
 
 
 # ----------------------------------------------------------------------------- the rules
@@ -251,6 +257,9 @@ def resolve_launch(cfg: KVQuantConfig, shape: CallShape, launch: Launch = Launch
     q_in_kernel = default_q_in_kernel(cfg) if launch.q_in_kernel is None else launch.q_in_kernel
     key_planes = 8 // cfg.k_bits if cfg.method == "int" else 1
     q_in_kernel = bool(q_in_kernel) and key_planes == 1 and shape.q_heads >= gp
-    return Launch(num_splits=splits, num_warps=warps, maxnreg=maxnreg, num_stages=num_stages, unpack=unpack,
+    narrow = launch.narrow or "max"
+    if narrow not in ("max", "bound"):
+        raise ValueError(f"narrow must be 'max' or 'bound', got {launch.narrow!r}")
+    return Launch(narrow=narrow, num_splits=splits, num_warps=warps, maxnreg=maxnreg, num_stages=num_stages, unpack=unpack,
                   orient=orient, fold=fold, sums=sums, parts=parts, steps=steps, merge=merge,
                   chunk=None if tiled else t_tok, q_in_kernel=q_in_kernel)

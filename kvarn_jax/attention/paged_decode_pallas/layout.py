@@ -37,6 +37,11 @@ def chunk_scale(x):
     return jnp.exp2(jnp.minimum(0.0, 14.0 - top))
 
 
+def bound_scale(bound):
+    """`chunk_scale` of an operand whose largest magnitude is at most `bound` (a scalar)."""
+    return jnp.exp2(jnp.minimum(0.0, 14.0 - jnp.floor(jnp.log2(jnp.maximum(bound, 1.0)))))
+
+
 class Narrowed:
     """An operand brought into fp16 once for several products: x16 = fp16(x * scale), `scale` a
     power of two (None: x16 is x itself, rounded). A bf16/fp32 cache's operand used by more than one
@@ -59,7 +64,7 @@ class Narrowed:
         return x if self.scale is None else x / self.scale
 
 
-def narrow(x) -> Narrowed:
+def narrow_operand(x) -> Narrowed:
     """x as an fp16 operand scaled by `chunk_scale` (values beyond fp16's range kept, see `_operands`)."""
     if x.dtype == jnp.float16:
         return Narrowed(x)
@@ -75,7 +80,7 @@ def _operand(x, wide: bool):
         return f16(x), None
     if x.dtype == jnp.float16:
         return x, None
-    n = narrow(x)
+    n = narrow_operand(x)
     return n.x16, n.scale
 
 
@@ -221,14 +226,14 @@ class LayoutPlan:
     """
 
     def __init__(self, cfg: KVQuantConfig, head_dim: int, tile_tokens: int, unpack: str = "magic",
-                 fold: str = "none", sums: str = "reduce", wide: bool = False):
+                 fold: str = "none", sums: str = "reduce", wide: bool = False, narrow: str = "max"):
         self.cfg, self.d, self.t = cfg, head_dim, tile_tokens
         # wide: the cache's data may exceed fp16 (a bf16 or fp32 cache): operands made of it (the
         # query times scales, probabilities times scales, high-precision values) stay fp32 up to the
         # products, which bring each into fp16's range by a power of two (`_operands`); the query
         # itself is rounded as always (`f16_sat`). fp16 caches: every operand rounded to fp16 here.
-        self.wide = wide
-        self.f16 = narrow if wide else f16
+        self.wide, self.bounded = wide, wide and narrow == "bound"
+        self.f16 = narrow_operand if wide else f16
         self.dot, self.dot_t, self.dot_tn = (functools.partial(fn, wide=wide) for fn in (dot, dot_t, dot_tn))
         # fold: which products take biased codes (`launch.Launch`: "none", "keys" or "all")
         self.fold, self.value_fold, self.sums = fold in ("keys", "all"), fold == "all", sums
@@ -263,8 +268,18 @@ class LayoutPlan:
             return a.reshape(a.shape[0], a.shape[1] // planes, planes)
         return a.reshape(a.shape[0], 1)
 
+    def scaled(self, x, vec, axis: int, x_max=1.0):
+        """The fp16 operand of x times `vec` broadcast along `axis` (a tile's scale vector): `f16`, or
+        with `narrow="bound"` (wide caches) narrowed by the power of two of x_max·max|vec| >= max|x·vec|,
+        folded into the vector (no pass over the product for its maximum)."""
+        v = jnp.expand_dims(vec, axis)
+        if not self.bounded:
+            return self.f16(x * v)
+        s = bound_scale(x_max * jnp.max(jnp.abs(vec)))
+        return Narrowed(f16(x * (v * s)), s, x * v)
+
     # ---------------------------------------------------------------- keys
-    def scores_heads_major(self, q, q_planes, pages, st, blk, sub):
+    def scores_heads_major(self, q, q_planes, pages, st, blk, sub, q_max=None):
         """List over token classes j of raw scores [Gp, T / kc] (tokens j, j + kc, ... of the tile).
         Per-token int keys: q and q_planes come rounded to fp16 (`kernel.decode_kernel`), so Σ_d q below is the
         sum of the query the code products see."""
@@ -272,13 +287,9 @@ class LayoutPlan:
         f = pages["k"]
         if cfg.method in ("kvarn", "kivi"):
             codes = f["codes"][blk, sub]                                   # [G*b/8, D]
-            if cfg.method == "kvarn":
-                qs = q * f["scale_chan"][blk, sub].astype(jnp.float32)[None, :]
-                zq = jnp.sum(q * f["zero_chan"][blk, sub].astype(jnp.float32)[None, :], axis=1)
-            else:
-                qs = q * f["scale"][blk, sub].astype(jnp.float32)[None, :]
-                zq = jnp.sum(q * f["zero"][blk, sub].astype(jnp.float32)[None, :], axis=1)
-            qs = self.f16(qs)
+            sc, zc = ("scale_chan", "zero_chan") if cfg.method == "kvarn" else ("scale", "zero")
+            qs = self.scaled(q, f[sc][blk, sub].astype(jnp.float32), 0, q_max)
+            zq = jnp.sum(q * f[zc][blk, sub].astype(jnp.float32)[None, :], axis=1)
             # unpack after the query side is ready: the planes' registers then live only as long as
             # the products need them (unpacking first cost ~45 registers per thread)
             planes = self.planes(codes, cfg.k_bits)                         # kc x [G/kc, D]
@@ -394,7 +405,7 @@ class LayoutPlan:
         return [zp - m * psum if self.value_fold else zp for m in magic]
 
     # ---------------------------------------------------------------- tokens-major (tiled schemes)
-    def tile_query(self, q, pages, blk, sub, z=None):
+    def tile_query(self, q, pages, blk, sub, z=None, q_max=None):
         """Per-tile query side of the tokens-major key product, shared by the tile's parts:
         (qs, zero, bias). qs: the query scaled by the tile's channel scales, fp16 [Gp, D].
         zero: the key zero-point term sum_d q[g, d] * z[d] as [1, Gp], an fp32 sum (z: the tile's
@@ -407,7 +418,7 @@ class LayoutPlan:
         the score product)."""
         f = pages["k"]
         sc, zc = ("scale_chan", "zero_chan") if self.cfg.method == "kvarn" else ("scale", "zero")
-        qs = self.f16(q * f[sc][blk, sub].astype(jnp.float32)[None, :])
+        qs = self.scaled(q, f[sc][blk, sub].astype(jnp.float32), 0, q_max)
         z = f[zc][blk, sub] if z is None else z
         zero = jnp.sum(q * z.astype(jnp.float32)[None, :], axis=1)[None, :]
         # planes fed as 2^(10 - j*b) + code (fold): remove 2^(10 - j*b) * sum(qs) per score instead
@@ -467,7 +478,7 @@ class LayoutPlan:
             st = None
         if st is not None:
             planes = self.planes(codes, cfg.v_bits, biased=self.value_fold)  # vp x [D/vp, G/parts]
-            p16 = self.f16(p * st.astype(jnp.float32)[:, None])
+            p16 = self.scaled(p, st.astype(jnp.float32), 1)                    # p <= 1
             corr = self.value_corrections(p * zt.astype(jnp.float32)[:, None], p16, planes[0].shape[0])
             out = [self.dot(planes[n], p16, min_n=8) + corr[n] for n in range(vp)]
             if chan is not None:  # channel scales per plane (whole-block load, `columns`)
@@ -490,7 +501,7 @@ class LayoutPlan:
             codes = f["codes"][blk, sub]                                    # [D*b/8, G]
             if cfg.method == "kvarn":
                 zp = jnp.sum(p * f["zero_tok"][blk, sub].astype(jnp.float32)[None, :], axis=1)
-                p16 = self.f16(p * f["scale_tok"][blk, sub].astype(jnp.float32)[None, :])
+                p16 = self.scaled(p, f["scale_tok"][blk, sub].astype(jnp.float32), 0)  # p <= 1
                 planes = self.planes(codes, cfg.v_bits)                     # vp x [D/vp, G]
                 return [(self.dot_t(p16, planes[n]) + zp[:, None])
                         * f["scale_chan"][blk, sub, :, n].astype(jnp.float32)[None, :] for n in range(vp)]
