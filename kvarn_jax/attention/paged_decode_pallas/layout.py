@@ -389,16 +389,17 @@ class LayoutPlan:
         corr = self.value_corrections(pz, p16, planes[0].shape[0])
         return [self.dot(planes[n], p16, min_n=8) + corr[n] for n in range(vp)]
 
-    def value_corrections(self, pz, p16, rows: int):
+    def value_corrections(self, pz, p16, rows: int, pz16=None):
         """What the tokens-major value products [rows, Gp] of a tile leave out, per channel plane n:
         Σ_t p·z (pz: p·z per token, [T, Gp] fp32), and with `value_fold` minus 2^(10 - n·b)·Σ_t p16 (the
         biased planes' magic times the fp16 probabilities the products saw). sums="mma": as
         products ones [rows, T] @ x, which leave every row holding the sum in the outputs' layout;
-        "reduce": jnp sums as [1, Gp]."""
+        "reduce": jnp sums as [1, Gp]. pz16: pz as the product's fp16 operand if already made
+        (`scaled`)."""
         magic = [2.0 ** (10 - n * self.cfg.v_bits) for n in range(self.vp)]
         if self.sums == "mma":
             ones = jnp.ones((rows, pz.shape[0]), jnp.float16)
-            zrows = self.dot(ones, self.f16(pz), min_n=8)
+            zrows = self.dot(ones, self.f16(pz) if pz16 is None else pz16, min_n=8)
             srows = self.dot(ones, p16, min_n=8) if self.value_fold else None
             return [zrows - m * srows if self.value_fold else zrows for m in magic]
         zp = jnp.sum(pz, axis=0)[None, :]
@@ -480,7 +481,9 @@ class LayoutPlan:
         if st is not None:
             planes = self.planes(codes, cfg.v_bits, biased=self.value_fold)  # vp x [D/vp, G/parts]
             p16 = self.scaled(p, st.astype(jnp.float32), 1)                    # p <= 1
-            corr = self.value_corrections(p * zt.astype(jnp.float32)[:, None], p16, planes[0].shape[0])
+            zt = zt.astype(jnp.float32)
+            pz16 = self.scaled(p, zt, 1) if self.bounded and self.sums == "mma" else None
+            corr = self.value_corrections(p * zt[:, None], p16, planes[0].shape[0], pz16)
             out = [self.dot(planes[n], p16, min_n=8) + corr[n] for n in range(vp)]
             if chan is not None:  # channel scales per plane (whole-block load, `columns`)
                 block = chan[blk, sub] if chan_tile is None else chan_tile
