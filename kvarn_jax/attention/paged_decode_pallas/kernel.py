@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .layout import columns, f16_sat, token_order, tokens_from_planes
+from .layout import columns, f16_sat, narrow_operand, token_order, tokens_from_planes
 
 NEG = -1e30          # masked logit; every processed chunk holds at least one valid position
 LOG2E = 1.4426950408889634
@@ -85,6 +85,9 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
         q, q_planes = f16_sat(q).astype(jnp.float32), [f16_sat(x).astype(jnp.float32) for x in q_planes]
     # narrow="bound": the query's largest magnitude, once per program (`LayoutPlan.scaled`)
     q_max = jnp.max(jnp.abs(q)) if plan.bounded else None
+    # the query (and its planes) as product operands, narrowed once per program for a wide cache
+    # rather than by each tile's products
+    q_op, qp_ops = (narrow_operand(q), [narrow_operand(x) for x in q_planes]) if plan.wide else (q, q_planes)
     # static int parameters [D/planes, planes] -> one [D/planes] vector per plane (Triton cannot
     # slice a loaded block: `layout.columns`); fp8's [1] scale as it is
     st = {side: {n: (columns(r[...].astype(jnp.float32)) if plan.cfg.method == "int" else r[...])
@@ -184,7 +187,7 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
                                                           pages, blk, sub, part, n_parts, chan_tile=chan)
                 carry = update(carry, ss, poss, vfn, masked=tiles_partial, lo=ws_rest)
             return carry + next_tile if ahead else carry
-        ss = [token_order(plan.scores_heads_major(q, q_planes, pages, st, blk, sub, q_max), gp)]
+        ss = [token_order(plan.scores_heads_major(q, q_planes, pages, st, blk, sub, q_max, (q_op, qp_ops)), gp)]
         poss = [t * t_tok + tok]
         return update(carry, ss, poss, lambda ps: plan.values_heads_major(ps, pages, st, blk, sub), masked=tiles_partial, lo=ws_rest)
 
@@ -246,11 +249,11 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
                 kk = rows_of(k_ref, k_meta, rows)                            # [hc, D]
                 pos = start_pos + c * hc + jnp.arange(hc, dtype=jnp.int32)
                 if tokens_major:
-                    vals = lambda ps: [plan.dot_tn(rows_of(v_ref, v_meta, rows, n), ps[0], min_n=8)
+                    vals = lambda ps: [plan.dot_tn(rows_of(v_ref, v_meta, rows, n), plan.probs(ps[0]), min_n=8)
                                        for n in range(vp)]
-                    return update(carry, [plan.dot_t(kk, q, min_n=8)], [pos], vals, lo=lo)
-                vals = lambda ps: [plan.dot(ps[0], rows_of(v_ref, v_meta, rows, n)) for n in range(vp)]
-                return update(carry, [plan.dot_t(q, kk)], [pos], vals, lo=lo)
+                    return update(carry, [plan.dot_t(kk, q_op, min_n=8)], [pos], vals, lo=lo)
+                vals = lambda ps: [plan.dot(plan.probs(ps[0]), rows_of(v_ref, v_meta, rows, n)) for n in range(vp)]
+                return update(carry, [plan.dot_t(q_op, kk)], [pos], vals, lo=lo)
             return lax.fori_loop(c_lo, jnp.maximum(c_lo, c_hi), body, carry)
 
         hc = min(hp_chunk, bs)

@@ -279,13 +279,20 @@ class LayoutPlan:
         s = bound_scale(x_max * jnp.max(jnp.abs(vec)))
         return Narrowed(f16(x * (v * s)), s, x * v)
 
+    def probs(self, p):
+        """Probabilities (<= 1) as a product operand: with a wide cache already in fp16's range, so
+        narrowed without a scale (what `chunk_scale` would give) and without a pass for their maximum."""
+        return Narrowed(f16(p), None, p) if self.wide else p
+
     # ---------------------------------------------------------------- keys
-    def scores_heads_major(self, q, q_planes, pages, st, blk, sub, q_max=None):
+    def scores_heads_major(self, q, q_planes, pages, st, blk, sub, q_max=None, q_ops=None):
         """List over token classes j of raw scores [Gp, T / kc] (tokens j, j + kc, ... of the tile).
         Per-token int keys: q and q_planes come rounded to fp16 (`kernel.decode_kernel`), so Σ_d q below is the
-        sum of the query the code products see."""
+        sum of the query the code products see. q_ops: (q, q_planes) as product operands, narrowed once
+        per program for a wide cache (default: q, q_planes)."""
         cfg, kc = self.cfg, self.kc
         f = pages["k"]
+        qo, qpo = (q, q_planes) if q_ops is None else q_ops
         if cfg.method in ("kvarn", "kivi"):
             codes = f["codes"][blk, sub]                                   # [G*b/8, D]
             sc, zc = ("scale_chan", "zero_chan") if cfg.method == "kvarn" else ("scale", "zero")
@@ -313,28 +320,28 @@ class LayoutPlan:
                 for n in range(self.pk):
                     k = (planes[n].astype(jnp.float32) * st["k"]["scale"][n][None, :]
                          + st["k"]["zero"][n][None, :])
-                    s = s + self.dot_t(q_planes[n], k)
+                    s = s + self.dot_t(qpo[n], k)
                 return [s]
             sc = f["scale"][blk, sub].astype(jnp.float32)                  # [T, D/cg]
             zr = f["zero"][blk, sub].astype(jnp.float32)
             if sc.shape[1] == 1:  # one scale per token: factor it out of the product
                 raw = 0.0
                 for n in range(self.pk):
-                    raw = raw + self.dot_t(q_planes[n], planes[n])
+                    raw = raw + self.dot_t(qpo[n], planes[n])
                 return [raw * sc[:, 0][None, :] + jnp.sum(q, axis=1)[:, None] * zr[:, 0][None, :]]
             cgp = cfg.channel_group("k", self.d) // self.pk
             s = 0.0
             for n in range(self.pk):
                 k = (planes[n].astype(jnp.float32) * expand_groups(sc, cgp, self.d // self.pk)
                      + expand_groups(zr, cgp, self.d // self.pk))
-                s = s + self.dot_t(q_planes[n], k)
+                s = s + self.dot_t(qpo[n], k)
             return [s]
         if cfg.method == "fp8":
-            raw = self.dot_t(q, fp8_codes(f["codes"][blk, sub]))                     # [Gp, T]
+            raw = self.dot_t(qo, fp8_codes(f["codes"][blk, sub]))                     # [Gp, T]
             if cfg.static:
                 return [raw * st["k"]["scale"].astype(jnp.float32)[0]]
             return [raw * f["scale"][blk, sub].astype(jnp.float32)[None, :]]
-        return [self.dot_t(q, f["values"][blk, sub].astype(jnp.float32))]
+        return [self.dot_t(qo, f["values"][blk, sub].astype(jnp.float32))]
 
     # ---------------------------------------------------------------- tokens-major (per-token schemes)
     def chunk_query(self, q_planes):
@@ -382,11 +389,12 @@ class LayoutPlan:
         f = pages["v"]
         sc = f["scale"][blk, sub].astype(jnp.float32)
         if cfg.method == "fp8":                                             # [T] scales
-            return [self.dot(fp8_codes(f["codes"][blk, :, sub]), self.f16(p * sc[:, None]), min_n=8)]  # codes [D, T]
-        p16 = self.f16(p * sc)                                                  # [T, 1] scales
-        pz = p * f["zero"][blk, sub].astype(jnp.float32)
+            return [self.dot(fp8_codes(f["codes"][blk, :, sub]), self.scaled(p, sc, 1), min_n=8)]  # codes [D, T]
+        p16 = self.scaled(p, sc[:, 0], 1)                                       # [T, 1] scales; p <= 1
+        zr = f["zero"][blk, sub].astype(jnp.float32)
+        pz16 = self.scaled(p, zr[:, 0], 1) if self.bounded and self.sums == "mma" else None
         planes = self.planes(f["codes"][blk, :, sub], cfg.v_bits, biased=self.value_fold)  # vp x [D/vp, T]
-        corr = self.value_corrections(pz, p16, planes[0].shape[0])
+        corr = self.value_corrections(p * zr, p16, planes[0].shape[0], pz16)
         return [self.dot(planes[n], p16, min_n=8) + corr[n] for n in range(vp)]
 
     def value_corrections(self, pz, p16, rows: int, pz16=None):
@@ -493,7 +501,7 @@ class LayoutPlan:
         cgp = cfg.channel_group("v", self.d) // vp
         sc = expand_groups(f["scale"][blk, sub, toks].astype(jnp.float32).T, cgp, self.d // vp, axis=0)
         zr = expand_groups(f["zero"][blk, sub, toks].astype(jnp.float32).T, cgp, self.d // vp, axis=0)
-        return [self.dot(planes[n].astype(jnp.float32) * sc + zr, p, min_n=8) for n in range(vp)]
+        return [self.dot(planes[n].astype(jnp.float32) * sc + zr, self.probs(p), min_n=8) for n in range(vp)]
 
     # ---------------------------------------------------------------- values
     def values_heads_major(self, ps, pages, st, blk, sub):
@@ -515,27 +523,27 @@ class LayoutPlan:
             planes = self.planes(codes, cfg.v_bits)
             sc = expand_groups(f["scale"][blk, sub].astype(jnp.float32).T, cgp, self.d // vp, axis=0)
             zr = expand_groups(f["zero"][blk, sub].astype(jnp.float32).T, cgp, self.d // vp, axis=0)
-            return [self.dot_t(p, planes[n].astype(jnp.float32) * sc + zr) for n in range(vp)]
+            return [self.dot_t(self.probs(p), planes[n].astype(jnp.float32) * sc + zr) for n in range(vp)]
         if cfg.method == "int":
             planes = self.planes(f["codes"][blk, :, sub], cfg.v_bits)       # vp x [D/vp, T] (`tokens_last`)
             if cfg.static:
-                return [self.dot_t(p, planes[n].astype(jnp.float32) * st["v"]["scale"][n][:, None]
+                return [self.dot_t(self.probs(p), planes[n].astype(jnp.float32) * st["v"]["scale"][n][:, None]
                                + st["v"]["zero"][n][:, None]) for n in range(vp)]
             sc = f["scale"][blk, sub].astype(jnp.float32)
             zr = f["zero"][blk, sub].astype(jnp.float32)
             if sc.shape[1] == 1:
                 pz = jnp.sum(p * zr[:, 0][None, :], axis=1)[:, None]
-                ps16 = self.f16(p * sc[:, 0][None, :])
+                ps16 = self.scaled(p, sc[:, 0], 0)                             # p <= 1
                 return [self.dot_t(ps16, planes[n]) + pz for n in range(vp)]
             # scales per token and channel group, laid out like the planes ([D/vp, T]; the
             # transposes are of the small [T, D/cg] scale arrays, not of the codes)
             cgp = cfg.channel_group("v", self.d) // vp
             sc = expand_groups(sc.T, cgp, self.d // vp, axis=0)
             zr = expand_groups(zr.T, cgp, self.d // vp, axis=0)
-            return [self.dot_t(p, planes[n].astype(jnp.float32) * sc + zr) for n in range(vp)]
+            return [self.dot_t(self.probs(p), planes[n].astype(jnp.float32) * sc + zr) for n in range(vp)]
         if cfg.method == "fp8":
             v = fp8_codes(f["codes"][blk, :, sub])                                 # [D, T] (`tokens_last`)
             if cfg.static:
-                return [self.dot_t(p, v) * st["v"]["scale"][...].astype(jnp.float32)[0]]
-            return [self.dot_t(p * f["scale"][blk, sub].astype(jnp.float32)[None, :], v)]
-        return [self.dot(p, f["values"][blk, sub].astype(jnp.float32))]
+                return [self.dot_t(self.probs(p), v) * st["v"]["scale"][...].astype(jnp.float32)[0]]
+            return [self.dot_t(self.scaled(p, f["scale"][blk, sub].astype(jnp.float32), 0), v)]
+        return [self.dot(self.probs(p), f["values"][blk, sub].astype(jnp.float32))]
