@@ -308,6 +308,52 @@ def _product(spec: str, a, b, dtype):
     return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
 
 
+# Keys per step of prefill's streaming softmax over the cached context. A step's float32 scores
+# (and their exponentials) are [P, Hq, C, tile]: at 1024, 2 GiB each for 32 sequences x 32 heads
+# x a 512-token chunk, a small share of a GPU next to the weights and caches, while each step's two
+# products stay large matrix products (~0.27 TFLOP at that shape) that dwarf the loop's own cost.
+PREFILL_KEY_TILE = 1024
+
+
+def _stream_cached(qc, kc, vc, start, scale: float, dtype, key_tile: int):
+    """Online softmax of queries qc [P, C, Hk, G, D] over the cached keys and values kc, vc
+    [P, Hk, L, D], of which row p's first start[p] positions are real: (running max m, denominator
+    l: [P, Hk, G, C]; unnormalized output acc [P, Hk, G, C, D]), all float32 (m = -inf, l = acc
+    = 0 where a row has no cached token).
+
+    The L positions are cut into n = ceil(L / key_tile) tiles of one shape, ceil(L / n) rounded up
+    to a multiple of 8 (L itself when L <= key_tile: a short context is not padded); the last tile
+    lies at L - tile, overlapping its predecessor, whose positions it masks. Only the tiles holding
+    some row's cached positions run (a first chunk runs none)."""
+    p, c, hk, g, d = qc.shape
+    length = kc.shape[2]
+    n = -(-length // key_tile)
+    per = -(-length // n)
+    tile = min(length, -(-per // 8) * 8)
+
+    def step(i, carry):
+        m, l, acc = carry
+        first = i * tile
+        off = jnp.minimum(first, length - tile)
+        kt = jax.lax.dynamic_slice_in_dim(kc, off, tile, axis=2)
+        vt = jax.lax.dynamic_slice_in_dim(vc, off, tile, axis=2)
+        pos = off + jnp.arange(tile)
+        seen = (pos[None, :] >= first) & (pos[None, :] < start[:, None])                  # [P, tile]
+        s = _product("pchgd,phld->phgcl", qc, kt, dtype) * scale
+        s = jnp.where(seen[:, None, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with nothing seen yet: weights stay 0
+        alpha = jnp.exp(m - base)
+        e = jnp.exp(s - base[..., None])
+        acc = acc * alpha[..., None] + _product("phgcl,phld->phgcd", e, vt, dtype)
+        return m_new, l * alpha + jnp.sum(e, axis=-1), acc
+
+    init = (jnp.full((p, hk, g, c), -jnp.inf, jnp.float32), jnp.zeros((p, hk, g, c), jnp.float32),
+            jnp.zeros((p, hk, g, c, d), jnp.float32))
+    tiles = jnp.clip(-(-jnp.max(start) // tile), 0, n)
+    return jax.lax.fori_loop(0, tiles, step, init)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs, std: float):
         h, d = cfg.hidden_size, cfg.head_dim
@@ -335,9 +381,11 @@ class Attention(nnx.Module):
         return self.o_proj(o.reshape(p, c, self.num_heads * self.head_dim).astype(x.dtype)), (k, v)
 
     @staticmethod
-    def _prefill_heads(caches, q, k, v, batch, j, *, group, dtype):
+    def _prefill_heads(caches, q, k, v, batch, j, *, group, dtype, key_tile=PREFILL_KEY_TILE):
         """Attention of a chunk's queries (q [P, C, Hq, D]) over the cached tokens of layer (group,
-        j) and the chunk's own k, v, for the heads these arrays hold."""
+        j) and the chunk's own k, v, for the heads these arrays hold. The cached context is streamed
+        in tiles of at most `key_tile` keys (`_stream_cached`), so the float32 scores held at once
+        are [P, Hq, C, tile] and [P, Hq, C, C], whatever the context length."""
         layer = (group, j)
         cache, _, _ = caches.layer_cache(layer)
         p, c, hq, d = q.shape
@@ -347,21 +395,24 @@ class Attention(nnx.Module):
         # earlier tokens as the cache serves them (storage frame: rotated for KVarN)
         kc, vc = caches.gather_dense(layer, batch.block_tables, batch.start, batch.seq_ids)  # [P, Hk, L, D]
         qc = rotate(qf, max_abs=QUANT_MAX) if cache.cfg.rotated else qf
-        s_cache = _product("pchgd,phld->phgcl", qc, kc, dtype) * scale
-        cached = jnp.arange(kc.shape[2])[None, :] < batch.start[:, None]                   # [P, L]
-        s_cache = jnp.where(cached[:, None, None, None, :], s_cache, -jnp.inf)
+        m_c, l_c, acc_c = _stream_cached(qc, kc, vc, batch.start, scale, dtype, key_tile)
         # The chunk's own tokens, causally, as computed (padding sits after the real tokens, so real
         # queries never see it; padded queries see at least themselves and stay finite).
         s_self = _product("pchgd,pthd->phgct", qf, k, dtype) * scale
         causal = jnp.arange(c)[None, :] <= jnp.arange(c)[:, None]                           # [C, C]
         s_self = jnp.where(causal, s_self, -jnp.inf)
-        s = jnp.concatenate([s_cache, s_self], axis=-1)
-        prob = jax.nn.softmax(s, axis=-1)
-        p_cache, p_self = prob[..., :kc.shape[2]], prob[..., kc.shape[2]:]
-        o_cache = _product("phgcl,phld->pchgd", p_cache, vc, dtype)
+        m_s = jnp.max(s_self, axis=-1)                      # finite: every query sees itself
+        e_s = jnp.exp(s_self - m_s[..., None])
+        # one softmax over both parts: each part's weights rescaled to the common max
+        m = jnp.maximum(m_c, m_s)
+        w_c, w_s = jnp.exp(m_c - m), jnp.exp(m_s - m)     # w_c = 0 where nothing was cached
+        denom = l_c * w_c + jnp.sum(e_s, axis=-1) * w_s
+        # the cached part normalized before it is unrotated, as the probabilities were
+        o_cache = acc_c * (w_c / denom)[..., None]                                           # [P, Hk, G, C, D]
+        o_cache = o_cache.transpose(0, 3, 1, 2, 4)                                           # [P, C, Hk, G, D]
         if cache.cfg.rotated:
             o_cache = unrotate(o_cache, max_abs=SAFE_ABS)
-        o = o_cache + _product("phgct,pthd->pchgd", p_self, v, dtype)
+        o = o_cache + _product("phgct,pthd->pchgd", e_s * (w_s / denom)[..., None], v, dtype)
         return o.reshape(p, c, hq, d)
 
     def decode(self, x, caches: LayerCaches, layer, batch: DecodeBatch, inv_freq, impl: str, tp=None):
