@@ -97,6 +97,24 @@ def run_xla_on_the_calling_thread() -> None:
         import jax
 
         jax.config.update("jax_cpu_enable_async_dispatch", False)
+    _cache_per_pool_size()
+
+
+def _cache_per_pool_size() -> None:
+    """XLA:CPU fixes a fusion's split when it compiles, from the pool size, which JAX's cache key
+    does not hold: an executable compiled for a 2-thread pool, loaded in a 1-thread one, still hands
+    work to the pool. The library's cache (set by `keep_compiled_executables`) is moved to a sibling
+    folder per pool size; a cache the user chose is left alone."""
+    import os
+
+    import jax
+    from kvarn_jax.models.checkpoints import cache_dir
+
+    default = str(cache_dir() / "xla")
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ or jax.config.jax_compilation_cache_dir != default:
+        return
+    pool = os.environ.get("PJRT_NPROC") or os.environ.get("NPROC")
+    jax.config.update("jax_compilation_cache_dir", f"{default}-cpu-pool-{pool}")
 
 
 def keep_compiled_executables() -> str | None:
