@@ -73,7 +73,7 @@ def num_layers() -> int:
 # 22 s (benchmarks/vllm_serve.py, same machine). XLA's intra-op pool at one thread
 # (XLA_CPU_POOL_THREADS): XLA:CPU splits a fusion's loop into as many parts as that pool has threads
 # when it compiles, and runs them there; with one thread it splits none, and the decode computation
-# ran ~2x faster inside a vLLM worker (benchmarks/results/2026-12-05_vllm_xla_threads_cpu.md).
+# ran ~1.4-2.7x faster in a vLLM process (benchmarks/results/2026-12-05_vllm_xla_threads_cpu.md).
 XLA_CPU_FLAGS = ("--xla_cpu_multi_thread_eigen=false",)
 # PjRt's CPU client sizes its pool from PJRT_NPROC (or NPROC) when JAX's backend starts.
 XLA_CPU_POOL_THREADS = {"PJRT_NPROC": "1"}
