@@ -13,9 +13,10 @@ with `--repeats N`, N timed generations and the fastest decode kept (a shared CP
 
 Per row: prefill and decode tokens/s, decode ms per step, the step's byte floor - the weights read
 once plus the KV bytes one decode step must read (`kvarn_jax.cache.memory.decode_read_bytes`: quantized
-pages, high-precision sink and tail), averaged over the run's contexts, at --bandwidth (default on a GPU: a
-device-to-device copy measured at start, as `decode.py` does - 4.3 TB/s on the H200, 3.0 on an
-H100; none on a CPU, whose caches hold a small model's bytes) - and the share of it reached, and decode tokens/s against fp16's.
+pages, high-precision sink and tail), averaged over the run's contexts, at --bandwidth (default on a
+GPU: a device-to-device copy measured at start, as `decode.py` does - 4.3 TB/s on the H200, 3.0 on
+an H100; none on a CPU, whose caches hold a small model's bytes) - and the share of it reached, and
+decode tokens/s against fp16's.
 `--tensor-parallel N` runs the engine over N devices (heads, KV-cache heads and MLP units split;
 the floor is then a device's share, replicated embeddings counted whole). A scheme whose cache does
 not fit on the device is refused by the engine at start; the row records
@@ -182,7 +183,8 @@ def run_one(model, scheme: str, prompts, args):
     row.update({
         "prefill_tokens_per_s": st.prefill_tokens / st.prefill_s, "decode_tokens_per_s": st.decode_tokens / st.decode_s,
         "decode_ms_per_step": ms, "floor_ms_per_step": floor_ms, "floor_share": floor_ms / ms if floor_ms else None,
-        "kv_bytes_per_step": seqs * cfg.num_layers * kv, "decode_seqs_per_step": seqs, "prefill_s": st.prefill_s, "decode_s": st.decode_s,
+        "kv_bytes_per_step": seqs * cfg.num_layers * kv, "decode_seqs_per_step": seqs,
+        "prefill_s": st.prefill_s, "decode_s": st.decode_s,
         "wall_s": wall, "decode_steps": st.decode_calls, "decode_ms_per_step_runs": [r[0] for r in runs], "commit_calls": st.commit_calls,
         # tokens decoded in steps that also prefilled (with --prefill-batch below the batch): not in the
         # decode rate, whose time excludes those steps

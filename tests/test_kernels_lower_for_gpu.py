@@ -100,7 +100,7 @@ def test_wide_cache_decode_lowers_for_cuda(scheme, dtype):
     args = (jnp.zeros((2, 8, 128), jnp.float32), cache, jnp.zeros((2, 4), jnp.int32),
             jnp.full((2,), 3 * bs + 1, jnp.int32), jnp.arange(2, dtype=jnp.int32))
     for launch in (pdp.Launch(), pdp.Launch(num_splits=2, orient="heads", narrow="bound"), pdp.Launch(sums="mma", narrow="bound")):
-        if launch is not None and launch.sums and cfg.method not in ("kvarn", "kivi"):
+        if launch.sums and cfg.method not in ("kvarn", "kivi"):
             continue
         fn = lambda q, c, t, l, s, launch=launch: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1,  # noqa: E731
                                                                           window=None, launch=launch)

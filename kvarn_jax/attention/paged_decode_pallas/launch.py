@@ -260,6 +260,6 @@ def resolve_launch(cfg: KVQuantConfig, shape: CallShape, launch: Launch = Launch
     narrow = launch.narrow or "max"
     if narrow not in ("max", "bound"):
         raise ValueError(f"narrow must be 'max' or 'bound', got {launch.narrow!r}")
-    return Launch(narrow=narrow, num_splits=splits, num_warps=warps, maxnreg=maxnreg, num_stages=num_stages, unpack=unpack,
+    return Launch(num_splits=splits, num_warps=warps, maxnreg=maxnreg, num_stages=num_stages, unpack=unpack,
                   orient=orient, fold=fold, sums=sums, parts=parts, steps=steps, merge=merge,
-                  chunk=None if tiled else t_tok, q_in_kernel=q_in_kernel)
+                  chunk=None if tiled else t_tok, q_in_kernel=q_in_kernel, narrow=narrow)

@@ -31,15 +31,15 @@ def f16_sat(x):
     return x if x.dtype == jnp.float16 else f16(jnp.clip(x, -F16_MAX, F16_MAX))
 
 
-def chunk_scale(x):
-    """A power of two that brings max|x| below 2^15, where fp16 holds it; 1 if it already is."""
-    top = jnp.floor(jnp.log2(jnp.maximum(jnp.max(jnp.abs(x)), 1.0)))
-    return jnp.exp2(jnp.minimum(0.0, 14.0 - top))
-
-
 def bound_scale(bound):
-    """`chunk_scale` of an operand whose largest magnitude is at most `bound` (a scalar)."""
+    """A power of two that brings magnitudes up to `bound` (a scalar) below 2^15, where fp16 holds
+    them; 1 if they already are."""
     return jnp.exp2(jnp.minimum(0.0, 14.0 - jnp.floor(jnp.log2(jnp.maximum(bound, 1.0)))))
+
+
+def chunk_scale(x):
+    """`bound_scale` of max|x|."""
+    return bound_scale(jnp.max(jnp.abs(x)))
 
 
 class Narrowed:
@@ -391,26 +391,24 @@ class LayoutPlan:
         if cfg.method == "fp8":                                             # [T] scales
             return [self.dot(fp8_codes(f["codes"][blk, :, sub]), self.scaled(p, sc, 1), min_n=8)]  # codes [D, T]
         p16 = self.scaled(p, sc[:, 0], 1)                                       # [T, 1] scales; p <= 1
-        zr = f["zero"][blk, sub].astype(jnp.float32)
-        pz16 = self.scaled(p, zr[:, 0], 1) if self.bounded and self.sums == "mma" else None
         planes = self.planes(f["codes"][blk, :, sub], cfg.v_bits, biased=self.value_fold)  # vp x [D/vp, T]
-        corr = self.value_corrections(p * zr, p16, planes[0].shape[0], pz16)
+        zr = f["zero"][blk, sub].astype(jnp.float32)                            # [T, 1] zero points
+        corr = self.value_corrections(p, zr[:, 0], p16, planes[0].shape[0])
         return [self.dot(planes[n], p16, min_n=8) + corr[n] for n in range(vp)]
 
-    def value_corrections(self, pz, p16, rows: int, pz16=None):
+    def value_corrections(self, p, z, p16, rows: int):
         """What the tokens-major value products [rows, Gp] of a tile leave out, per channel plane n:
-        Σ_t p·z (pz: p·z per token, [T, Gp] fp32), and with `value_fold` minus 2^(10 - n·b)·Σ_t p16 (the
-        biased planes' magic times the fp16 probabilities the products saw). sums="mma": as
-        products ones [rows, T] @ x, which leave every row holding the sum in the outputs' layout;
-        "reduce": jnp sums as [1, Gp]. pz16: pz as the product's fp16 operand if already made
-        (`scaled`)."""
+        Σ_t p·z (p: probabilities [T, Gp], z: the tokens' zero points [T]), and with `value_fold` minus
+        2^(10 - n·b)·Σ_t p16 (the biased planes' magic times the fp16 probabilities the products saw).
+        sums="mma": as products ones [rows, T] @ x, which leave every row holding the sum in the
+        outputs' layout; "reduce": jnp sums as [1, Gp]."""
         magic = [2.0 ** (10 - n * self.cfg.v_bits) for n in range(self.vp)]
         if self.sums == "mma":
-            ones = jnp.ones((rows, pz.shape[0]), jnp.float16)
-            zrows = self.dot(ones, self.f16(pz) if pz16 is None else pz16, min_n=8)
+            ones = jnp.ones((rows, p.shape[0]), jnp.float16)
+            zrows = self.dot(ones, self.scaled(p, z, 1), min_n=8)
             srows = self.dot(ones, p16, min_n=8) if self.value_fold else None
             return [zrows - m * srows if self.value_fold else zrows for m in magic]
-        zp = jnp.sum(pz, axis=0)[None, :]
+        zp = jnp.sum(p * z[:, None], axis=0)[None, :]
         psum = jnp.sum(_rounded(p16), axis=0)[None, :] if self.value_fold else None
         return [zp - m * psum if self.value_fold else zp for m in magic]
 
@@ -489,9 +487,7 @@ class LayoutPlan:
         if st is not None:
             planes = self.planes(codes, cfg.v_bits, biased=self.value_fold)  # vp x [D/vp, G/parts]
             p16 = self.scaled(p, st.astype(jnp.float32), 1)                    # p <= 1
-            zt = zt.astype(jnp.float32)
-            pz16 = self.scaled(p, zt, 1) if self.bounded and self.sums == "mma" else None
-            corr = self.value_corrections(p * zt[:, None], p16, planes[0].shape[0], pz16)
+            corr = self.value_corrections(p, zt.astype(jnp.float32), p16, planes[0].shape[0])
             out = [self.dot(planes[n], p16, min_n=8) + corr[n] for n in range(vp)]
             if chan is not None:  # channel scales per plane (whole-block load, `columns`)
                 block = chan[blk, sub] if chan_tile is None else chan_tile
