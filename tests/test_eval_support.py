@@ -49,10 +49,12 @@ def one_torch_thread():
     """Generator for an autouse fixture: torch on one thread during a test, restored after.
 
     The models here are tiny; with several OpenMP threads on a shared 2-core machine their small
-    matmuls spend most of the time spin-waiting (measured 10x slower)."""
+    matmuls spend most of the time spin-waiting (measured 10x slower). torch._C's setter is called:
+    an in-process vLLM CPU worker (an earlier test on the same xdist worker) replaces
+    `torch.set_num_threads` with a no-op."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch._C.set_num_threads(1)
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        torch._C.set_num_threads(before)

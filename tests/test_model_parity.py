@@ -29,11 +29,12 @@ PROMPTS = ["Once upon a time, in a small village by the sea,", "The capital of F
 
 @pytest.fixture
 def torch_one_thread():
-    # the CPU is shared with JAX (and other test workers): one torch thread is several times faster here
+    # the CPU is shared with JAX (and other test workers): one torch thread is several times faster here;
+    # torch._C's setter, as an in-process vLLM worker replaces torch.set_num_threads with a no-op
     n = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch._C.set_num_threads(1)
     yield
-    torch.set_num_threads(n)
+    torch._C.set_num_threads(n)
 
 
 def prompt_logits(model, prompts, kv_cache_dtype, chunk, block_size=128):

@@ -135,6 +135,7 @@ def model():
     threads, set_threads = torch.get_num_threads(), torch.set_num_threads  # vLLM's CPU worker replaces it
     set_threads(1)
     yield str(hf_folder_from_gguf())
+    torch.set_num_threads = set_threads  # the worker's no-op replacement would outlive this module
     set_threads(threads)
 
 
