@@ -225,8 +225,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations (auto: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--impl", default="auto", choices=["auto", "pallas", "reference"], help="decode attention")
-    p.add_argument("--decode-loop", default="auto", choices=["auto", "unroll", "scan"],
-                   help="how a decode step runs the layers (auto: unroll on GPU/TPU, scan on CPU)")
+    p.add_argument("--decode-loop", default="auto", choices=["auto", "unroll", "scan", "switch"],
+                   help="how a decode step runs the layers (auto: unroll on GPU/TPU, switch on CPU)")
     p.add_argument("--model", help="HF folder or .gguf")
     p.add_argument("--random-weights", action="store_true", help="random smollm2-135m weights (same as --config "
                                                                  "smollm2-135m)")

@@ -294,13 +294,48 @@ def test_decode_loop_does_not_change_results(tiny_model, rng):
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     kw = dict(kv_cache_dtype="kvarn_k4v2_g32", **KW)
     scan = Engine(tiny_model, decode_loop="scan", **kw)
-    unroll = Engine(tiny_model, decode_loop="unroll", **kw)
-    outputs = [[r.output_ids for r in e.generate(prompts, params)] for e in (scan, unroll)]
-    assert outputs[0] == outputs[1]
+    engines = (scan, Engine(tiny_model, decode_loop="unroll", **kw), Engine(tiny_model, decode_loop="switch", **kw))
+    outputs = [[r.output_ids for r in e.generate(prompts, params)] for e in engines]
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert Engine(tiny_model, **kw).runner.decode_loop == ("switch" if jax.default_backend() == "cpu" else "unroll")
     # compiled once per shape: repeating the same batch compiles nothing new
     n = scan.runner.stats.compiles
     scan.generate(prompts, params)
     assert scan.runner.stats.compiles == n
+
+
+def test_switch_layer_loop_gives_the_scans_bits():
+    """layer_loop="switch" (each product picks its layer's own array) computes what the scan over
+    stacked weights computes, bit for bit, in decode and prefill, over runs of mixed schemes (three
+    cache groups: the switch index is the layer within its run) and distinct weights per layer."""
+    cfg = dataclasses.replace(TINY, num_layers=5)
+    model = Decoder(cfg, rngs=nnx.Rngs(int(np.random.default_rng().integers(1 << 30))), init_std=0.2)
+    schemes = ["kvarn_k4v2_g32", "kvarn_k4v2_g32", "int8", "int8", "fp16"]
+    kernels = model.layer_kernels()
+    assert all(len(v) == 5 and not any(np.array_equal(v[0], w) for w in v[1:]) for v in kernels.values())
+    rng = np.random.default_rng()
+    n, bs = 40, 32
+    caches = model.new_caches(schemes, num_blocks=4, block_size=bs, max_seqs=1)
+    assert [r[2] for r in caches.runs()] == [2, 2, 1]
+    table = jnp.arange(4, dtype=jnp.int32)[None]
+    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    batch = PrefillBatch(jnp.asarray(rng.integers(4, cfg.vocab_size, (1, n)), jnp.int32), pos, pos,
+                         jnp.zeros(1, jnp.int32), table, jnp.array([0], jnp.int32), jnp.array([n - 1], jnp.int32))
+    prefill = jax.jit(lambda c, b, k, loop: model.prefill(c, b, layer_loop=loop, kernels=k), static_argnums=3)
+    ref, caches = prefill(caches, batch, None, "scan")
+    got, _ = prefill(caches, batch, kernels, "switch")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    p = jnp.array([n], jnp.int32)
+    step = DecodeBatch(jnp.asarray(rng.integers(4, cfg.vocab_size, 1), jnp.int32), p, p, jnp.zeros(1, jnp.int32), table)
+    decode = jax.jit(lambda c, b, k, loop: model.decode(c, b, impl="reference", layer_loop=loop, kernels=k),
+                     static_argnums=3)
+    (ref, c_ref), (got, c_got) = decode(caches, step, None, "scan"), decode(caches, step, kernels, "switch")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(jax.tree.leaves(c_got), jax.tree.leaves(c_ref)))
+    with pytest.raises(ValueError, match="kernels"):
+        model.decode(caches, step, layer_loop="switch")
+    with pytest.raises(ValueError, match="kernels"):
+        model.decode(caches, step, layer_loop="scan", kernels=kernels)
 
 
 def test_pallas_decode_matches_reference_in_the_model(rng):

@@ -18,7 +18,9 @@ so a forward pass is a pure function of (weights, caches, batch) that `jax.jit` 
 The layers run in a Python loop over static layer indices (each layer's weights are a static slice
 of the stacked ones; on GPUs a `lax.scan` would copy every layer's weights per step) or, for
 prefill with one scheme in every layer, a `lax.scan` (one layer compiled once; prefill is
-compute-bound, so the weight copies cost little). Norms, RoPE, softmax and logits are computed in
+compute-bound, so the weight copies cost little), or a scan whose matrix products pick their
+layer's own array with a `lax.switch` ("switch", for XLA's CPU backend, which copies any slice
+before a product). Norms, RoPE, softmax and logits are computed in
 float32 whatever the model dtype; attention products take model-dtype operands with float32
 accumulation, exactly float32 for float32 models.
 """
@@ -268,9 +270,14 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(jax.random.normal(rngs.params(), (d_in, d_out), jnp.float32).astype(dtype) * std)
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
-    def __call__(self, x):
-        y = jnp.dot(x, self.kernel[...])
+    def __call__(self, x, product=None):
+        """product: None, or (x -> x @ this layer's kernel) from per-layer arrays (`layer_kernels`)."""
+        y = jnp.dot(x, self.kernel[...]) if product is None else product(x)
         return y + self.bias[...] if self.bias is not None else y
+
+
+def _picked(products, name):
+    return None if products is None else functools.partial(products, name)
 
 
 class Embedding(nnx.Module):
@@ -363,22 +370,23 @@ class Attention(nnx.Module):
         self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs, std=std)
         self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_bias, dtype=dtype, rngs=rngs, std=std)
 
-    def _qkv(self, x, positions, inv_freq):
+    def _qkv(self, x, positions, inv_freq, products=None):
         lead = x.shape[:-1]
-        q = self.q_proj(x).reshape(lead + (self.num_heads, self.head_dim))
-        k = self.k_proj(x).reshape(lead + (self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).reshape(lead + (self.num_kv_heads, self.head_dim))
+        q = self.q_proj(x, _picked(products, "attn.q_proj")).reshape(lead + (self.num_heads, self.head_dim))
+        k = self.k_proj(x, _picked(products, "attn.k_proj")).reshape(lead + (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x, _picked(products, "attn.v_proj")).reshape(lead + (self.num_kv_heads, self.head_dim))
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
-    def prefill(self, x, caches: LayerCaches, layer, batch: PrefillBatch, inv_freq, tp=None):
+    def prefill(self, x, caches: LayerCaches, layer, batch: PrefillBatch, inv_freq, tp=None, products=None):
         """x [P, C, hidden] -> ([P, C, hidden], (k, v) [P, C, Hk, D] to store: `Decoder.prefill` writes
         every layer's after the layers have run, so that no layer writes a cache it still reads)."""
         p, c, _ = x.shape
-        q, k, v = self._qkv(x, batch.positions, inv_freq)
+        q, k, v = self._qkv(x, batch.positions, inv_freq, products)
         g, j = caches.locate(layer)
         o = on_heads(tp, functools.partial(self._prefill_heads, group=g, dtype=x.dtype),
                       (caches, q, k, v, batch, j), ("caches", 2, 2, 2, "rep", "rep"), (2,))
-        return self.o_proj(o.reshape(p, c, self.num_heads * self.head_dim).astype(x.dtype)), (k, v)
+        return self.o_proj(o.reshape(p, c, self.num_heads * self.head_dim).astype(x.dtype),
+                           _picked(products, "attn.o_proj")), (k, v)
 
     @staticmethod
     def _prefill_heads(caches, q, k, v, batch, j, *, group, dtype, key_tile=PREFILL_KEY_TILE):
@@ -415,15 +423,17 @@ class Attention(nnx.Module):
         o = o_cache + _product("phgct,pthd->pchgd", e_s * (w_s / denom)[..., None], v, dtype)
         return o.reshape(p, c, hq, d)
 
-    def decode(self, x, caches: LayerCaches, layer, batch: DecodeBatch, inv_freq, impl: str, tp=None):
+    def decode(self, x, caches: LayerCaches, layer, batch: DecodeBatch, inv_freq, impl: str, tp=None,
+               products=None):
         """x [B, hidden] -> ([B, hidden], caches): stores the token's K/V in high precision (no block is
         quantized here), then attends over the cache."""
         b = x.shape[0]
-        q, k, v = self._qkv(x, batch.positions, inv_freq)
+        q, k, v = self._qkv(x, batch.positions, inv_freq, products)
         g, j = caches.locate(layer)
         o, caches = on_heads(tp, functools.partial(self._decode_heads, group=g, impl=impl),
                               (caches, q, k, v, batch, j), ("caches", 1, 1, 1, "rep", "rep"), (1, "caches"))
-        return self.o_proj(o.reshape(b, self.num_heads * self.head_dim).astype(x.dtype)), caches
+        return self.o_proj(o.reshape(b, self.num_heads * self.head_dim).astype(x.dtype),
+                           _picked(products, "attn.o_proj")), caches
 
     @staticmethod
     def _decode_heads(caches, q, k, v, batch, j, *, group, impl):
@@ -442,8 +452,10 @@ class MLP(nnx.Module):
         self.up_proj = Linear(h, i, bias=b, dtype=dtype, rngs=rngs, std=std)
         self.down_proj = Linear(i, h, bias=b, dtype=dtype, rngs=rngs, std=std)
 
-    def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x, products=None):
+        h = jax.nn.silu(self.gate_proj(x, _picked(products, "mlp.gate_proj"))) * self.up_proj(
+            x, _picked(products, "mlp.up_proj"))
+        return self.down_proj(h, _picked(products, "mlp.down_proj"))
 
 
 class DecoderLayer(nnx.Module):
@@ -453,18 +465,36 @@ class DecoderLayer(nnx.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs, std=std)
 
-    def prefill(self, x, caches, layer, batch, inv_freq, tp=None):
-        a, kv = self.attn.prefill(self.input_norm(x), caches, layer, batch, inv_freq, tp)
+    def prefill(self, x, caches, layer, batch, inv_freq, tp=None, products=None):
+        a, kv = self.attn.prefill(self.input_norm(x), caches, layer, batch, inv_freq, tp, products)
         x = x + a
-        return x + self.mlp(self.post_norm(x)), kv
+        return x + self.mlp(self.post_norm(x), products), kv
 
-    def decode(self, x, caches, layer, batch, inv_freq, impl, tp=None):
-        a, caches = self.attn.decode(self.input_norm(x), caches, layer, batch, inv_freq, impl, tp)
+    def decode(self, x, caches, layer, batch, inv_freq, impl, tp=None, products=None):
+        a, caches = self.attn.decode(self.input_norm(x), caches, layer, batch, inv_freq, impl, tp, products)
         x = x + a
-        return x + self.mlp(self.post_norm(x)), caches
+        return x + self.mlp(self.post_norm(x), products), caches
 
 
-LAYER_LOOPS = ("unroll", "scan")
+LAYER_LOOPS = ("unroll", "scan", "switch")
+# the matrices a "switch" loop takes as one array per layer (`Decoder.layer_kernels`)
+LAYER_MATRICES = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                  "mlp.down_proj")
+
+
+def _switch_products(kernels: Mapping, index):
+    """name, x -> x @ kernels[name][index] (index traced): a `lax.switch` whose branch i multiplies by
+    array i, so the product reads that layer's array where it is (a dynamic slice of stacked
+    weights is a copy on XLA's CPU backend)."""
+    def product(name, x):
+        arrays = kernels[name]
+        branches = [functools.partial(_product_with, i=i) for i in range(len(arrays))]
+        return jax.lax.switch(index, branches, x, arrays)
+    return product
+
+
+def _product_with(x, arrays, *, i):
+    return jnp.dot(x, arrays[i])
 
 
 def _stack_modules(modules) -> nnx.Module:
@@ -508,6 +538,13 @@ class Decoder(nnx.Module):
         graphdef, state = nnx.split(self.layers)
         return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
 
+    def layer_kernels(self) -> dict:
+        """{name: one array per layer} of the layers' matrices (`LAYER_MATRICES`): what the "switch"
+        layer loop reads. New arrays (a copy of those matrices), made once by the caller."""
+        _, state = nnx.split(self.layers)
+        flat = {".".join(map(str, path)): a for path, a in nnx.to_flat_state(state)}
+        return {name: tuple(jnp.array(a) for a in flat[f"{name}.kernel"][...]) for name in LAYER_MATRICES}
+
     # -------------------------------------------------------------- forward
     def logits(self, h):
         """float32 logits of final hidden states h [..., hidden]."""
@@ -516,15 +553,20 @@ class Decoder(nnx.Module):
             return self.embed.attend(h).astype(jnp.float32)
         return jnp.dot(h, self.lm_head.kernel[...], preferred_element_type=jnp.float32).astype(jnp.float32)
 
-    def _run_layers(self, kind: str, x, caches: LayerCaches, batch, layer_loop: str, *extra):
+    def _run_layers(self, kind: str, x, caches: LayerCaches, batch, layer_loop: str, *extra, kernels=None):
         # extra: (impl, tp) for decode, (tp,) for prefill
         """x through every decoder layer: a Python loop over static layer indices (one copy of the
         layer's program per layer; each layer's weights a static slice, which GPUs read in place) or
         a `lax.scan` over each run of layers that share a cache group (one copy of the program per
-        run; each layer's weights dynamically sliced, which XLA copies). Decode layers update the
+        run; each layer's weights dynamically sliced, which XLA copies) or "switch": that scan with
+        the layer matrices taken from `kernels` (`layer_kernels`: one array per layer) by a
+        `lax.switch` per product, which XLA's CPU backend reads in place. Decode layers update the
         caches; prefill layers only read them and return their (k, v), stacked over the layers."""
         if layer_loop not in LAYER_LOOPS:
             raise ValueError(f"layer_loop must be one of {list(LAYER_LOOPS)}, got {layer_loop!r}")
+        if (layer_loop == "switch") != (kernels is not None):
+            raise ValueError("layer_loop='switch' takes the per-layer matrices (kernels=model.layer_kernels()), "
+                             "and only it does")
         inv = self.inv_freq[...]
         graphdef, state = nnx.split(self.layers)
         kvs = []
@@ -537,30 +579,38 @@ class Decoder(nnx.Module):
                     else:
                         kvs.append(jax.tree.map(lambda a: a[None], out))
                 continue
-            weights = jax.tree.map(lambda a: a[first:first + n], state)
+            weights = jax.tree.map(lambda a: a[first:first + n], state)  # the matrices' slices unused under "switch"
             j0 = caches.layer_index[first]
+            run = None if kernels is None else {name: tuple(a[first:first + n]) for name, a in kernels.items()}
+
+            def products(i, run=run):
+                return None if run is None else _switch_products(run, i)
             if kind == "decode":
-                def body(carry, xs, g=g):
+                def body(carry, xs, g=g, products=products):
                     x, caches = carry
-                    params, j = xs
-                    return nnx.merge(graphdef, params).decode(x, caches, (g, j), batch, inv, *extra), None
-                x, caches = jax.lax.scan(body, (x, caches), (weights, j0 + jnp.arange(n)))[0]
+                    params, j, i = xs
+                    return nnx.merge(graphdef, params).decode(x, caches, (g, j), batch, inv, *extra,
+                                                              products=products(i)), None
+                x, caches = jax.lax.scan(body, (x, caches), (weights, j0 + jnp.arange(n), jnp.arange(n)))[0]
             else:
-                def read(x, xs, g=g):  # prefill: the caches are read only, not carried
-                    params, j = xs
-                    return nnx.merge(graphdef, params).prefill(x, caches, (g, j), batch, inv, *extra)
-                x, kv = jax.lax.scan(read, x, (weights, j0 + jnp.arange(n)))
+                def read(x, xs, g=g, products=products):  # prefill: the caches are read only, not carried
+                    params, j, i = xs
+                    return nnx.merge(graphdef, params).prefill(x, caches, (g, j), batch, inv, *extra,
+                                                               products=products(i))
+                x, kv = jax.lax.scan(read, x, (weights, j0 + jnp.arange(n), jnp.arange(n)))
                 kvs.append(kv)
         if kind == "decode":
             return x, caches
         return x, jax.tree.map(lambda *a: jnp.concatenate(a), *kvs)
 
     def prefill(self, caches: LayerCaches, batch: PrefillBatch, *, all_logits: bool = False,
-                layer_loop: str = "scan", tp: HeadParallel | None = None):
+                layer_loop: str = "scan", tp: HeadParallel | None = None, kernels=None):
         """(logits [P, V] of each row's `last` token (or [P, C, V] with all_logits), updated caches).
-        layer_loop: "scan" (default; with per-layer schemes always a loop) or "unroll". tp: run
-        tensor-parallel over a mesh (weights and caches placed as `head_parallel_specs` says)."""
-        logits, (k, v) = self.prefill_kv(caches, batch, all_logits=all_logits, layer_loop=layer_loop, tp=tp)
+        layer_loop: "scan" (default; with per-layer schemes always a loop), "unroll" or "switch" (with
+        kernels=`layer_kernels()`). tp: run tensor-parallel over a mesh (weights and caches placed as
+        `head_parallel_specs` says)."""
+        logits, (k, v) = self.prefill_kv(caches, batch, all_logits=all_logits, layer_loop=layer_loop, tp=tp,
+                                         kernels=kernels)
         p, c = batch.tokens.shape
         n, hk, d = self.config.num_layers, self.config.num_kv_heads, self.config.head_dim
         # every layer's chunk stored in one write after the layers ran; at most ceil(C / block_size)
@@ -574,23 +624,26 @@ class Decoder(nnx.Module):
         return logits, caches
 
     def prefill_kv(self, caches: LayerCaches, batch: PrefillBatch, *, all_logits: bool = False,
-                   layer_loop: str = "scan", tp: HeadParallel | None = None):
+                   layer_loop: str = "scan", tp: HeadParallel | None = None, kernels=None):
         """`prefill` without storing the chunk: (logits, (k, v) [layers, P, C, Hk, D] to store, e.g. by
         `store_tokens`). The caches are only read."""
         self._check_caches(caches)
-        x, (k, v) = self._run_layers("prefill", self.embed(batch.tokens), caches, batch, layer_loop, tp)
+        x, (k, v) = self._run_layers("prefill", self.embed(batch.tokens), caches, batch, layer_loop, tp,
+                                     kernels=kernels)
         if not all_logits:
             x = jnp.take_along_axis(x, batch.last[:, None, None], axis=1)[:, 0]
         return self.logits(x), (k, v)
 
     def decode(self, caches: LayerCaches, batch: DecodeBatch, *, impl: str = "auto", commit: bool = True,
-               layer_loop: str = "unroll", tp: HeadParallel | None = None):
+               layer_loop: str = "unroll", tp: HeadParallel | None = None, kernels=None):
         """(logits [B, V] of the next token of each row, updated caches).
 
         commit: quantize the blocks this batch completes before returning (a fixed batch of B, so
         every call pays for B blocks). A serving engine that knows which blocks complete passes
         False and calls `LayerCaches.commit` itself, only when some do.
-        layer_loop: "unroll" (default: no weight is copied) or "scan" (compiles faster).
+        layer_loop: "unroll" (default: GPUs read each layer's weights in place), "scan" (compiles
+        faster; XLA copies each layer's weights) or "switch" (a scan reading the per-layer arrays
+        `kernels=layer_kernels()` in place: XLA's CPU backend).
         tp: as in `prefill`.
         """
         if impl not in IMPLS:
@@ -598,7 +651,8 @@ class Decoder(nnx.Module):
         self._check_caches(caches)
         # the layers' writes counted once for the step (`LayerCaches.open_tally`)
         caches = caches.open_tally(batch.tokens.shape[0])
-        x, caches = self._run_layers("decode", self.embed(batch.tokens), caches, batch, layer_loop, impl, tp)
+        x, caches = self._run_layers("decode", self.embed(batch.tokens), caches, batch, layer_loop, impl, tp,
+                                     kernels=kernels)
         caches = caches.close_tally(batch.slot_mapping, batch.seq_ids)
         if commit:
             caches = commit_blocks(caches, *batch.completions(caches.block_size, caches.paged_from), tp=tp)

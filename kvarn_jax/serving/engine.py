@@ -252,7 +252,8 @@ class Engine:
       (rounded down to a multiple of block_size); below, a chunk also stops at the next boundary.
     impl: decode attention ("auto": Pallas kernel on NVIDIA GPUs, reference elsewhere).
     calibration: a `kvarn_jax.Calibration` of all layers, for static schemes.
-    decode_loop: how the decode step runs the layers (`ModelRunner`): "auto", "unroll" or "scan".
+    decode_loop: how the decode step runs the layers (`ModelRunner`): "auto", "unroll", "scan" or
+        "switch" (auto: "switch" on CPUs, "scan" there under tensor parallelism, "unroll" elsewhere).
     tensor_parallel: split attention heads, KV-cache heads and MLP units over this many devices (the
       first ones of `jax.devices()`), or `mesh`: a `jax.sharding.Mesh` with a "tp" axis to split over.
       Each step is still one compiled call, over the mesh.

@@ -3,8 +3,8 @@ one that stores tokens and quantizes blocks.
 
 `ModelRunner` splits a `Decoder` into its graph and weights once. Each step is one call of one
 compiled function of (weights, caches, last tokens, packed metadata): the model (all layers: decode
-as a Python loop over the layers on GPUs and TPUs, a `lax.scan` on CPUs, `decode_loop`; prefill as a
-scan), the logits of the rows that need them, sampling, and the sampled tokens stored into
+as a Python loop over the layers on GPUs and TPUs, a `lax.scan` on CPUs whose products read per-layer
+arrays through a `lax.switch`, `decode_loop`; prefill as a scan), the logits of the rows that need them, sampling, and the sampled tokens stored into
 `last_tokens` - a per-sequence-slot device array from which the next decode step reads its input
 tokens, so a step never waits for the host to learn the previous step's tokens. The caches and
 `last_tokens` are donated (updated in place). Host metadata travels as two or three packed arrays
@@ -108,10 +108,16 @@ class ModelRunner:
         if tp is not None:  # each device holds its heads' and MLP units' part of the weights
             tp.check(model.config)
             self._weights = jax.device_put(self._weights, self._named(head_parallel_specs(model, tp.axis)))
-        # GPUs read each layer's statically sliced weights in place; XLA's CPU backend copies them,
-        # and compiles one loop body much faster than a body per layer
+        # GPUs read each layer's statically sliced weights in place. XLA's CPU backend copies a slice
+        # (static or dynamic) before a matrix product, and compiles one loop body much faster than a
+        # body per layer: there a scan whose products pick per-layer arrays with a lax.switch
+        # ("switch": those arrays are a second copy of the layers' matrices, made here once).
+        if decode_loop == "switch" and tp is not None:
+            raise ValueError("decode_loop='switch' runs on one device; use 'scan' or 'unroll' with tensor_parallel")
+        cpu = jax.default_backend() == "cpu"
         self.decode_loop = decode_loop if decode_loop != "auto" else (
-            "scan" if jax.default_backend() == "cpu" else "unroll")
+            ("switch" if tp is None else "scan") if cpu else "unroll")
+        self._kernels = model.layer_kernels() if self.decode_loop == "switch" else None
         self._structure = (self._graphdef, impl, self.decode_loop, tp)
         self._zeros: dict = {}  # (tokens, dtype) -> zero k/v pieces (`commit`)
 
@@ -155,7 +161,7 @@ class ModelRunner:
             _COMPILED[key] = exe
         return exe
 
-    def _decode_fn(self, weights, caches, last_tokens, meta, fmeta, *, sampled: bool):
+    def _decode_fn(self, weights, caches, last_tokens, meta, fmeta, kernels, *, sampled: bool):
         model = nnx.merge(self._graphdef, weights)
         cols = {n: meta[:, i] for i, n in enumerate(DECODE_COLS)}
         live = carries_token(cols["slots"])
@@ -165,7 +171,7 @@ class ModelRunner:
                             block_tables=meta[:, len(DECODE_COLS):])
         before = _nonfinite(caches, seq)
         logits, caches = model.decode(caches, batch, impl=self.impl, commit=False, layer_loop=self.decode_loop,
-                                      tp=self.tp)
+                                      tp=self.tp, kernels=kernels)
         tok = sample_rows(logits, fmeta[:, 0], fmeta[:, 1], _u32(cols["seeds"]), cols["steps"], sampled)
         last_tokens = last_tokens.at[jnp.where(live, seq, last_tokens.shape[0])].set(tok, mode="drop")
         return _with_flags(tok, live & (_nonfinite(caches, seq) > before)), caches, last_tokens
@@ -210,7 +216,7 @@ class ModelRunner:
         meta: int32 [B, 5 + W] - columns `DECODE_COLS` (seeds as int32 bit patterns), then the block
         table; fmeta: float32 [B, 2] temperature and top_p. The input token of each row is
         last_tokens[seq_id]. caches and last_tokens are donated."""
-        args = (self._weights, caches, last_tokens, meta, fmeta)
+        args = (self._weights, caches, last_tokens, meta, fmeta, self._kernels)
         sampled = bool((fmeta[:, 0] > 0).any())
         fn = functools.partial(self._decode_fn, sampled=sampled)
         return self._executable("decode", fn, args, donate=(1, 2), static=(sampled,))(*args)
@@ -266,7 +272,7 @@ class ModelRunner:
         """Compile (not run) the decode step of `batch` rows and the commits of up to `batch` blocks."""
         meta = np.zeros((batch, len(DECODE_COLS) + table_width), np.int32)
         self._executable("decode", functools.partial(self._decode_fn, sampled=False),
-                         (self._weights, caches, last_tokens, meta, np.zeros((batch, 2), np.float32)),
+                         (self._weights, caches, last_tokens, meta, np.zeros((batch, 2), np.float32), self._kernels),
                          donate=(1, 2), static=(False,))
         m = 1
         while m <= batch:
