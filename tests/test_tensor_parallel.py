@@ -132,6 +132,8 @@ def test_sharded_decode_logits_match_one_device(model, rng):
 def test_mesh_sizes_that_do_not_divide_the_heads_are_refused_at_start(model):
     with pytest.raises(ValueError, match="tensor_parallel=3 does not divide the model's num_kv_heads=4"):
         Engine(model, tensor_parallel=3, kv_cache_dtype="fp16", **KW)
+    with pytest.raises(ValueError, match="decode_loop='switch' runs on one device"):
+        Engine(model, tensor_parallel=2, decode_loop="switch", kv_cache_dtype="fp16", **KW)
     with pytest.raises(ValueError, match="needs that many devices"):
         Engine(model, tensor_parallel=len(jax.devices()) * 2, kv_cache_dtype="fp16", **KW)
     with pytest.raises(ValueError, match="axis named 'tp'"):

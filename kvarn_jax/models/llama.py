@@ -497,6 +497,10 @@ def _product_with(x, arrays, *, i):
     return jnp.dot(x, arrays[i])
 
 
+def _layer_product(kernels: Mapping, i: int, name, x):
+    return jnp.dot(x, kernels[name][i])
+
+
 def _stack_modules(modules) -> nnx.Module:
     """One module of the same definition whose every array has a leading axis over `modules`."""
     graphdef = nnx.graphdef(modules[0])
@@ -573,7 +577,10 @@ class Decoder(nnx.Module):
         for g, first, n in caches.runs():
             if layer_loop == "unroll" or n == 1:
                 for i in range(first, first + n):
-                    x, out = getattr(self.layer(i), kind)(x, caches, i, batch, inv, *extra)
+                    # a one-layer run under "switch" reads that layer's arrays directly (a static slice
+                    # of the stacked weights would be copied too)
+                    products = None if kernels is None else functools.partial(_layer_product, kernels, i)
+                    x, out = getattr(self.layer(i), kind)(x, caches, i, batch, inv, *extra, products=products)
                     if kind == "decode":
                         caches = out
                     else:
