@@ -1,0 +1,78 @@
+#!/bin/bash
+# The GPU runs that the open issues' targets are measured by, each under its own time limit, so one
+# short lease of a GPU machine answers as many as fit and keeps what finished.
+#
+#   bash benchmarks/tools/gpu_runs.sh OUT_DIR [SECTION ...]
+#
+# Sections (default: all, in this order):
+#   kernel    decode kernel with a bfloat16 cache: the default launch against Launch(narrow="bound"/"max"),
+#             checked against the reference; the float16-cache kernel on the same shapes as the ceiling
+#   engine    generate.py, SmolLM2-135M shapes: batch 32 x 2K (fp16, int8, kvarn_k4v2_g128) and batch 1;
+#             batch 32 again with XLA's command buffers off
+#   llama     generate.py, Llama-3-8B shapes (32 layers), batch 32 x 8K prompt, 128 new tokens
+#   capacity  generate.py, Llama-3-8B shapes at a batch x context fp16 cannot hold (128 x 16K on a
+#             GPU of more than 100 GiB, else 64 x 16K): fp16 must be refused at start, kvarn served
+#   bridge    bridge_overhead.py: the vLLM bridge's per-layer costs against JAX direct and torch SDPA
+#   accuracy  tools/decode_accuracy.py: every scheme's kernel against the reference at full context
+# Each section writes its JSON and log into OUT_DIR and prints its summary lines; a section cut by its
+# time limit says so (exit status 124 in the log line) and the next one runs.
+set -u
+out=${1:?usage: gpu_runs.sh OUT_DIR [SECTION ...]}
+shift
+mkdir -p "$out"
+sections=${*:-kernel engine llama capacity bridge accuracy}
+root=$(cd "$(dirname "$0")/../.." && pwd)
+export PYTHONPATH=$root:$root/bridge:$root/ascend${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+cd "$root"
+G=benchmarks/generate.py
+
+run() {  # run NAME SECONDS COMMAND...: COMMAND under a time limit, output to OUT_DIR/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    echo "== $name: exit $? ($limit s limit)"
+}
+
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+for s in $sections; do
+    case $s in
+    kernel)
+        run kernel_bf16 120 python benchmarks/decode.py --dtype bfloat16 --shapes 32x8192,32x2048 \
+            --schemes kvarn_k4v2_g128,int8 --variants default,narrow-bound,narrow-max --check --no-baselines \
+            --json "$out/kernel_bf16.json"
+        run kernel_f16 60 python benchmarks/decode.py --dtype float16 --shapes 32x8192,32x2048 \
+            --schemes kvarn_k4v2_g128,int8 --no-baselines --json "$out/kernel_f16.json"
+        grep -hE "of roofline|FAIL" "$out"/kernel_*.log ;;
+    engine)
+        run smollm2_b32 150 python $G --config smollm2-135m --batch 32 --prompt-len 2048 --new-tokens 64 \
+            --repeats 2 --kv-cache-dtype fp16,int8,kvarn_k4v2_g128 --json "$out/smollm2_b32.json"
+        run smollm2_b1 90 python $G --config smollm2-135m --batch 1 --prompt-len 2048 --new-tokens 64 \
+            --repeats 2 --kv-cache-dtype fp16,kvarn_k4v2_g128 --json "$out/smollm2_b1.json"
+        XLA_FLAGS=--xla_gpu_enable_command_buffer= run smollm2_b32_no_command_buffers 100 python $G \
+            --config smollm2-135m --batch 32 --prompt-len 2048 --new-tokens 64 \
+            --kv-cache-dtype fp16,kvarn_k4v2_g128 --json "$out/smollm2_b32_no_command_buffers.json"
+        grep -hE "^\| (1|32) \|" "$out"/smollm2_*.log ;;
+    llama)
+        run llama3_8b_b32 200 python $G --config llama3-8b --batch 32 --prompt-len 8192 --new-tokens 128 \
+            --kv-cache-dtype fp16,kvarn_k4v2_g128 --json "$out/llama3_8b_b32.json"
+        grep -hE "^\| 32 \|" "$out/llama3_8b_b32.log" ;;
+    capacity)
+        batch=64
+        [ "${mem_mib:-0}" -gt 102400 ] && batch=128
+        run capacity 300 python $G --config llama3-8b --batch $batch --prompt-len 16000 --new-tokens 32 \
+            --kv-cache-dtype fp16,kvarn_k4v2_g128 --json "$out/capacity.json"
+        grep -hE "^\| $batch \||refused" "$out/capacity.log" ;;
+    bridge)
+        run bridge 200 python benchmarks/bridge_overhead.py --schemes kvarn_k4v2_g128,int8,fp16 \
+            --json "$out/bridge.json"
+        tail -20 "$out/bridge.log" ;;
+    accuracy)
+        run accuracy 300 python benchmarks/tools/decode_accuracy.py --shapes 1x131072,32x32768,8x16384,128x4096 \
+            --json "$out/accuracy.json" --md "$out/accuracy.md"
+        grep -h "rel L2" "$out/accuracy.log" ;;
+    *)
+        echo "unknown section $s (kernel engine llama capacity bridge accuracy)" >&2
+        exit 2 ;;
+    esac
+done
