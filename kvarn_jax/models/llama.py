@@ -497,10 +497,6 @@ def _product_with(x, arrays, *, i):
     return jnp.dot(x, arrays[i])
 
 
-def _layer_product(kernels: Mapping, i: int, name, x):
-    return jnp.dot(x, kernels[name][i])
-
-
 def _stack_modules(modules) -> nnx.Module:
     """One module of the same definition whose every array has a leading axis over `modules`."""
     graphdef = nnx.graphdef(modules[0])
@@ -579,7 +575,7 @@ class Decoder(nnx.Module):
                 for i in range(first, first + n):
                     # a one-layer run under "switch" reads that layer's arrays directly (a static slice
                     # of the stacked weights would be copied too)
-                    products = None if kernels is None else functools.partial(_layer_product, kernels, i)
+                    products = None if kernels is None else (lambda name, x, i=i: _product_with(x, kernels[name], i=i))
                     x, out = getattr(self.layer(i), kind)(x, caches, i, batch, inv, *extra, products=products)
                     if kind == "decode":
                         caches = out
