@@ -121,6 +121,14 @@ def variant_kwargs(var: str, scheme: str) -> dict | None:
     m = re.fullmatch(r"r(\d+)", var)
     if m:
         return {"maxnreg": int(m.group(1))}
+    if "=" in var:  # FIELD=VALUE[+FIELD=VALUE...]: the defaults with those `Launch` fields set
+        kw = {}
+        for item in var.split("+"):
+            name, _, val = item.partition("=")
+            if name not in pdp.Launch.__dataclass_fields__:
+                raise SystemExit(f"bad variant {var!r}: {name!r} is not a Launch field")
+            kw[name] = int(val) if val.isdigit() else None if val == "none" else val
+        return kw
     m = re.fullmatch(r"w(\d+)s(\d+)([atfm]*)(?:p(\d+))?(?:i(\d+))?(?:k(\d+))?(?:r(\d+))?", var)
     if not m:
         raise SystemExit(f"bad variant {var!r} (expected wWsS[a][t][f][m][pP][iI][kK][rR] or rR)")
@@ -166,6 +174,7 @@ def main():
                    "magic bias folded into the sums (fold=True), m those sums as products with a ones matrix (sums='mma'); pP: tokens-major tiles in P parts; "
                    "iI: I tile-loop iterations per tile (steps); kK: per-token schemes' tokens per step (chunk); rR: at most R registers per thread (maxnreg); rR alone: the defaults with that cap; "
                    "fold-none|fold-keys|fold-all alone: the defaults with that fold; narrow-max|narrow-bound: with that Launch.narrow (bf16 caches); "
+                   "FIELD=VALUE[+FIELD=VALUE...]: the defaults with those Launch fields, e.g. num_warps=2+num_stages=3; "
                    "suffix -pm: splits merged by the Pallas kernel, e.g. default-pm); default: the kernel's own defaults")
     p.add_argument("--no-baselines", action="store_true", help="skip torch SDPA and JAX's paged attention")
     p.add_argument("--check", action="store_true",

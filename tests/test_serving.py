@@ -396,7 +396,29 @@ def test_a_pool_larger_than_the_device_is_refused_at_start(tiny_model, monkeypat
     monkeypatch.setattr(jax, "devices", lambda *a: [Device()])
     with pytest.raises(ValueError, match=r"fp16 KV cache pool needs .* GiB .* the device has 0\.00 GiB free"):
         Engine(tiny_model, kv_cache_dtype="fp16", **{**KW, "num_blocks": 4096})
-    Engine(tiny_model, kv_cache_dtype="fp16", **{**KW, "num_blocks": 4})  # a small one starts
+    # a small one starts (with a prefill call's buffers that fit beside it)
+    Engine(tiny_model, kv_cache_dtype="fp16", **{**KW, "num_blocks": 4, "prefill_batch": 1})
+
+
+def test_a_prefill_that_cannot_fit_next_to_the_pool_is_refused_at_start(tiny_model, monkeypatch):
+    """A pool that fits but leaves less than one prefill call's buffers is refused at start, naming
+    prefill_batch and prefill_chunk, instead of running out of memory in the middle of a request;
+    with a smaller prefill_batch the same pool starts."""
+    from kvarn_jax.serving.engine import prefill_workspace
+    kw = {**KW, "num_blocks": 16, "prefill_chunk": 64}
+    pool = Engine(tiny_model, kv_cache_dtype="fp16", **kw).memory_report()["total_bytes"]
+    big, small = (prefill_workspace(tiny_model.config, tiny_model.dtype, prefill_batch=b, prefill_chunk=64,
+                                    context=-(-kw["max_model_len"] // kw["block_size"]) * kw["block_size"])["bytes"]
+                  for b in (8, 1))
+    assert big > 4 * small
+
+    class Device:
+        def memory_stats(self):
+            return {"bytes_limit": pool + (big + small) // 2, "bytes_in_use": 0}
+    monkeypatch.setattr(jax, "devices", lambda *a: [Device()])
+    with pytest.raises(ValueError, match=r"prefill_batch=8 sequences x prefill_chunk=64 tokens .* working memory"):
+        Engine(tiny_model, kv_cache_dtype="fp16", **{**kw, "prefill_batch": 8})
+    Engine(tiny_model, kv_cache_dtype="fp16", **{**kw, "prefill_batch": 1})
 
 
 # --------------------------------------------------------------------------------------- precision switch

@@ -10,8 +10,9 @@
 #   engine    generate.py, SmolLM2-135M shapes: batch 32 x 2K (fp16, int8, kvarn_k4v2_g128) and batch 1;
 #             batch 32 again with XLA's command buffers off
 #   llama     generate.py, Llama-3-8B shapes (32 layers), batch 32 x 8K prompt, 128 new tokens
-#   capacity  generate.py, Llama-3-8B shapes at a batch x context fp16 cannot hold (128 x 16K on a
-#             GPU of more than 100 GiB, else 64 x 16K): fp16 must be refused at start, kvarn served
+#   capacity  generate.py, Llama-3-8B shapes at a batch x context fp16 cannot hold (128 x 12K on a
+#             GPU of more than 100 GiB, else 64 x 12K): fp16 must be refused at start, kvarn served
+#             (its own command: up to 9 minutes)
 #   bridge    bridge_overhead.py: the vLLM bridge's per-layer costs against JAX direct and torch SDPA
 #   accuracy  tools/decode_accuracy.py: every scheme's kernel against the reference at full context
 # Each section writes its JSON and log into OUT_DIR and prints its summary lines; a section cut by its
@@ -58,9 +59,12 @@ for s in $sections; do
             --kv-cache-dtype fp16,kvarn_k4v2_g128 --json "$out/llama3_8b_b32.json"
         grep -hE "^\| 32 \|" "$out/llama3_8b_b32.log" ;;
     capacity)
+        # prompts enter 16 sequences at a time (the whole batch at once needs more working memory than
+        # the pool leaves: refused at start); enough new tokens that the last group decodes beside all
         batch=64
         [ "${mem_mib:-0}" -gt 102400 ] && batch=128
-        run capacity 300 python $G --config llama3-8b --batch $batch --prompt-len 16000 --new-tokens 32 \
+        run capacity 540 python $G --config llama3-8b --batch $batch --prompt-len 12000 \
+            --new-tokens $((batch / 16 * 12 + 64)) --prefill-chunk 1024 --prefill-batch 16 \
             --kv-cache-dtype fp16,kvarn_k4v2_g128 --json "$out/capacity.json"
         grep -hE "^\| $batch \||refused" "$out/capacity.log" ;;
     bridge)

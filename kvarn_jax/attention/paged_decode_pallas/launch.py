@@ -44,7 +44,8 @@ class Launch:
       into fp16's range, from the operand's own maximum ("max", a reduction over it per tile) or,
       for the tiled schemes' scaled query and probabilities, from a bound - the query's maximum (once
       per program) or 1 (probabilities) times the maximum of the tile's scale vector ("bound": a
-      reduction over that vector only). Both give 1, the same bits, while the bound is below 2^15.
+      reduction over that vector only; the default). Both give 1, the same bits, while the bound is
+      below 2^15.
     """
 
     num_splits: int | None = None
@@ -257,7 +258,8 @@ def resolve_launch(cfg: KVQuantConfig, shape: CallShape, launch: Launch = Launch
     q_in_kernel = default_q_in_kernel(cfg) if launch.q_in_kernel is None else launch.q_in_kernel
     key_planes = 8 // cfg.k_bits if cfg.method == "int" else 1
     q_in_kernel = bool(q_in_kernel) and key_planes == 1 and shape.q_heads >= gp
-    narrow = launch.narrow or "max"
+    # "bound" by default: the same bits while the bound is below 2^15, 10% faster on an H200 (bf16 cache)
+    narrow = launch.narrow or "bound"
     if narrow not in ("max", "bound"):
         raise ValueError(f"narrow must be 'max' or 'bound', got {launch.narrow!r}")
     return Launch(num_splits=splits, num_warps=warps, maxnreg=maxnreg, num_stages=num_stages, unpack=unpack,

@@ -227,7 +227,7 @@ class LayoutPlan:
     """
 
     def __init__(self, cfg: KVQuantConfig, head_dim: int, tile_tokens: int, unpack: str = "magic",
-                 fold: str = "none", sums: str = "reduce", wide: bool = False, narrow: str = "max"):
+                 fold: str = "none", sums: str = "reduce", wide: bool = False, narrow: str = "bound"):
         self.cfg, self.d, self.t = cfg, head_dim, tile_tokens
         # wide: the cache's data may exceed fp16 (a bf16 or fp32 cache): operands made of it (the
         # query times scales, probabilities times scales, high-precision values) stay fp32 up to the
