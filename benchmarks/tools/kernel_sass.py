@@ -59,7 +59,8 @@ json.dump({"usage": usage, "sass": sass, "shared": k.metadata.shared}, sys.stdou
 
 def triton_ir(kind: str, scheme: str, side: str, warps: int, stages: int, orient: str | None = None,
               fold: bool | None = None, parts: int = 1, sums: str | None = None, maxnreg: int | None = None,
-              steps: int = 1, chunk: int | None = None, splits: int | None = None) -> str:
+              steps: int = 1, chunk: int | None = None, splits: int | None = None, dtype: str = "float16",
+              narrow: str | None = None) -> str:
     """The Triton IR (text) jax emits for one kernel, captured at lowering."""
     import jax
     import jax.numpy as jnp
@@ -90,13 +91,13 @@ def triton_ir(kind: str, scheme: str, side: str, warps: int, stages: int, orient
         elif kind == "decode":
             from kvarn_jax.attention import paged_decode_pallas as pdp
             cache = kj.PagedKVCache.create(cfg, num_blocks=1024, block_size=128, num_kv_heads=8, head_dim=128,
-                                           max_seqs=32, dtype=jnp.float16)
-            args = (jnp.zeros((32, 32, 128), jnp.float32), cache, jnp.zeros((32, 32), jnp.int32),
+                                           max_seqs=32, dtype=jnp.dtype(dtype))
+            args = (jnp.zeros((32, 32, 128), jnp.dtype(dtype)), cache, jnp.zeros((32, 32), jnp.int32),
                     jnp.full((32,), 4096, jnp.int32), jnp.arange(32, dtype=jnp.int32))
             fn = lambda q, c, t, l, s: pdp.paged_decode_pallas(  # noqa: E731
                 q, c, t, l, s, scale=0.1, window=None, launch=pdp.Launch(
                     unpack="asm", num_warps=warps, num_stages=stages, orient=orient, fold=fold, parts=parts, sums=sums,
-                    maxnreg=maxnreg, steps=steps, chunk=chunk, num_splits=splits))
+                    maxnreg=maxnreg, steps=steps, chunk=chunk, num_splits=splits, narrow=narrow))
         else:
             from kvarn_jax.cache.quantize_pallas import quantize_blocks_pallas
             args = (jnp.zeros((64, 8, 128, 128), jnp.float16),)
@@ -160,6 +161,9 @@ def main():
     p.add_argument("--fold", default=None, choices=["on", "off"], help="decode: magic bias folded into the sums")
     p.add_argument("--steps", type=int, default=1, help="decode: tokens-major tile-loop iterations per tile")
     p.add_argument("--maxnreg", type=int, default=None, help="decode, quantize: register cap per thread")
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"],
+                   help="decode: the cache's (model's) dtype; bfloat16 takes the wide products")
+    p.add_argument("--narrow", default=None, choices=["max", "bound"], help="decode, bfloat16: `Launch.narrow`")
     p.add_argument("--chunk", type=int, default=None, help="decode: per-token schemes' tokens per step")
     p.add_argument("--splits", type=int, default=None,
                    help="decode: splits along the KV length (1: the kernel writes the final output, merge='kernel')")
@@ -189,7 +193,7 @@ def main():
         warps = args.warps or default_num_warps(cfg)
         stages = args.stages or 1
     ir = triton_ir(args.kind, args.scheme, args.side, warps, stages, args.orient, {"on": True, "off": False}.get(args.fold), args.parts, args.sums, args.maxnreg,
-                   args.steps, args.chunk, args.splits)
+                   args.steps, args.chunk, args.splits, args.dtype, args.narrow)
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "kernel.ttir")
         with open(src, "w") as f:
