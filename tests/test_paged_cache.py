@@ -502,3 +502,30 @@ def test_reads_touch_only_the_pages_they_serve(cfg, rng):
     q = jnp.asarray(rng.standard_normal((4, 4, 64)), jnp.float32)
     np.testing.assert_array_equal(np.asarray(kj.paged_decode_attention(q, nan, jnp.asarray(poisoned), sl)),
                                   np.asarray(kj.paged_decode_attention(q, cache, jnp.asarray(tables), sl)))
+
+
+@pytest.mark.parametrize("cfg", ["kvarn_k4v2_g32", "kvarn_k4v2_g32_hpint8_sink4", "int8_sink4", "fp16"])
+def test_dense_tiles_equal_the_dense_context(cfg, rng):
+    """`paged.dense_tiles` (prefill's per-tile read) gives exactly `gather_dense`'s slice for every
+    offset and tile size, whether the tile starts mid-block, spans the sink, pages and ring, or
+    ends at the table's last block; pages that are not the sequences' hold poison."""
+    from kvarn_jax.cache.paged import dense_tiles
+    lens, bs = [150, 37, 96], 32
+    nb = sum(-(-L // bs) for L in lens) + 3
+    cache = poison(make_cache(cfg, num_blocks=nb, block_size=bs, heads=2, dim=32, max_seqs=3), rng)
+    seqs = [random_kv(rng, L, 2, 32, dtype=np.float32, outliers=2) for L in lens]
+    tables = allocate_tables(rng, lens, bs, nb)
+    cache = serve_writes(cache, tables, seqs, rng)
+    tbl, sl = jnp.asarray(tables), jnp.asarray([L - int(rng.integers(0, 3)) for L in lens], jnp.int32)
+    sid = jnp.asarray([2, 0, 1], jnp.int32)
+    want = [np.asarray(x) for x in kj.gather_dense(cache, tbl, sl, sid)]
+    read, length = dense_tiles(cache, tbl, sl, sid)
+    assert length == want[0].shape[2]
+    for tile in (8, 40, 64, length):
+        f = jax.jit(lambda off, tile=tile: read(off, tile))
+        for off in sorted({0, 5, 31, 32, 33, length - tile, *rng.integers(0, length - tile + 1, 4).tolist()}):
+            if not 0 <= off <= length - tile:
+                continue
+            got = f(jnp.int32(off))
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(np.asarray(g), w[:, :, off:off + tile], err_msg=f"{tile=} {off=}")

@@ -272,6 +272,11 @@ class LayerCaches:
         cache, tables, sid = self.read_view(layer, block_tables, seq_ids)
         return paged.gather_dense(cache, tables, seq_lens, sid)
 
+    def dense_tiles(self, layer, block_tables, seq_lens, seq_ids):
+        """`paged.dense_tiles` of one layer."""
+        cache, tables, sid = self.read_view(layer, block_tables, seq_ids)
+        return paged.dense_tiles(cache, tables, seq_lens, sid)
+
     # ---------------------------------------------------------------- all layers
     def commit(self, block_ids, seq_ids, first_positions, *, quantizer: str = "auto") -> "LayerCaches":
         """`paged.commit_blocks` of the same blocks in every layer (entries with block id -1 are padding):

@@ -714,6 +714,48 @@ def gather_dense(cache: PagedKVCache, block_tables: jnp.ndarray, seq_lens: jnp.n
     return tuple(out)
 
 
+def dense_tiles(cache: PagedKVCache, block_tables: jnp.ndarray, seq_lens: jnp.ndarray,
+                seq_ids: jnp.ndarray | None = None):
+    """`gather_dense` a key tile at a time: returns (read, L), where read(off, tile) -> (K, V), float32
+    [B, Hk, tile, D], equals `gather_dense(...)[side][:, :, off:off + tile]` for any traced off in
+    [0, L - tile] (tile static), L = max_blocks * block_size. Only the blocks the tile touches are
+    dequantized, so a caller walking the context holds one tile, not the whole context."""
+    check_read_args(cache, block_tables, seq_lens, seq_ids)
+    nbt, mb = block_tables.shape
+    bs, nb = cache.block_size, cache.num_blocks
+    tbl = jnp.clip(block_tables.astype(jnp.int32), 0, nb - 1)
+    seq_lens = jnp.clip(seq_lens.astype(jnp.int32), 0, mb * bs)
+    paged = jnp.maximum((seq_lens - 1) // bs, 0)  # as in gather_dense
+    hp = {}
+    if cache.has_hp:
+        sid = jnp.clip((jnp.arange(nbt) if seq_ids is None else seq_ids).astype(jnp.int32), 0, cache.max_seqs - 1)
+        for side in schemes.SIDES:
+            hp[side] = tuple(hp_storage.load(cache.cfg, {n: a[sid] for n, a in cache.hp_fields(part, side).items()})
+                             for part in ("sink", "tail"))          # [B, Hk, S, D], [B, Hk, R, D]
+
+    def read(off, tile: int):
+        m = min(mb, -(-tile // bs) + 1)                     # blocks a tile of this size can touch
+        first = jnp.clip(off // bs, 0, mb - m)
+        pos = off + jnp.arange(tile)
+        local = pos - first * bs
+        cols = jax.lax.dynamic_slice_in_dim(tbl, first, m, axis=1)
+        out = []
+        for side in schemes.SIDES:
+            x = dense_blocks(cache, side, cols).transpose(0, 2, 1, 3, 4).reshape(nbt, cache.num_kv_heads, m * bs, -1)
+            x = jnp.take(x, local, axis=2)
+            if cache.has_hp:
+                sink, ring = hp[side]
+                j = pos // bs
+                from_page = (j[None, :] >= cache.paged_from // bs) & (j[None, :] < paged[:, None])   # [B, tile]
+                x = jnp.where(from_page[:, None, :, None], x, jnp.take(ring, pos % cache.tail_len, axis=2))
+                s = sink.shape[2]
+                if s:
+                    x = jnp.where((pos < s)[None, None, :, None], jnp.take(sink, jnp.clip(pos, 0, s - 1), axis=2), x)
+            out.append(x)
+        return tuple(out)
+    return read, mb * bs
+
+
 def dense_blocks(cache: PagedKVCache, side: str, tbl: jnp.ndarray) -> jnp.ndarray:
     """Pages of block ids tbl [B, m] (in range) dequantized: float32 [B, m, Hk, block_size, D]."""
     f = fields_from_pages(cache.cfg, side, {name: a[tbl] for name, a in cache.pages[side].items()})

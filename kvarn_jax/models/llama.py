@@ -322,9 +322,10 @@ def _product(spec: str, a, b, dtype):
 PREFILL_KEY_TILE = 1024
 
 
-def _stream_cached(qc, kc, vc, start, scale: float, dtype, key_tile: int):
-    """Online softmax of queries qc [P, C, Hk, G, D] over the cached keys and values kc, vc
-    [P, Hk, L, D], of which row p's first start[p] positions are real: (running max m, denominator
+def _stream_cached(qc, read, length: int, start, scale: float, dtype, key_tile: int):
+    """Online softmax of queries qc [P, C, Hk, G, D] over the cached keys and values, read a tile at a
+    time (`paged.dense_tiles`: read(off, tile) -> K, V [P, Hk, tile, D] of positions off.. of the
+    length L), of which row p's first start[p] positions are real: (running max m, denominator
     l: [P, Hk, G, C]; unnormalized output acc [P, Hk, G, C, D]), all float32 (m = -inf, l = acc
     = 0 where a row has no cached token).
 
@@ -333,7 +334,6 @@ def _stream_cached(qc, kc, vc, start, scale: float, dtype, key_tile: int):
     lies at L - tile, overlapping its predecessor, whose positions it masks. Only the tiles holding
     some row's cached positions run (a first chunk runs none)."""
     p, c, hk, g, d = qc.shape
-    length = kc.shape[2]
     n = -(-length // key_tile)
     per = -(-length // n)
     tile = min(length, -(-per // 8) * 8)
@@ -342,8 +342,7 @@ def _stream_cached(qc, kc, vc, start, scale: float, dtype, key_tile: int):
         m, l, acc = carry
         first = i * tile
         off = jnp.minimum(first, length - tile)
-        kt = jax.lax.dynamic_slice_in_dim(kc, off, tile, axis=2)
-        vt = jax.lax.dynamic_slice_in_dim(vc, off, tile, axis=2)
+        kt, vt = read(off, tile)
         pos = off + jnp.arange(tile)
         seen = (pos[None, :] >= first) & (pos[None, :] < start[:, None])                  # [P, tile]
         s = _product("pchgd,phld->phgcl", qc, kt, dtype) * scale
@@ -391,9 +390,10 @@ class Attention(nnx.Module):
     @staticmethod
     def _prefill_heads(caches, q, k, v, batch, j, *, group, dtype, key_tile=PREFILL_KEY_TILE):
         """Attention of a chunk's queries (q [P, C, Hq, D]) over the cached tokens of layer (group,
-        j) and the chunk's own k, v, for the heads these arrays hold. The cached context is streamed
-        in tiles of at most `key_tile` keys (`_stream_cached`), so the float32 scores held at once
-        are [P, Hq, C, tile] and [P, Hq, C, C], whatever the context length."""
+        j) and the chunk's own k, v, for the heads these arrays hold. The cached context is read from
+        the cache and streamed in tiles of at most `key_tile` keys (`_stream_cached`), so the float32
+        keys, values and scores held at once are [P, Hk, tile, D] and [P, Hq, C, tile] (and [P, Hq,
+        C, C] for the chunk), whatever the context length."""
         layer = (group, j)
         cache, _, _ = caches.layer_cache(layer)
         p, c, hq, d = q.shape
@@ -401,9 +401,9 @@ class Attention(nnx.Module):
         scale = 1.0 / math.sqrt(d)
         qf = q.astype(jnp.float32).reshape(p, c, hk, hq // hk, d)
         # earlier tokens as the cache serves them (storage frame: rotated for KVarN)
-        kc, vc = caches.gather_dense(layer, batch.block_tables, batch.start, batch.seq_ids)  # [P, Hk, L, D]
+        read, length = caches.dense_tiles(layer, batch.block_tables, batch.start, batch.seq_ids)
         qc = rotate(qf, max_abs=QUANT_MAX) if cache.cfg.rotated else qf
-        m_c, l_c, acc_c = _stream_cached(qc, kc, vc, batch.start, scale, dtype, key_tile)
+        m_c, l_c, acc_c = _stream_cached(qc, read, length, batch.start, scale, dtype, key_tile)
         # The chunk's own tokens, causally, as computed (padding sits after the real tokens, so real
         # queries never see it; padded queries see at least themselves and stay finite).
         s_self = _product("pchgd,pthd->phgct", qf, k, dtype) * scale

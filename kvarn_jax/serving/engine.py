@@ -195,16 +195,17 @@ class CachePool:
 
 def prefill_workspace(config, dtype, *, prefill_batch: int, prefill_chunk: int, context: int) -> dict:
     """What one prefill call holds at once besides the weights and the pool, in bytes, by its largest
-    buffers (a lower bound: XLA's temporaries come on top): one layer's cached context as float32
-    keys and values [P, Hk, context, D], its float32 scores over one key tile [P, Hq, C, tile] and over
-    the chunk itself [P, Hq, C, C], every layer's new keys and values (stored after the layers run),
-    and the MLP's hidden activations. P: prefill_batch rounded up to a power of two (the call's
-    shape), C: prefill_chunk. Returns {"bytes", "prefill_batch", "prefill_chunk", "context"}."""
+    buffers (a lower bound: XLA's temporaries come on top): one key tile of the cached context as
+    float32 keys and values [P, Hk, tile, D] (`paged.dense_tiles`), the float32 scores over it
+    [P, Hq, C, tile] and over the chunk itself [P, Hq, C, C], every layer's new keys and values
+    (stored after the layers run), and the MLP's hidden activations. P: prefill_batch rounded up to
+    a power of two (the call's shape), C: prefill_chunk. Returns {"bytes", "prefill_batch",
+    "prefill_chunk", "context"}."""
     c = config
     p, ch = _pow2(prefill_batch), prefill_chunk
     item = jnp.dtype(dtype).itemsize
     tile = min(context, PREFILL_KEY_TILE)
-    need = (2 * p * c.num_kv_heads * context * c.head_dim * 4
+    need = (2 * p * c.num_kv_heads * tile * c.head_dim * 4
             + p * c.num_heads * ch * (tile + ch) * 4
             + 2 * c.num_layers * p * ch * c.num_kv_heads * c.head_dim * item
             + p * ch * c.intermediate_size * item)
