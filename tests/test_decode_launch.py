@@ -67,6 +67,22 @@ def test_resolve_launch_decides_every_option(cfg, batch, ctx, want):
     assert pdp.resolve_launch(kj.parse(cfg), shape, run, pdp.HOPPER) == run
 
 
+def test_wide_caches_take_their_own_tiled_launch():
+    """A bf16/fp32 cache (CallShape.wide) takes `tiled_wide` where an fp16 cache takes `tiled`, with
+    two stages (the read-ahead is the one-warp launch's), and narrows by the bound; launches that
+    are not `tiled` (a batch below the SM count: `tiled_latency`) do not depend on the dtype."""
+    cfg = kj.parse("kvarn_k4v2_g128")
+
+    def run(batch, wide):
+        return pdp.resolve_launch(cfg, pdp.CallShape(batch=batch, q_heads=32, kv_heads=8, head_dim=128, block_size=128,
+                                                     max_blocks=64, interpret=False, wide=wide), pdp.Launch(), pdp.HOPPER)
+    narrow, wide = run(32, False), run(32, True)
+    assert (narrow.num_warps, narrow.maxnreg, narrow.num_stages) == (*pdp.HOPPER.tiled, 3)
+    assert (wide.num_warps, wide.maxnreg, wide.num_stages) == (*pdp.HOPPER.tiled_wide, 2)
+    assert wide.narrow == "bound" and pdp.HOPPER.tiled_wide != pdp.HOPPER.tiled
+    assert run(4, True) == run(4, False)
+
+
 def test_resolve_launch_names_the_bad_option():
     shape = pdp.CallShape(batch=1, q_heads=4, kv_heads=1, head_dim=64, block_size=32, max_blocks=2, interpret=True)
     cfg = kj.parse("kvarn_k4v2_g32")

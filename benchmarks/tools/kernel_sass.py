@@ -180,8 +180,9 @@ def main():
     if args.kind == "decode":
         from kvarn_jax.attention.paged_decode_pallas import default_launch, default_stages
         # the shape lowered below (B=32, 8 kv heads) and the layout asked for
-        warps, cap = default_launch(cfg, 32, 8, args.orient, args.parts, args.steps, args.chunk)
-        stages = default_stages(cfg, 32, 8, 128, args.orient, args.parts, args.steps)
+        wide = args.dtype != "float16"
+        warps, cap = default_launch(cfg, 32, 8, args.orient, args.parts, args.steps, args.chunk, wide=wide)
+        stages = default_stages(cfg, 32, 8, 128, args.orient, args.parts, args.steps, wide=wide)
         if args.warps:
             warps, cap, stages = args.warps, None, 2
         args.maxnreg = args.maxnreg or cap

@@ -45,7 +45,7 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     nbt, hq, d = q_rot.shape
     hk = cache.num_kv_heads
     shape = CallShape(batch=nbt, q_heads=hq, kv_heads=hk, head_dim=d, block_size=cache.block_size,
-                      max_blocks=block_tables.shape[1], interpret=interpret)
+                      max_blocks=block_tables.shape[1], interpret=interpret, wide=cache.dtype != "float16")
     run = resolve_launch(cfg, shape, launch, table)
     tokens_major = run.orient == "tokens"
     t_tok, splits = run.chunk or cfg.tile_tokens, run.num_splits  # tokens per step: a chunk or a tile

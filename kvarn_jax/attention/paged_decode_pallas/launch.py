@@ -93,18 +93,19 @@ def default_chunk(cfg: KVQuantConfig, head_dim: int | None = None, orient: str |
 
 def default_launch(cfg: KVQuantConfig, batch: int, num_kv_heads: int, orient: str | None = None,
                    parts: int = 1, steps: int = 1, chunk: int | None = None,
-                   table: LaunchTable | None = None) -> tuple[int, int | None]:
+                   table: LaunchTable | None = None, wide: bool = False) -> tuple[int, int | None]:
     """(num_warps, maxnreg) per program. KVarN/KIVI tokens-major whole tiles: `tiled_latency` for
     4-bit values and for <= 2-bit values with fewer (sequence, kv head) pairs than SMs, else
-    `tiled`. Per-token schemes: `per_token_step` when they step `step_tokens` tokens (chunk: the step
-    if not that), else `per_token_grouped_8bit` or `per_token`."""
+    `tiled` (`tiled_wide` for a bf16/fp32 cache: wide). Per-token schemes: `per_token_step` when
+    they step `step_tokens` tokens (chunk: the step if not that), else `per_token_grouped_8bit` or
+    `per_token`."""
     table = table or launch_table()
     if cfg.method in ("kvarn", "kivi"):
         whole = (orient or default_orient(cfg)) == "tokens" and parts == 1 and steps == 1
         pairs = batch * num_kv_heads
         if whole and (cfg.v_bits == 4 or (cfg.v_bits <= 2 and pairs < table.num_sms)):
             return table.tiled_latency
-        return table.tiled
+        return table.tiled_wide if wide else table.tiled
     if default_chunk(cfg, None, orient, table) >= table.step_tokens and (chunk or table.step_tokens) >= table.step_tokens:
         return table.per_token_step
     heads = (orient or default_orient(cfg)) == "heads"
@@ -113,7 +114,7 @@ def default_launch(cfg: KVQuantConfig, batch: int, num_kv_heads: int, orient: st
 
 
 def default_stages(cfg: KVQuantConfig, batch: int, num_kv_heads: int, head_dim: int, orient: str | None = None,
-                   parts: int = 1, steps: int = 1, table: LaunchTable | None = None) -> int:
+                   parts: int = 1, steps: int = 1, table: LaunchTable | None = None, wide: bool = False) -> int:
     """Pipeline stages of the default launch: `read_ahead_stages` where `default_launch` gives
     KVarN's whole tokens-major tiles of at most `read_ahead_tile_elements` the `tiled` launch, else 2."""
     table = table or launch_table()
@@ -121,7 +122,7 @@ def default_stages(cfg: KVQuantConfig, batch: int, num_kv_heads: int, head_dim: 
         return 2
     if (orient or default_orient(cfg, head_dim)) != "tokens":
         return 2
-    tiled = default_launch(cfg, batch, num_kv_heads, orient, parts, steps, table=table) == table.tiled
+    tiled = default_launch(cfg, batch, num_kv_heads, orient, parts, steps, table=table, wide=wide) == table.tiled
     return table.read_ahead_stages if tiled else 2
 
 
@@ -166,7 +167,8 @@ def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int, num_warps:
 @dataclasses.dataclass(frozen=True)
 class CallShape:
     """What of a call the rules look at: batch B, query heads Hq, kv heads Hk, head_dim D, block
-    size, block-table columns, and whether the kernel runs interpreted."""
+    size, block-table columns, whether the kernel runs interpreted, and whether the cache is bf16 or
+    fp32 (wide: the kernel's products narrow their operands, `layout.Narrowed`)."""
 
     batch: int
     q_heads: int
@@ -175,6 +177,7 @@ class CallShape:
     block_size: int
     max_blocks: int
     interpret: bool
+    wide: bool = False
 
 
 def resolve_launch(cfg: KVQuantConfig, shape: CallShape, launch: Launch = Launch(),
@@ -226,7 +229,8 @@ def resolve_launch(cfg: KVQuantConfig, shape: CallShape, launch: Launch = Launch
     t_tok = cfg.tile_tokens if tiled else min(chunk or default_chunk(cfg, d, orient, table), shape.block_size)
     maxnreg = launch.maxnreg
     if launch.num_warps is None:  # the default launch; its register cap applies unless one is given
-        warps, cap = default_launch(cfg, shape.batch, hk, orient, parts, steps, None if tiled else t_tok, table)
+        warps, cap = default_launch(cfg, shape.batch, hk, orient, parts, steps, None if tiled else t_tok, table,
+                                    shape.wide)
         if cap is not None and (interpret or not triton_options.available()):
             # interpreted, launch options change nothing (and need no lowering hook); without the
             # hook no cap can be set, and uncapped two-warp programs were slower than one warp
@@ -236,7 +240,8 @@ def resolve_launch(cfg: KVQuantConfig, shape: CallShape, launch: Launch = Launch
         warps = launch.num_warps
     num_stages = launch.num_stages
     if num_stages is None:
-        num_stages = default_stages(cfg, shape.batch, hk, d, orient, parts, steps, table) if launch.num_warps is None else 2
+        num_stages = (default_stages(cfg, shape.batch, hk, d, orient, parts, steps, table, shape.wide)
+                      if launch.num_warps is None else 2)
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
     grp = shape.q_heads // hk
