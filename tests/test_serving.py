@@ -408,7 +408,7 @@ def test_a_prefill_that_cannot_fit_next_to_the_pool_is_refused_at_start(tiny_mod
     kw = {**KW, "num_blocks": 16, "prefill_chunk": 64}
     pool = Engine(tiny_model, kv_cache_dtype="fp16", **kw).memory_report()["total_bytes"]
     big, small = (prefill_workspace(tiny_model.config, tiny_model.dtype, prefill_batch=b, prefill_chunk=64,
-                                    context=-(-kw["max_model_len"] // kw["block_size"]) * kw["block_size"])["bytes"]
+                                    context=-(-kw["max_model_len"] // kw["block_size"]) * kw["block_size"])
                   for b in (8, 1))
     assert big > 4 * small
 

@@ -92,7 +92,7 @@ def triton_ir(kind: str, scheme: str, side: str, warps: int, stages: int, orient
             from kvarn_jax.attention import paged_decode_pallas as pdp
             cache = kj.PagedKVCache.create(cfg, num_blocks=1024, block_size=128, num_kv_heads=8, head_dim=128,
                                            max_seqs=32, dtype=jnp.dtype(dtype))
-            args = (jnp.zeros((32, 32, 128), jnp.dtype(dtype)), cache, jnp.zeros((32, 32), jnp.int32),
+            args = (jnp.zeros((32, 32, 128), jnp.float32), cache, jnp.zeros((32, 32), jnp.int32),  # q_rot: fp32
                     jnp.full((32,), 4096, jnp.int32), jnp.arange(32, dtype=jnp.int32))
             fn = lambda q, c, t, l, s: pdp.paged_decode_pallas(  # noqa: E731
                 q, c, t, l, s, scale=0.1, window=None, launch=pdp.Launch(

@@ -684,21 +684,15 @@ def gather_dense(cache: PagedKVCache, block_tables: jnp.ndarray, seq_lens: jnp.n
     longest sequence's last full one (the sink block and the blocks past it cost nothing), over a
     buffer that starts as the ring laid over every block.
     """
-    check_read_args(cache, block_tables, seq_lens, seq_ids)
     nbt, mb = block_tables.shape
-    bs, nb = cache.block_size, cache.num_blocks
-    hk, d = cache.num_kv_heads, cache.head_dim
-    # unchecked indices (traced, or the decode entry's check_values=False) are clamped into range
-    tbl = jnp.clip(block_tables.astype(jnp.int32), 0, nb - 1)
-    seq_lens = jnp.clip(seq_lens.astype(jnp.int32), 0, mb * bs)
-    if not cache.has_hp:
+    bs, hk, d = cache.block_size, cache.num_kv_heads, cache.head_dim
+    tbl, paged, hp = _dense_sources(cache, block_tables, seq_lens, seq_ids)
+    if not hp:
         return tuple(dense_blocks(cache, side, tbl).transpose(0, 2, 1, 3, 4).reshape(nbt, hk, mb * bs, d)
                      for side in schemes.SIDES)
-    sid = jnp.clip((jnp.arange(nbt) if seq_ids is None else seq_ids).astype(jnp.int32), 0, cache.max_seqs - 1)
-    paged = jnp.maximum((seq_lens - 1) // bs, 0)  # per row: blocks [0, paged) are full and before the query's
     out = []
     for side in schemes.SIDES:
-        ring = hp_storage.load(cache.cfg, {n: a[sid] for n, a in cache.hp_fields("tail", side).items()})  # [B, Hk, R, D]
+        sink, ring = hp[side]
         reps = -(-(mb * bs) // cache.tail_len)
         x = jnp.broadcast_to(ring[:, :, None], (nbt, hk, reps, cache.tail_len, d))
         x = x.reshape(nbt, hk, reps * cache.tail_len, d)[:, :, :mb * bs]   # position p: ring[p % tail_len]
@@ -709,9 +703,27 @@ def gather_dense(cache: PagedKVCache, block_tables: jnp.ndarray, seq_lens: jnp.n
             return jax.lax.dynamic_update_slice_in_dim(x, jnp.where((j < paged)[:, None, None, None], blk, cur),
                                                        j * bs, axis=2)
         x = jax.lax.fori_loop(cache.paged_from // bs, jnp.max(paged), page_block, x)
-        sink = hp_storage.load(cache.cfg, {n: a[sid] for n, a in cache.hp_fields("sink", side).items()})
         out.append(jax.lax.dynamic_update_slice_in_dim(x, sink, 0, axis=2))
     return tuple(out)
+
+
+def _dense_sources(cache: PagedKVCache, block_tables, seq_lens, seq_ids):
+    """What `gather_dense` and `dense_tiles` read, after `check_read_args`: the block table clamped
+    into range (unchecked indices - traced, or the decode entry's check_values=False - are clamped),
+    per row the count of leading blocks served from pages (full and before the query's block), and
+    per side its (sink, ring) rows [B, Hk, S | R, D] in float32 ({} for a cache without them)."""
+    check_read_args(cache, block_tables, seq_lens, seq_ids)
+    nbt, mb = block_tables.shape
+    bs = cache.block_size
+    tbl = jnp.clip(block_tables.astype(jnp.int32), 0, cache.num_blocks - 1)
+    seq_lens = jnp.clip(seq_lens.astype(jnp.int32), 0, mb * bs)
+    paged = jnp.maximum((seq_lens - 1) // bs, 0)
+    hp = {}
+    if cache.has_hp:
+        sid = jnp.clip((jnp.arange(nbt) if seq_ids is None else seq_ids).astype(jnp.int32), 0, cache.max_seqs - 1)
+        hp = {side: tuple(hp_storage.load(cache.cfg, {n: a[sid] for n, a in cache.hp_fields(part, side).items()})
+                          for part in ("sink", "tail")) for side in schemes.SIDES}
+    return tbl, paged, hp
 
 
 def dense_tiles(cache: PagedKVCache, block_tables: jnp.ndarray, seq_lens: jnp.ndarray,
@@ -720,18 +732,9 @@ def dense_tiles(cache: PagedKVCache, block_tables: jnp.ndarray, seq_lens: jnp.nd
     [B, Hk, tile, D], equals `gather_dense(...)[side][:, :, off:off + tile]` for any traced off in
     [0, L - tile] (tile static), L = max_blocks * block_size. Only the blocks the tile touches are
     dequantized, so a caller walking the context holds one tile, not the whole context."""
-    check_read_args(cache, block_tables, seq_lens, seq_ids)
     nbt, mb = block_tables.shape
-    bs, nb = cache.block_size, cache.num_blocks
-    tbl = jnp.clip(block_tables.astype(jnp.int32), 0, nb - 1)
-    seq_lens = jnp.clip(seq_lens.astype(jnp.int32), 0, mb * bs)
-    paged = jnp.maximum((seq_lens - 1) // bs, 0)  # as in gather_dense
-    hp = {}
-    if cache.has_hp:
-        sid = jnp.clip((jnp.arange(nbt) if seq_ids is None else seq_ids).astype(jnp.int32), 0, cache.max_seqs - 1)
-        for side in schemes.SIDES:
-            hp[side] = tuple(hp_storage.load(cache.cfg, {n: a[sid] for n, a in cache.hp_fields(part, side).items()})
-                             for part in ("sink", "tail"))          # [B, Hk, S, D], [B, Hk, R, D]
+    bs = cache.block_size
+    tbl, paged, hp = _dense_sources(cache, block_tables, seq_lens, seq_ids)
 
     def read(off, tile: int):
         m = min(mb, -(-tile // bs) + 1)                     # blocks a tile of this size can touch
@@ -743,7 +746,7 @@ def dense_tiles(cache: PagedKVCache, block_tables: jnp.ndarray, seq_lens: jnp.nd
         for side in schemes.SIDES:
             x = dense_blocks(cache, side, cols).transpose(0, 2, 1, 3, 4).reshape(nbt, cache.num_kv_heads, m * bs, -1)
             x = jnp.take(x, local, axis=2)
-            if cache.has_hp:
+            if hp:
                 sink, ring = hp[side]
                 j = pos // bs
                 from_page = (j[None, :] >= cache.paged_from // bs) & (j[None, :] < paged[:, None])   # [B, tile]

@@ -174,14 +174,14 @@ class CachePool:
     one per layer; `layer_schemes` lists them per layer either way."""
 
     def __init__(self, runner: ModelRunner, cfg, *, num_blocks: int, block_size: int,
-                 max_seqs: int, max_blocks_per_seq: int, calibration=None, workspace: dict | None = None):
+                 max_seqs: int, max_blocks_per_seq: int, calibration=None, prefill: tuple | None = None):
         self.cfg = cfg
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = max_blocks_per_seq
         make = lambda: runner.new_caches(cfg, num_blocks=num_blocks, block_size=block_size,  # noqa: E731
                                          max_seqs=max_seqs, calibration=calibration)
-        _check_fits(jax.eval_shape(make), cfg, num_blocks, max_seqs, runner.tp, workspace)
+        _check_fits(jax.eval_shape(make), cfg, num_blocks, max_seqs, runner.tp, prefill)
         self.caches = make()
         self.layer_schemes = self.caches.layer_schemes
         self.last_tokens = runner.new_tokens(max_seqs)
@@ -193,30 +193,29 @@ class CachePool:
         self.running: list[_Seq] = []
 
 
-def prefill_workspace(config, dtype, *, prefill_batch: int, prefill_chunk: int, context: int) -> dict:
+def prefill_workspace(config, dtype, *, prefill_batch: int, prefill_chunk: int, context: int) -> int:
     """What one prefill call holds at once besides the weights and the pool, in bytes, by its largest
     buffers (a lower bound: XLA's temporaries come on top): one key tile of the cached context as
     float32 keys and values [P, Hk, tile, D] (`paged.dense_tiles`), the float32 scores over it
     [P, Hq, C, tile] and over the chunk itself [P, Hq, C, C], every layer's new keys and values
     (stored after the layers run), and the MLP's hidden activations. P: prefill_batch rounded up to
-    a power of two (the call's shape), C: prefill_chunk. Returns {"bytes", "prefill_batch",
-    "prefill_chunk", "context"}."""
+    a power of two (the call's shape), C: prefill_chunk; context: cached tokens at most."""
     c = config
     p, ch = _pow2(prefill_batch), prefill_chunk
     item = jnp.dtype(dtype).itemsize
     tile = min(context, PREFILL_KEY_TILE)
-    need = (2 * p * c.num_kv_heads * tile * c.head_dim * 4
+    return (2 * p * c.num_kv_heads * tile * c.head_dim * 4
             + p * c.num_heads * ch * (tile + ch) * 4
             + 2 * c.num_layers * p * ch * c.num_kv_heads * c.head_dim * item
             + p * ch * c.intermediate_size * item)
-    return {"bytes": need, "prefill_batch": prefill_batch, "prefill_chunk": prefill_chunk, "context": context}
 
 
-def _check_fits(abstract, cfg, num_blocks: int, max_seqs: int, tp=None, workspace: dict | None = None) -> None:
+def _check_fits(abstract, cfg, num_blocks: int, max_seqs: int, tp=None, prefill: tuple | None = None) -> None:
     """Refuse a pool larger than the devices' free memory, saying what it needs (where a device
     reports its memory: GPUs and TPUs; the CPU backend does not), and a pool that fits but leaves
-    less than a prefill call's working memory (`prefill_workspace`), which would otherwise run out
-    of memory in the middle of a request. Under tensor parallelism each device holds its share of the
+    less than a prefill call's working memory (prefill: (`prefill_workspace` bytes, the settings
+    that give them, as the message names them)), which would otherwise run out of memory in the
+    middle of a request. Under tensor parallelism each device holds its share of the
     heads (of the pool and of the prefill's buffers)."""
     need = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
     devices = list(tp.mesh.devices.flat) if tp is not None else jax.devices()[:1]
@@ -236,12 +235,10 @@ def _check_fits(abstract, cfg, num_blocks: int, max_seqs: int, tp=None, workspac
                 f"{_gib(need)}{each} (num_blocks={num_blocks} pages per layer, max_seqs={max_seqs}) but the device "
                 f"has {_gib(free)} free of {_gib(st['bytes_limit'])}: use a quantized kv_cache_dtype, fewer "
                 "num_blocks or max_seqs, a shorter max_model_len, or more devices (tensor_parallel)")
-        work = workspace["bytes"] / len(devices) if workspace else 0
+        work = prefill[0] / len(devices) if prefill else 0
         if share + work > free:
-            w = workspace
             raise ValueError(
-                f"a prefill call of prefill_batch={w['prefill_batch']} sequences x prefill_chunk={w['prefill_chunk']} "
-                f"tokens at up to {w['context']} cached tokens needs at least {_gib(work)} of working memory next to "
+                f"a prefill call of {prefill[1]} needs at least {_gib(work)} of working memory next to "
                 f"the {scheme_name(cfg) if isinstance(cfg, KVQuantConfig) else 'per-layer'} KV cache pool's "
                 f"{_gib(share)}, but the device has {_gib(free)} free of {_gib(st['bytes_limit'])}: use a smaller "
                 "prefill_batch or prefill_chunk, fewer num_blocks or max_seqs, or a shorter max_model_len")
@@ -318,9 +315,11 @@ class Engine:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         self._num_blocks = num_blocks
         self.prefill_chunk, self.prefill_batch = prefill_chunk, prefill_batch
-        self._workspace = prefill_workspace(self.config, model.dtype, prefill_batch=prefill_batch,
-                                            prefill_chunk=prefill_chunk,
-                                            context=self.max_blocks_per_seq * block_size)
+        # (bytes, the settings that give them) of one prefill call, checked beside each pool
+        self._prefill_need = (prefill_workspace(self.config, model.dtype, prefill_batch=prefill_batch,
+                                                prefill_chunk=prefill_chunk,
+                                                context=self.max_blocks_per_seq * block_size),
+                              f"prefill_batch={prefill_batch} sequences x prefill_chunk={prefill_chunk} tokens")
         self.calibration = calibration
         self._default = self._parse(kv_cache_dtype)
         self.pools: dict = {}  # pool key (KVQuantConfig, or a tuple of one per layer) -> CachePool
@@ -410,7 +409,7 @@ class Engine:
         if cfg not in self.pools:
             self.pools[cfg] = CachePool(self.runner, cfg, num_blocks=self._pool_blocks(cfg), block_size=self.block_size,
                                         max_seqs=self.max_seqs, max_blocks_per_seq=self.max_blocks_per_seq,
-                                        calibration=self.calibration, workspace=self._workspace)
+                                        calibration=self.calibration, prefill=self._prefill_need)
         return self.pools[cfg]
 
     def release_pool(self, kv_cache_dtype) -> None:
