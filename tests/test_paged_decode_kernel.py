@@ -332,6 +332,22 @@ def test_block_ids_read_ahead(cfg, kw, runs, rng):
                                    err_msg=f"splits={splits} window={window}")
 
 
+@pytest.mark.parametrize("orient", ["tokens", "heads"])
+def test_bf16_sink_and_tail_enter_the_products_unrounded(orient, rng):
+    """A bf16 cache's sink and tail rows are multiplied as they are, against the query and the
+    probabilities in two bf16 halves (`layout.Halves`): sequences held entirely in the sink and
+    tail come out within 1e-4 of the fp32 reference, where rounding the query to fp16 (as products
+    with codes do) is off by ~1e-3, and dropping the low halves by ~8e-3."""
+    from kvarn_jax.attention import paged_decode_pallas as pdp
+    from kvarn_jax.hadamard import rotate, unrotate
+    cache, bt, sl, _ = build("kvarn_k4v2_g32", [20, 32, 45, 64], 2, 64, 32, rng, dtype=jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((4, 8, 64)) * 3, jnp.float32)
+    ref = np.asarray(kj.paged_decode_attention(q, cache, bt, sl, impl="reference"))
+    o = pdp.paged_decode_pallas(rotate(q), cache, bt, sl, None, scale=0.125, window=None, interpret=INTERPRET,
+                                launch=pdp.Launch(num_splits=2, orient=orient))
+    np.testing.assert_allclose(np.asarray(unrotate(o)), ref, rtol=0, atol=1e-4 * np.abs(ref).max())
+
+
 @pytest.mark.parametrize("cfg", ["int8", "int4", "int_k8v2", "fp8"])
 def test_per_token_tokens_major(cfg, rng):
     """Per-token schemes with one scale per token, tokens-major (scores [T, Gp] = codes @ q^T, the

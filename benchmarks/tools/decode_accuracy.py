@@ -1,12 +1,12 @@
 """Decode kernel vs reference at full context: relative L2 of the output, every scheme, every shape.
 
     python benchmarks/tools/decode_accuracy.py [--shapes 32x32768,128x4096,...] [--schemes a,b,...]
-        [--old-fold kvarn_k4v2_g128,int8] [--time kvarn_k4v2_g128,...] [--target 0.005]
+        [--dtype float16|bfloat16|float32] [--old-fold kvarn_k4v2_g128,int8] [--time kvarn_k4v2_g128,...] [--target 0.005]
         [--json out.json] [--md out.md]
 
 For each scheme one cache pool is filled, per shape, with B sequences of `ctx` tokens of random
-normal K/V in fp16 through `write_reference` (completed blocks quantized as serving quantizes
-them), and a random fp16 query [B, 32, 128] attends over it twice: `paged_decode_attention(impl=
+normal K/V in the cache's dtype (`--dtype`, fp16 by default) through `write_reference` (completed
+blocks quantized as serving quantizes them), and a random query [B, 32, 128] in that dtype attends over it twice: `paged_decode_attention(impl=
 "pallas")` (the default launch) and the reference (`impl="reference"`, fp32 everywhere, computed a
 few rows at a time). Reported per (scheme, shape): ||kernel - reference|| / ||reference|| over the
 whole batch and the worst row's. `--old-fold`: the same schemes also with the value products fed
@@ -53,20 +53,20 @@ def parse_shapes(text):
     return out
 
 
-def calibration_for(cfg, key):
+def calibration_for(cfg, key, dtype):
     """Static schemes: ranges of a sample of the same distribution the cache is filled with."""
     if not cfg.static:
         return None
-    k = jax.random.normal(key, (4096, HK, D), jnp.float32).astype(jnp.float16)
-    v = jax.random.normal(jax.random.fold_in(key, 1), (4096, HK, D), jnp.float32).astype(jnp.float16)
+    k = jax.random.normal(key, (4096, HK, D), jnp.float32).astype(dtype)
+    v = jax.random.normal(jax.random.fold_in(key, 1), (4096, HK, D), jnp.float32).astype(dtype)
     return kj.calibrate([(k, v)], cfg)
 
 
-def make_writer(chunk):
+def make_writer(chunk, dtype):
     @jax.jit
     def gen(key):
-        k = jax.random.normal(key, (chunk, HK, D), jnp.float32).astype(jnp.float16)
-        v = jax.random.normal(jax.random.fold_in(key, 1), (chunk, HK, D), jnp.float32).astype(jnp.float16)
+        k = jax.random.normal(key, (chunk, HK, D), jnp.float32).astype(dtype)
+        v = jax.random.normal(jax.random.fold_in(key, 1), (chunk, HK, D), jnp.float32).astype(dtype)
         return k, v
     return gen
 
@@ -123,6 +123,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=SHAPES, help="comma list of BATCHxCONTEXT (default: %(default)s)")
     p.add_argument("--schemes", default=SCHEMES, help="comma list of schemes (default: %(default)s)")
+    p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"),
+                   help="the cache's dtype, and the K/V and query written to it (default: %(default)s)")
     p.add_argument("--old-fold", default="kvarn_k4v2_g128,int8",
                    help="schemes also measured with Launch(fold='all'), the biased value products ('' for none)")
     p.add_argument("--time", default="", help="schemes whose default and fold='all' launches are also timed")
@@ -143,16 +145,17 @@ def main():
                              f"write chunks of {args.chunk}")
     info = run_info()
     print(json.dumps(info))
-    doc = {**info, "argv": sys.argv, "target": args.target, "rows": []}
-    gen = make_writer(args.chunk)
+    doc = {**info, "argv": sys.argv, "dtype": args.dtype, "target": args.target, "rows": []}
+    dtype = jnp.dtype(args.dtype)
+    gen = make_writer(args.chunk, dtype)
     pool_blocks = max(b * c // BS for b, c in shapes)
     pool_seqs = max(b for b, _ in shapes)
     table = []
     for name in schemes:
         cfg = kj.parse(name)
-        cal = calibration_for(cfg, jax.random.PRNGKey(99))
+        cal = calibration_for(cfg, jax.random.PRNGKey(99), dtype)
         cache = kj.PagedKVCache.create(cfg, num_blocks=pool_blocks, block_size=BS, num_kv_heads=HK, head_dim=D,
-                                       max_seqs=pool_seqs, dtype=jnp.float16, calibration=cal)
+                                       max_seqs=pool_seqs, dtype=dtype, calibration=cal)
         quantizer = paged.auto_quantizer(cache)
         write = jax.jit(lambda c, k, v, s, i, pos, q=quantizer: paged.write_reference(
             c, k, v, s, i, pos, quantizer=q, max_completed=args.chunk // BS), donate_argnums=0)
@@ -164,7 +167,7 @@ def main():
             t0 = time.perf_counter()
             cache, tables = fill(cache, b, c, args.chunk, seed=b * 7919 + c, gen=gen, write=write)
             lens = jnp.full((b,), c, jnp.int32)
-            q = jax.random.normal(jax.random.PRNGKey(b + c), (b, HQ, D), jnp.float32).astype(jnp.float16)
+            q = jax.random.normal(jax.random.PRNGKey(b + c), (b, HQ, D), jnp.float32).astype(dtype)
             ref = reference(q, cache, tables, lens, max(1, args.ref_tokens // c))
             row = {"scheme": name, "batch": b, "ctx": c, "dropped_tokens": int(cache.dropped_tokens)}
             for v, fn in fns.items():

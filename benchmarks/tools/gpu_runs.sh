@@ -5,8 +5,8 @@
 #   bash benchmarks/tools/gpu_runs.sh OUT_DIR [SECTION ...]
 #
 # Sections (default: all, in this order):
-#   kernel    decode kernel with a bfloat16 cache: the default launch against Launch(narrow="bound"/"max"),
-#             checked against the reference; the float16-cache kernel on the same shapes as the ceiling
+#   kernel    decode kernel: the default launch checked against the reference at full shapes with a
+#             bfloat16 cache, then timed with bfloat16 and float16 caches (the latter the ceiling)
 #   engine    generate.py, SmolLM2-135M shapes: batch 32 x 2K (fp16, int8, kvarn_k4v2_g128) and batch 1;
 #             batch 32 again with XLA's command buffers off
 #   llama     generate.py, Llama-3-8B shapes (32 layers), batch 32 x 8K prompt, 128 new tokens
@@ -39,12 +39,14 @@ mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | he
 for s in $sections; do
     case $s in
     kernel)
-        run kernel_bf16 120 python benchmarks/decode.py --dtype bfloat16 --shapes 32x8192,32x2048 \
-            --schemes kvarn_k4v2_g128,int8 --variants default,narrow-bound,narrow-max --check --no-baselines \
-            --json "$out/kernel_bf16.json"
-        run kernel_f16 60 python benchmarks/decode.py --dtype float16 --shapes 32x8192,32x2048 \
+        run kernel_accuracy_bf16 110 python benchmarks/tools/decode_accuracy.py --dtype bfloat16 \
+            --shapes 32x8192,8x16384 --schemes kvarn_k4v2_g128,int8 --old-fold '' \
+            --json "$out/kernel_accuracy_bf16.json"
+        run kernel_bf16 120 python benchmarks/decode.py --dtype bfloat16 --shapes 32x8192,8x16384 \
+            --schemes kvarn_k4v2_g128,int8 --no-baselines --json "$out/kernel_bf16.json"
+        run kernel_f16 120 python benchmarks/decode.py --dtype float16 --shapes 32x8192,8x16384 \
             --schemes kvarn_k4v2_g128,int8 --no-baselines --json "$out/kernel_f16.json"
-        grep -hE "of roofline|FAIL" "$out"/kernel_*.log ;;
+        grep -hE "rel L2|of roofline|FAIL" "$out"/kernel_*.log ;;
     engine)
         run smollm2_b32 150 python $G --config smollm2-135m --batch 32 --prompt-len 2048 --new-tokens 64 \
             --repeats 2 --kv-cache-dtype fp16,int8,kvarn_k4v2_g128 --json "$out/smollm2_b32.json"

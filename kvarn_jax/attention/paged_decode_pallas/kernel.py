@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .layout import columns, f16_sat, narrow_operand, token_order, tokens_from_planes
+from .layout import Halves, columns, f16_sat, narrow_operand, token_order, tokens_from_planes
 
 NEG = -1e30          # masked logit; every processed chunk holds at least one valid position
 LOG2E = 1.4426950408889634
@@ -229,10 +229,19 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
         sid = jnp.clip(sid_ref[b] if has_sid else b, 0, sink_k.shape[0] - 1)
         first = split == 0
 
+        # bf16 rows enter the products as they are, against the query and probabilities in two bf16
+        # halves each (`layout.Halves`): no per-chunk maximum to bring them into fp16
+        halves = not hp_int8 and sink_k.dtype == jnp.bfloat16
+        q_hp = Halves(q) if halves else q_op
+
         def rows_of(ref, meta, rows, plane=None):
-            """fp32 values of rows `rows` of the sequence's buffer ([hc, D], or value plane `plane`
-            [hc, D/vp]): float storage as it is, int8 codes times their token's scale plus its zero."""
-            x = (ref[sid, rows] if plane is None else ref[sid, rows, :, plane]).astype(jnp.float32)
+            """Values of rows `rows` of the sequence's buffer ([hc, D], or value plane `plane`
+            [hc, D/vp]): bf16 storage with `halves` as it is, other float storage in fp32, int8
+            codes times their token's scale plus its zero."""
+            x = ref[sid, rows] if plane is None else ref[sid, rows, :, plane]
+            if halves:
+                return x
+            x = x.astype(jnp.float32)
             if meta is None:
                 return x
             return x * meta[0][sid, rows].astype(jnp.float32)[:, None] + meta[1][sid, rows].astype(jnp.float32)[:, None]
@@ -248,12 +257,13 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
                 rows = pl.ds(pl.multiple_of(base + c * hc, hc), hc)
                 kk = rows_of(k_ref, k_meta, rows)                            # [hc, D]
                 pos = start_pos + c * hc + jnp.arange(hc, dtype=jnp.int32)
-                if tokens_major:
-                    vals = lambda ps: [plan.dot_tn(rows_of(v_ref, v_meta, rows, n), plan.probs(ps[0]), min_n=8)
-                                       for n in range(vp)]
-                    return update(carry, [plan.dot_t(kk, q_op, min_n=8)], [pos], vals, lo=lo)
-                vals = lambda ps: [plan.dot(plan.probs(ps[0]), rows_of(v_ref, v_meta, rows, n)) for n in range(vp)]
-                return update(carry, [plan.dot_t(q_op, kk)], [pos], vals, lo=lo)
+                def vals(ps):  # the probabilities as an operand once, for every value plane
+                    p = Halves(ps[0]) if halves else plan.probs(ps[0])
+                    if tokens_major:
+                        return [plan.dot_tn(rows_of(v_ref, v_meta, rows, n), p, min_n=8) for n in range(vp)]
+                    return [plan.dot(p, rows_of(v_ref, v_meta, rows, n)) for n in range(vp)]
+                scores = plan.dot_t(kk, q_hp, min_n=8) if tokens_major else plan.dot_t(q_hp, kk)
+                return update(carry, [scores], [pos], vals, lo=lo)
             return lax.fori_loop(c_lo, jnp.maximum(c_lo, c_hi), body, carry)
 
         hc = min(hp_chunk, bs)

@@ -93,9 +93,33 @@ def _operands(a, b, wide: bool):
     return a, b, s
 
 
+class Halves:
+    """An fp32 operand as two bf16 parts, hi + lo (16 significant bits), for products with a bf16
+    operand (a bf16 cache's high-precision rows), which the matrix unit then takes as they are: two
+    bf16 products instead of bringing both into fp16, which needs the rows' maximum per chunk."""
+
+    __slots__ = ("hi", "lo", "x")
+
+    def __init__(self, x):
+        self.x = x.astype(jnp.float32)
+        self.hi = self.x.astype(jnp.bfloat16)
+        self.lo = (self.x - self.hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+    @property
+    def shape(self):
+        return self.x.shape
+
+
+def _halves_product(product, a, b):
+    """product(a, b) with one operand `Halves` and the other bf16: the sum of the two parts' products."""
+    if isinstance(a, Halves):
+        return product(a.hi, b) + product(a.lo, b)
+    return product(a, b.hi) + product(a, b.lo)
+
+
 def _f32(x):
     """fp32 operand of a small product (a broadcast multiply and sum: no rounding to fp16)."""
-    return (x.x if isinstance(x, Narrowed) else x).astype(jnp.float32)
+    return (x.x if isinstance(x, (Narrowed, Halves)) else x).astype(jnp.float32)
 
 
 def _rounded(x):
@@ -110,13 +134,16 @@ def _unscale(y, s):
 
 
 def dot(a, b, min_n: int = 16, wide: bool = False):
-    """[M, K] @ [K, N] in fp16 with fp32 accumulation (wide: see `_operands`).
+    """[M, K] @ [K, N] in fp16 with fp32 accumulation (wide: see `_operands`; a `Halves` operand
+    against a bf16 one: two bf16 products).
 
     Triton's matrix instructions need M, K >= 16 and N >= 8 (mma m16n8k16; N >= 16 unless `min_n`
     says otherwise); smaller products are computed as a broadcast multiply and sum instead.
     """
     if min(a.shape[0], a.shape[1]) < 16 or b.shape[1] < min_n:
         return jnp.sum(_f32(a)[:, :, None] * _f32(b)[None, :, :], axis=1)
+    if isinstance(a, Halves) or isinstance(b, Halves):
+        return _halves_product(functools.partial(jnp.dot, preferred_element_type=jnp.float32), a, b)
     a, b, s = _operands(a, b, wide)
     return _unscale(jnp.dot(a, b, preferred_element_type=jnp.float32), s)
 
@@ -125,16 +152,24 @@ def dot_t(a, b, min_n: int = 16, wide: bool = False):
     """[M, K] @ [N, K]^T in fp16 with fp32 accumulation (see `dot` for small shapes and `wide`)."""
     if min(a.shape[0], a.shape[1]) < 16 or b.shape[0] < min_n:
         return jnp.sum(_f32(a)[:, None, :] * _f32(b)[None, :, :], axis=2)
+    product = functools.partial(lax.dot_general, dimension_numbers=(((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+    if isinstance(a, Halves) or isinstance(b, Halves):
+        return _halves_product(product, a, b)
     a, b, s = _operands(a, b, wide)
-    return _unscale(lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32), s)
+    return _unscale(product(a, b), s)
 
 
 def dot_tn(a, b, min_n: int = 16, wide: bool = False):
     """[K, M]^T @ [K, N] in fp16 with fp32 accumulation (see `dot` for small shapes and `wide`)."""
     if min(a.shape[0], a.shape[1]) < 16 or b.shape[1] < min_n:
         return jnp.sum(_f32(a)[:, :, None] * _f32(b)[:, None, :], axis=0)
+    product = functools.partial(lax.dot_general, dimension_numbers=(((0,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+    if isinstance(a, Halves) or isinstance(b, Halves):
+        return _halves_product(product, a, b)
     a, b, s = _operands(a, b, wide)
-    return _unscale(lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32), s)
+    return _unscale(product(a, b), s)
 
 
 def columns(x):
