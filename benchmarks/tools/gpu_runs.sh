@@ -4,9 +4,11 @@
 #
 #   bash benchmarks/tools/gpu_runs.sh OUT_DIR [SECTION ...]
 #
-# Sections (default: all, in this order):
+# Sections (default: all but sweep, in this order):
 #   kernel    decode kernel: the default launch checked against the reference at full shapes with a
 #             bfloat16 cache, then timed with bfloat16 and float16 caches (the latter the ceiling)
+#   sweep     the bf16-cache kernel's launch (two warps uncapped, the default; capped at 168 registers,
+#             what the program takes since its sink and tail use bf16 products; one warp; four warps)
 #   engine    generate.py, SmolLM2-135M shapes: batch 32 x 2K (fp16, int8, kvarn_k4v2_g128) and batch 1;
 #             batch 32 again with XLA's command buffers off
 #   llama     generate.py, Llama-3-8B shapes (32 layers), batch 32 x 8K prompt, 128 new tokens
@@ -47,6 +49,11 @@ for s in $sections; do
         run kernel_f16 120 python benchmarks/decode.py --dtype float16 --shapes 32x8192,8x16384 \
             --schemes kvarn_k4v2_g128,int8 --no-baselines --json "$out/kernel_f16.json"
         grep -hE "rel L2|of roofline|FAIL" "$out"/kernel_*.log ;;
+    sweep)
+        run sweep_bf16 300 python benchmarks/decode.py --dtype bfloat16 --shapes 32x8192,32x32768 \
+            --schemes kvarn_k4v2_g128 --variants default,maxnreg=168,num_warps=1+num_stages=3,num_warps=4 \
+            --check --no-baselines --json "$out/sweep_bf16.json"
+        grep -hE "check|of roofline|FAIL" "$out/sweep_bf16.log" ;;
     engine)
         run smollm2_b32 150 python $G --config smollm2-135m --batch 32 --prompt-len 2048 --new-tokens 64 \
             --repeats 2 --kv-cache-dtype fp16,int8,kvarn_k4v2_g128 --json "$out/smollm2_b32.json"
@@ -78,7 +85,7 @@ for s in $sections; do
             --json "$out/accuracy.json" --md "$out/accuracy.md"
         grep -h "rel L2" "$out/accuracy.log" ;;
     *)
-        echo "unknown section $s (kernel engine llama capacity bridge accuracy)" >&2
+        echo "unknown section $s (kernel sweep engine llama capacity bridge accuracy)" >&2
         exit 2 ;;
     esac
 done

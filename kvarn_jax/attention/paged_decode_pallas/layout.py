@@ -265,9 +265,10 @@ class LayoutPlan:
                  fold: str = "none", sums: str = "reduce", wide: bool = False, narrow: str = "bound"):
         self.cfg, self.d, self.t = cfg, head_dim, tile_tokens
         # wide: the cache's data may exceed fp16 (a bf16 or fp32 cache): operands made of it (the
-        # query times scales, probabilities times scales, high-precision values) stay fp32 up to the
-        # products, which bring each into fp16's range by a power of two (`_operands`); the query
-        # itself is rounded as always (`f16_sat`). fp16 caches: every operand rounded to fp16 here.
+        # query times scales, probabilities times scales, fp32 or int8 high-precision values) stay
+        # fp32 up to the products, which bring each into fp16's range by a power of two
+        # (`_operands`); bf16 high-precision values enter bf16 products as they are (`Halves`). The
+        # query itself is rounded as always (`f16_sat`). fp16 caches: every operand rounded to fp16.
         self.wide, self.bounded = wide, wide and narrow == "bound"
         self.f16 = narrow_operand if wide else f16
         self.dot, self.dot_t, self.dot_tn = (functools.partial(fn, wide=wide) for fn in (dot, dot_t, dot_tn))
