@@ -142,10 +142,11 @@ def dot(a, b, min_n: int = 16, wide: bool = False):
     """
     if min(a.shape[0], a.shape[1]) < 16 or b.shape[1] < min_n:
         return jnp.sum(_f32(a)[:, :, None] * _f32(b)[None, :, :], axis=1)
+    product = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
     if isinstance(a, Halves) or isinstance(b, Halves):
-        return _halves_product(functools.partial(jnp.dot, preferred_element_type=jnp.float32), a, b)
+        return _halves_product(product, a, b)
     a, b, s = _operands(a, b, wide)
-    return _unscale(jnp.dot(a, b, preferred_element_type=jnp.float32), s)
+    return _unscale(product(a, b), s)
 
 
 def dot_t(a, b, min_n: int = 16, wide: bool = False):
