@@ -10,8 +10,8 @@ block of queries is its own request for `ops.cpu_attention_with_kv_cache`, with 
 written through `ops.cpu_attn_reshape_and_cache` (the op's own layout for the CPU's ISA). The
 output is compared with a masked dense attention of the rule on a few query blocks, and the call is
 timed against one causal torch flash call over the same keys (SmolLM2's heads, one thread).
-bfloat16 needs the AMX permission vLLM's CPU worker requests; run standalone it may stop with an
-illegal instruction.
+With bfloat16 on a CPU with AMX tiles the script asks the kernel for them first, as vLLM's CPU
+worker does (without it the op stops with an illegal instruction).
 """
 
 import argparse
@@ -36,6 +36,8 @@ def main():
     hq, hk, d = (int(x) for x in a.heads.split(","))
     nblk = -(-n // bs)
     isa = _get_attn_isa(dt, bs, d)
+    if isa == "amx":
+        torch._C._cpu._init_amx()
     q = torch.randn(n, hq, d, dtype=dt)
     deq = [torch.randn(nblk, hk, bs, d, dtype=dt) for _ in range(2)]   # block b as the pages hold it
     hp = [torch.randn(nblk, hk, bs, d, dtype=dt) for _ in range(2)]    # block b's high-precision rows
