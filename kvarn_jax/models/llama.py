@@ -322,6 +322,15 @@ def _product(spec: str, a, b, dtype):
 PREFILL_KEY_TILE = 1024
 
 
+def key_tiles(length: int, key_tile: int = PREFILL_KEY_TILE) -> tuple[int, int]:
+    """(n, tile): the L = `length` cached positions cut into n = ceil(L / key_tile) tiles of one
+    shape, ceil(L / n) rounded up to a multiple of 8 (L itself when L <= key_tile: a short context
+    is not padded)."""
+    n = max(1, -(-length // key_tile))
+    per = -(-length // n)
+    return n, min(length, -(-per // 8) * 8)
+
+
 def _stream_cached(qc, read, length: int, start, scale: float, dtype, key_tile: int):
     """Online softmax of queries qc [P, C, Hk, G, D] over the cached keys and values, read a tile at a
     time (`paged.dense_tiles`: read(off, tile) -> K, V [P, Hk, tile, D] of positions off.. of the
@@ -329,14 +338,11 @@ def _stream_cached(qc, read, length: int, start, scale: float, dtype, key_tile: 
     l: [P, Hk, G, C]; unnormalized output acc [P, Hk, G, C, D]), all float32 (m = -inf, l = acc
     = 0 where a row has no cached token).
 
-    The L positions are cut into n = ceil(L / key_tile) tiles of one shape, ceil(L / n) rounded up
-    to a multiple of 8 (L itself when L <= key_tile: a short context is not padded); the last tile
-    lies at L - tile, overlapping its predecessor, whose positions it masks. Only the tiles holding
-    some row's cached positions run (a first chunk runs none)."""
+    The L positions are cut into the `key_tiles` of one shape; the last tile lies at L - tile,
+    overlapping its predecessor, whose positions it masks. Only the tiles holding some row's cached
+    positions run (a first chunk runs none)."""
     p, c, hk, g, d = qc.shape
-    n = -(-length // key_tile)
-    per = -(-length // n)
-    tile = min(length, -(-per // 8) * 8)
+    n, tile = key_tiles(length, key_tile)
 
     def step(i, carry):
         m, l, acc = carry

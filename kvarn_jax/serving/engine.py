@@ -49,7 +49,7 @@ from ..config import KVQuantConfig
 from ..cache.layers import LayerCaches
 from ..cache.paged import NO_PAGE
 from ..cache.sharding import HeadParallel
-from ..models.llama import PREFILL_KEY_TILE, Decoder
+from ..models.llama import Decoder, key_tiles
 from .allocator import BlockAllocator
 from .runner import DECODE_COLS, PREFILL_COLS, ModelRunner
 from .sampling import SamplingParams
@@ -203,7 +203,7 @@ def prefill_workspace(config, dtype, *, prefill_batch: int, prefill_chunk: int, 
     c = config
     p, ch = _pow2(prefill_batch), prefill_chunk
     item = jnp.dtype(dtype).itemsize
-    tile = min(context, PREFILL_KEY_TILE)
+    tile = key_tiles(context)[1]  # the tile prefill's streaming softmax reads
     return (2 * p * c.num_kv_heads * tile * c.head_dim * 4
             + p * c.num_heads * ch * (tile + ch) * 4
             + 2 * c.num_layers * p * ch * c.num_kv_heads * c.head_dim * item
