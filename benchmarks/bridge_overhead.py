@@ -169,14 +169,14 @@ def run_scheme(scheme, a, device, dtype):
                                                       check_values=False)
 
     @jax.jit
-    def kernel_loop(q0):
+    def kernel_loop(q0, cache, tj, lj, sid):  # the cache an argument: closed over, it would be a constant
         def body(i, acc):  # each call depends on the last (no overlap, no elimination)
-            o = kvarn_jax.paged_decode_attention(q0 + (acc[0, 0, 0] * 0).astype(q0.dtype), bound.cache, tj, lj,
+            o = kvarn_jax.paged_decode_attention(q0 + (acc[0, 0, 0] * 0).astype(q0.dtype), cache, tj, lj,
                                                  seq_ids=sid, impl=a.impl, check_values=False)
             return o.astype(jnp.float32)
         return jax.lax.fori_loop(0, a.layers, body, jnp.zeros(q0.shape, jnp.float32))
 
-    kernel = lambda: kernel_loop(qj)  # noqa: E731
+    kernel = lambda: kernel_loop(qj, bound.cache, tj, lj, sid)  # noqa: E731
 
     # torch SDPA on a dense fp16 cache of the same shape
     kd = torch.randn((b, a.kv_heads, seq_len + 1, a.head_dim), generator=g, device=device, dtype=torch.float16)
