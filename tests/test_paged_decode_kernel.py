@@ -348,6 +348,29 @@ def test_bf16_sink_and_tail_enter_the_products_unrounded(orient, rng):
     np.testing.assert_allclose(np.asarray(unrotate(o)), ref, rtol=0, atol=1e-4 * np.abs(ref).max())
 
 
+def test_sink_and_tail_chunks_spread_over_the_splits(rng):
+    """The sink's and the tail's 64-token chunks go to different splits (sink chunk c to split
+    S-1-(c mod S), tail chunk c to split c mod S): with 128-token blocks the sink is two chunks and a
+    tail up to two, and every position must be counted once whatever S is - fewer splits than chunks,
+    as many, more - and when a window starts inside the sink or the tail (the first chunks skipped)."""
+    from kvarn_jax.attention import paged_decode_pallas as pdp
+    from kvarn_jax.hadamard import rotate, unrotate
+    bs = 128
+    lens = [130, 250, 3 * bs + 70, 60]  # tails of 2, 122 (two chunks) and 70 tokens; a sink-only row
+    cache, bt, sl, _ = build("kvarn_k4v2_g32", lens, 2, 64, bs, rng, dtype=jnp.bfloat16)
+    # a large query: the softmax leans on few positions, so a chunk counted twice or not at all shows
+    q = jnp.asarray(rng.standard_normal((4, 8, 64)) * 3, jnp.float32)
+    sid = jnp.arange(4, dtype=jnp.int32)
+    # window 150: row 1's starts in the sink's second chunk; window 5: rows 1 and 2 start in their
+    # tail's second chunk
+    for splits, window in ((2, None), (3, 150), (4, 5), (5, None)):
+        ref = np.asarray(kj.paged_decode_attention(q, cache, bt, sl, impl="reference", window=window))
+        o = pdp.paged_decode_pallas(rotate(q), cache, bt, sl, sid, scale=0.125, window=window, interpret=INTERPRET,
+                                    launch=pdp.Launch(num_splits=splits))
+        np.testing.assert_allclose(np.asarray(unrotate(o)), ref, rtol=0, atol=4e-3 * np.abs(ref).max(),
+                                   err_msg=f"splits={splits} window={window}")
+
+
 @pytest.mark.parametrize("cfg", ["int8", "int4", "int_k8v2", "fp8"])
 def test_per_token_tokens_major(cfg, rng):
     """Per-token schemes with one scale per token, tokens-major (scores [T, Gp] = codes @ q^T, the

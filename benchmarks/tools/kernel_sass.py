@@ -60,8 +60,9 @@ json.dump({"usage": usage, "sass": sass, "shared": k.metadata.shared}, sys.stdou
 def triton_ir(kind: str, scheme: str, side: str, warps: int, stages: int, orient: str | None = None,
               fold: bool | None = None, parts: int = 1, sums: str | None = None, maxnreg: int | None = None,
               steps: int = 1, chunk: int | None = None, splits: int | None = None, dtype: str = "float16",
-              narrow: str | None = None) -> str:
-    """The Triton IR (text) jax emits for one kernel, captured at lowering."""
+              narrow: str | None = None, heads: tuple[int, int, int] = (32, 8, 128)) -> str:
+    """The Triton IR (text) jax emits for one kernel, captured at lowering. heads: (query heads, kv
+    heads, head_dim) of the decode call."""
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.triton import pallas_call_registration as reg
@@ -90,9 +91,10 @@ def triton_ir(kind: str, scheme: str, side: str, warps: int, stages: int, orient
                                                                launch=pdp.Launch(merge="pallas"))
         elif kind == "decode":
             from kvarn_jax.attention import paged_decode_pallas as pdp
-            cache = kj.PagedKVCache.create(cfg, num_blocks=1024, block_size=128, num_kv_heads=8, head_dim=128,
+            hq, hk, d = heads
+            cache = kj.PagedKVCache.create(cfg, num_blocks=1024, block_size=128, num_kv_heads=hk, head_dim=d,
                                            max_seqs=32, dtype=jnp.dtype(dtype))
-            args = (jnp.zeros((32, 32, 128), jnp.float32), cache, jnp.zeros((32, 32), jnp.int32),  # q_rot: fp32
+            args = (jnp.zeros((32, hq, d), jnp.float32), cache, jnp.zeros((32, 32), jnp.int32),  # q_rot: fp32
                     jnp.full((32,), 4096, jnp.int32), jnp.arange(32, dtype=jnp.int32))
             fn = lambda q, c, t, l, s: pdp.paged_decode_pallas(  # noqa: E731
                 q, c, t, l, s, scale=0.1, window=None, launch=pdp.Launch(
@@ -173,16 +175,19 @@ def main():
                         "off, as XLA's Triton build on the GPU compiles: only what the kernel marks contractable)")
     p.add_argument("--triton-python", default=os.environ.get("TRITON_PYTHON", "python3"),
                    help="a Python with triton installed (default: $TRITON_PYTHON or python3)")
+    p.add_argument("--heads", default="32,8,128",
+                   help="decode: query heads, kv heads, head_dim (default Llama-3-8B's; SmolLM2: 9,3,64)")
     p.add_argument("--json", default="")
     args = p.parse_args()
+    heads = tuple(int(x) for x in args.heads.split(","))
     import kvarn_jax as kj
     cfg = kj.parse(args.scheme)
     if args.kind == "decode":
         from kvarn_jax.attention.paged_decode_pallas import default_launch, default_stages
-        # the shape lowered below (B=32, 8 kv heads) and the layout asked for
+        # the shape lowered below (B=32, --heads) and the layout asked for
         wide = args.dtype != "float16"
-        warps, cap = default_launch(cfg, 32, 8, args.orient, args.parts, args.steps, args.chunk, wide=wide)
-        stages = default_stages(cfg, 32, 8, 128, args.orient, args.parts, args.steps, wide=wide)
+        warps, cap = default_launch(cfg, 32, heads[1], args.orient, args.parts, args.steps, args.chunk, wide=wide)
+        stages = default_stages(cfg, 32, heads[1], heads[2], args.orient, args.parts, args.steps, wide=wide)
         if args.warps:
             warps, cap, stages = args.warps, None, 2
         args.maxnreg = args.maxnreg or cap
@@ -194,7 +199,7 @@ def main():
         warps = args.warps or default_num_warps(cfg)
         stages = args.stages or 1
     ir = triton_ir(args.kind, args.scheme, args.side, warps, stages, args.orient, {"on": True, "off": False}.get(args.fold), args.parts, args.sums, args.maxnreg,
-                   args.steps, args.chunk, args.splits, args.dtype, args.narrow)
+                   args.steps, args.chunk, args.splits, args.dtype, args.narrow, heads)
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "kernel.ttir")
         with open(src, "w") as f:

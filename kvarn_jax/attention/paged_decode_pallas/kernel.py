@@ -1,6 +1,6 @@
 """The decode program: an fp32 online softmax over a sequence's quantized tiles (a split of them)
-and, on split 0, its high-precision sink and tail (float values, or int8 codes with a scale and
-zero point per token), for the query heads of one kv head. What each
+and its share of the high-precision sink and tail chunks (float values, or int8 codes with a scale
+and zero point per token), for the query heads of one kv head. What each
 scheme's tile costs is the layout plan's (`layout.py`); the launch decides the static parameters
 (`launch.py`). docs/kernels.md describes the kernel and the measurements behind its structure."""
 
@@ -224,10 +224,12 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
         carry = lax.fori_loop(0, n_groups, group, carry)
     carry = carry[:3]
 
-    # ---- high-precision sink and partial tail (split 0 only)
+    # ---- high-precision sink and partial tail: chunk c of the sink goes to split S-1-(c mod S), of
+    # the tail to split c mod S. Tiles fill the splits from split 0 and the last has the fewest; on
+    # split 0 alone the sink and tail made that program read several times what each other split
+    # read at 2K tokens, and it set the call's time.
     if has_hp:
         sid = jnp.clip(sid_ref[b] if has_sid else b, 0, sink_k.shape[0] - 1)
-        first = split == 0
 
         # bf16 rows enter the products as they are, against the query and probabilities in two bf16
         # halves each (`layout.Halves`): no per-chunk maximum to bring them into fp16
@@ -246,14 +248,16 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
                 return x
             return x * meta[0][sid, rows].astype(jnp.float32)[:, None] + meta[1][sid, rows].astype(jnp.float32)[:, None]
 
-        def hp_loop(carry, k_ref, v_ref, metas, base, start_pos, count, hc, lo):
-            """Chunks of `hc` tokens from rows [base, base + count) of the sequence's buffer; positions
-            below `lo` masked."""
+        def hp_loop(carry, k_ref, v_ref, metas, base, start_pos, count, hc, lo, owner):
+            """This split's chunks of `hc` tokens from rows [base, base + count) of the sequence's
+            buffer - chunk c where c = owner (mod num_splits); positions below `lo` masked."""
             c_lo = jnp.maximum(lo - start_pos, 0) // hc
-            c_hi = jnp.where(first, pl.cdiv(count, hc), 0)
+            c_hi = pl.cdiv(count, hc)
+            c0 = c_lo + (owner + num_splits - c_lo % num_splits) % num_splits   # the first chunk >= c_lo it owns
             k_meta, v_meta = metas
 
-            def body(c, carry):
+            def body(i, carry):
+                c = c0 + i * num_splits
                 rows = pl.ds(pl.multiple_of(base + c * hc, hc), hc)
                 kk = rows_of(k_ref, k_meta, rows)                            # [hc, D]
                 pos = start_pos + c * hc + jnp.arange(hc, dtype=jnp.int32)
@@ -264,15 +268,15 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
                     return [plan.dot(p, rows_of(v_ref, v_meta, rows, n)) for n in range(vp)]
                 scores = plan.dot_t(kk, q_hp, min_n=8) if tokens_major else plan.dot_t(q_hp, kk)
                 return update(carry, [scores], [pos], vals, lo=lo)
-            return lax.fori_loop(c_lo, jnp.maximum(c_lo, c_hi), body, carry)
+            return lax.fori_loop(0, jnp.maximum(pl.cdiv(c_hi - c0, num_splits), 0), body, carry)
 
         hc = min(hp_chunk, bs)
         carry = hp_loop(carry, sink_k, sink_v, hp_meta[0:2], 0, 0, jnp.minimum(length, sink_len),
-                        min(hc, sink_len), ws)
+                        min(hc, sink_len), ws, num_splits - 1 - split)
         # the ring holds the query's block; a whole-block sink holds block 0 instead
         tail_count = length - n_full * bs if partial_sink else jnp.where(n_full >= 1, length - n_full * bs, 0)
         carry = hp_loop(carry, tail_k, tail_v, hp_meta[2:4], (n_full * bs) % tail_len, n_full * bs, tail_count,
-                        hc, ws_rest)
+                        hc, ws_rest, split)
 
     m, l, acc = carry
     # only the first `written` entries of the Gp axis (the group's heads, up to a power of two) are
