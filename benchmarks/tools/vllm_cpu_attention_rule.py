@@ -1,11 +1,12 @@
-"""Can vLLM's own CPU attention op compute the plugin's prefill rule in one call? (issue 32)
+"""vLLM's own CPU attention op computing the plugin's prefill rule in one call, on synthetic data
+(issue 32; the plugin does this since `torch_ops._prefill_rule`, before with two torch
+flash-attention calls and a merge by log-sum-exp).
 
     python benchmarks/tools/vllm_cpu_attention_rule.py [--tokens 4000] [--dtype float32]
 
 The rule: a query in block j attends to blocks 0..j-1 as stored (quantized, here their dequantized
-values) and to its own block's high-precision rows up to itself. The plugin computes it today with
-two torch flash-attention calls and a merge by log-sum-exp (`torch_ops._prefill_split`). Here each
-block of queries is its own request for `ops.cpu_attention_with_kv_cache`, with the block table
+values) and to its own block's high-precision rows up to itself. Each block of queries is its own
+request for `ops.cpu_attention_with_kv_cache`, with the block table
 [dequantized blocks 0..j-1, high-precision block j] and causal masking, over one staged cache
 written through `ops.cpu_attn_reshape_and_cache` (the op's own layout for the CPU's ISA). The
 output is compared with a masked dense attention of the rule on a few query blocks, and the call is

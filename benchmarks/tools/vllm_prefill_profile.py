@@ -49,8 +49,8 @@ def main():
     calls = collections.Counter()
     if a.scheme != "none":
         from kvarn_vllm import impl as kimpl, torch_ops
-        names = ["_write_jax", "_prefill_split", "_served_split", "_merge_split", "_write_step", "_before",
-                 "_FLASH_CPU", "_served", "_prefill_rows"]
+        from vllm import _custom_ops as vllm_ops
+        names = ["_write_jax", "_prefill_rule", "_rule_inputs", "_write_step", "_before", "_served", "_prefill_rows"]
 
         def wrap(mod, name):
             f = getattr(mod, name, None)
@@ -67,6 +67,8 @@ def main():
             setattr(mod, name, w)
         for n in names:
             wrap(torch_ops, n)
+        for n in ("cpu_attn_reshape_and_cache", "cpu_attention_with_kv_cache"):  # inside _prefill_rule
+            wrap(vllm_ops, n)
         fwd = kimpl.KvarnAttentionImpl.forward
 
         def forward(self, *args, **kw):

