@@ -209,7 +209,7 @@ class StepPlan:
         return self.cached(("decode_entries", passthrough), make)
 
     def own_blocks(self) -> tuple:
-        """The prefill queries' own blocks, for the split prefill attention (`torch_ops`): the step's
+        """The prefill queries' own blocks, for the CPU prefill (`torch_ops._prefill_rule`): the step's
         query blocks are each prefill row's blocks fb .. last (fb: the block its chunk starts in), in
         row order, block_size slots each; slot j of a query block holds position block * bs + j.
 

@@ -422,7 +422,7 @@ def _check_tokens(bound: BoundCache, x: torch.Tensor, name: str, n: int, heads: 
 @dataclasses.dataclass
 class Written:
     """What a write hands the same step's attention: the stored rows [2, tokens, Hk, D]; for the
-    CPU prefill (`_split_prefill`) the prefill queries' own-block rows (K, V) [NQB * bs, Hk, D], JAX
+    CPU prefill (`_prefill_by_rule_op`) the prefill queries' own-block rows (K, V) [NQB * bs, Hk, D], JAX
     arrays that the attention's XLA call takes as they are (`StepPlan.own_blocks`); otherwise, per
     prefill row whose chunk starts inside a block, that block's earlier rows as they were before the
     write ({row: (k, v) [Hk, n, D]})."""
@@ -612,7 +612,7 @@ def _write_jax(bound: BoundCache, key: torch.Tensor, value: torch.Tensor, plan: 
     ids = plan.cached(("write_ids", nb), lambda: _write_ids(plan, nb))
     dst, keep = plan.cached(("kept_rows", nb, lay.max_seqs, lay.num_kv_heads), lambda: _kept_rows(plan, bound, nb))
     own = None
-    if plan.num_rows > plan.num_decodes and _split_prefill(bound):
+    if plan.num_rows > plan.num_decodes and _prefill_by_rule_op(bound):
         own = plan.cached(("own_blocks",), lambda: plan.to_device(plan.own_blocks()[0], torch.int32))
     kv_j, ids_j, keep_j = _to_jax(kv), _to_jax(ids), _to_jax(keep)
     own_j = None if own is None else _to_jax(own)
@@ -652,7 +652,7 @@ def write(bound: BoundCache, key: torch.Tensor, value: torch.Tensor, plan: StepP
     _check_tokens(bound, value, "value", n, bound.layout.num_kv_heads)
     quantized = not bound.cfg.is_passthrough
     prefill = plan.num_rows > plan.num_decodes
-    before = _before(bound, plan) if prefill and not _split_prefill(bound) else {}
+    before = _before(bound, plan) if prefill and not _prefill_by_rule_op(bound) else {}
     own = None
     if quantized and (prefill or plan.completing):
         rows, own, held = _write_jax(bound, key, value, plan)
@@ -1119,7 +1119,7 @@ def _prefill_rows(bound, query, plan, k, v, offsets, written, scale, out):
         out[a:a + ql].copy_(o)
 
 
-def _split_prefill(bound: BoundCache) -> bool:
+def _prefill_by_rule_op(bound: BoundCache) -> bool:
     """Whether prefill rows take vLLM's CPU attention op (`_prefill_rule`): quantized caches on the
     CPU. (Elsewhere one masked SDPA per prefill row, `_prefill_rows`.)"""
     return not bound.cfg.is_passthrough and bound.buffer.device.type == "cpu"
@@ -1208,7 +1208,7 @@ def attend(bound: BoundCache, query: torch.Tensor, plan: StepPlan, *, written: W
         held.append(_decode_rows_library(bound, query, plan, sm, which, out))
     elif which == "served":
         held.append(_decode_rows_served(bound, query, plan, sm, out))
-    if prefill and _split_prefill(bound):
+    if prefill and _prefill_by_rule_op(bound):
         held += _prefill_rule(bound, query, plan, written, sm, out)
     elif prefill:
         k, v, offsets, keep = _served_blocks(bound, plan)
