@@ -37,9 +37,13 @@ def test_prefill_requests_follow_the_rule():
     np.testing.assert_array_equal(table[0, :2], [offsets[1], n])
     np.testing.assert_array_equal(table[1, :3], [offsets[1], offsets[1] + 1, n + 1])
     assert table[2, 0] == n + 2
-    # the own rows of query block i sit in slots [i * bs, (i + 1) * bs) of `own_blocks`
-    own, q_src, _ = plan.own_blocks()
-    assert (q_src[:bs][8:] == np.arange(1, 25)).all() and (q_src[2 * bs:2 * bs + 20] == np.arange(51, 71)).all()
+    # the own rows of query block i sit in slots [i * bs, (i + 1) * bs) of `own_blocks`: row 1's first
+    # block holds its earlier positions 32..39 (in the ring) then step tokens 1..24
+    own = plan.own_blocks()
+    np.testing.assert_array_equal(own[0, :bs], [2] * 8 + [0] * 24)
+    np.testing.assert_array_equal(own[1, 8:bs], np.arange(1, 25))
+    np.testing.assert_array_equal(own[1, 2 * bs:2 * bs + 20], np.arange(51, 71))
+    assert (own[0, 2 * bs + 20:3 * bs] == 3).all()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -213,11 +213,9 @@ class StepPlan:
         query blocks are each prefill row's blocks fb .. last (fb: the block its chunk starts in), in
         row order, block_size slots each; slot j of a query block holds position block * bs + j.
 
-        Returns (own [4, M] int32 per slot, the key side - kind: 0 a token of this step, 1 an earlier
-        row in the sink, 2 one in the ring, 3 none; the step token; the seq id; the position in the
-        sink or ring - q_src [M] int32: the step token whose query sits in the slot, -1 for none;
-        tok_slot [num_tokens] int32: each prefill token's slot (0 for decode tokens)). M = NQB *
-        block_size with NQB = `query_block_bound`."""
+        Returns own [4, M] int32 per slot - kind: 0 a token of this step, 1 an earlier row in the
+        sink, 2 one in the ring, 3 none; the step token; the seq id; the position in the sink or
+        ring. M = NQB * block_size with NQB = `query_block_bound`."""
         def make():
             bs, tl, nd, r = self.block_size, self.tail_len, self.num_decodes, self.num_rows
             ctx, lens = self.context, self.seq_len
@@ -227,8 +225,6 @@ class StepPlan:
             m = self.query_block_bound() * bs
             own = np.zeros((4, m), np.int32)
             own[0] = 3
-            q_src = np.full(m, -1, np.int32)
-            tok_slot = np.zeros(self.num_tokens, np.int32)
             for i in np.nonzero(nq)[0]:
                 slot = base[i] + np.arange(nq[i] * bs)
                 p = fb[i] * bs + np.arange(nq[i] * bs)
@@ -238,9 +234,7 @@ class StepPlan:
                 own[1, slot] = np.where(new, tok, 0)
                 own[2, slot] = self.seq_id[i]
                 own[3, slot] = np.where(p < bs, p, p % tl)
-                q_src[slot] = np.where(new, tok, -1)
-                tok_slot[tok[new]] = slot[new]
-            return own, q_src, tok_slot
+            return own
         return self.cached("own_blocks", make)
 
     def query_block_bound(self) -> int:

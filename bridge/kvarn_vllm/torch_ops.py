@@ -613,7 +613,7 @@ def _write_jax(bound: BoundCache, key: torch.Tensor, value: torch.Tensor, plan: 
     dst, keep = plan.cached(("kept_rows", nb, lay.max_seqs, lay.num_kv_heads), lambda: _kept_rows(plan, bound, nb))
     own = None
     if plan.num_rows > plan.num_decodes and _prefill_by_rule_op(bound):
-        own = plan.cached(("own_blocks",), lambda: plan.to_device(plan.own_blocks()[0], torch.int32))
+        own = plan.cached(("own_blocks",), lambda: plan.to_device(plan.own_blocks(), torch.int32))
     kv_j, ids_j, keep_j = _to_jax(kv), _to_jax(ids), _to_jax(keep)
     own_j = None if own is None else _to_jax(own)
     pack = bool(c) and bound.page_columns is not None  # every field of every completed block in one copy
