@@ -231,6 +231,26 @@ def test_the_config_hook_refuses_what_the_bridge_cannot_serve(change, match):
     assert runtime.settings_for(_full_config({})) is None
 
 
+def test_the_cpu_prefill_needs_a_head_size_vllms_cpu_attention_takes():
+    """A quantized cache's CPU prefill runs vLLM's CPU attention op: a head size it does not take is
+    refused at start, not at the first prompt; passthrough caches and GPUs do not use the op."""
+    from kvarn_vllm import checks
+
+    cpu = types.SimpleNamespace(device_type="cpu")
+    for scheme, head in (("int8", 72), ("kvarn_k4v2_g128", 16)):
+        cfg = _full_config({"kvarn_kv_cache_dtype": scheme}, **{"model.get_head_size": lambda h=head: h})
+        checks.check_config(cfg)  # no device config (a GPU): allowed
+        cfg.device_config = cpu
+        with pytest.raises(ValueError, match=f"head_size={head} with {scheme} on the CPU.*vLLM's CPU attention"):
+            checks.check_config(cfg)
+    cfg = _full_config({"kvarn_kv_cache_dtype": "fp16"}, **{"model.get_head_size": lambda: 72})
+    cfg.device_config = cpu
+    checks.check_config(cfg)
+    cfg = _full_config()
+    cfg.device_config = cpu
+    checks.check_config(cfg)  # SmolLM2's 64
+
+
 def test_the_config_hook_refuses_bad_settings_and_versions(monkeypatch, tmp_path):
     from kvarn_vllm import checks
 

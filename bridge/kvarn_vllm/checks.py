@@ -73,14 +73,24 @@ def _check_model(vllm_config, settings) -> None:
             refuse(f"logits soft-capping ({key}={getattr(hf, key)})")
     head = model.get_head_size()
     block = vllm_config.cache_config.block_size
+    where = f" (kvarn_layer_config {settings.layer_config!r})" if settings.layers is not None else ""
     for cfg in settings.schemes:
         try:
             cfg.check_head_dim(head, "head_size")
             if block is not None:
                 cfg.check_block_size(block, "block_size (--block-size)")
         except ValueError as e:
-            where = f" (kvarn_layer_config {settings.layer_config!r})" if settings.layers is not None else ""
             raise ValueError(f"kvarn: {e}{where}") from None
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+    quantized = [cfg.name for cfg in settings.schemes if not cfg.is_passthrough]
+    if device == "cpu" and quantized:
+        # a quantized cache's prefill on the CPU runs vLLM's CPU attention op (`torch_ops._prefill_rule`)
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if head not in sizes:
+            refuse(f"head_size={head} with {', '.join(quantized)} on the CPU{where}",
+                   f"the CPU prefill runs vLLM's CPU attention, which takes head sizes {sizes}")
 
 
 def _check_compilation(vllm_config) -> None:
