@@ -8,13 +8,14 @@ For each scheme one cache pool is filled, per shape, with B sequences of `ctx` t
 normal K/V in the cache's dtype (`--dtype`, fp16 by default) through `write_reference` (completed
 blocks quantized as serving quantizes them), and a random query [B, 32, 128] in that dtype attends
 over it twice: `paged_decode_attention(impl="pallas")` (the default launch) and the reference
-(`impl="reference"`, fp32 everywhere, computed a few rows at a time). Reported per (scheme, shape): ||kernel - reference|| / ||reference|| over the
-whole batch and the worst row's. `--old-fold`: the same schemes also with the value products fed
-biased codes (`Launch(fold="all")`, the launch before the fix that this script was written for), to
-show the drift it caused. `--time`: device time per call (scan of dependent calls) of the default
-launch and of fold="all" for those schemes, so the fix's cost is measured in the same run.
-Exit status 1 if any default launch is above `--target`. On a CPU the kernel runs interpreted: use
-tiny shapes (`--shapes 2x1024 --chunk 1024`), a smoke run of the script itself.
+(`impl="reference"`, fp32 everywhere, computed a few rows at a time). Reported per (scheme, shape):
+||kernel - reference|| / ||reference|| over the whole batch and the worst row's. `--old-fold`: the
+same schemes also with the value products fed biased codes (`Launch(fold="all")`, the launch before
+the fix that this script was written for), to show the drift it caused. `--time`: device time per
+call (scan of dependent calls) of the default launch and of fold="all" for those schemes, so the
+fix's cost is measured in the same run. Exit status 1 if any default launch is above `--target`. On
+a CPU the kernel runs interpreted: use tiny shapes (`--shapes 2x1024 --chunk 1024`), a smoke run of
+the script itself.
 """
 
 from __future__ import annotations

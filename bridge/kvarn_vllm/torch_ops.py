@@ -1162,18 +1162,20 @@ def _prefill_rule(bound, query, plan, written, scale, out):
         meta = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=lens.shape[0], num_heads=hq, num_kv_heads=hk, head_dim=d, seq_lens=lens, dtype=cdt,
             query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
-        staged = (entries.shape[1] + plan.query_block_bound()) * bs
+        staged = entries.shape[1] + plan.query_block_bound()
+        # the staged cache and the output, shared by the step's layers: on the CPU each layer's op
+        # call has finished with them before the next layer's starts
+        buffers = [torch.empty((staged, hk, bs, d), dtype=cdt) for _ in range(2)] + [
+            torch.empty((n - nd, hq, d), dtype=cdt)]
         return (_entry_blocks(plan, entries), plan.to_device(hp, torch.int32), count_, qsl, lens, table, meta,
-                torch.arange(staged, dtype=torch.int64))
-    blk, hp, count_, qsl, lens, table, meta, slots = plan.cached(("rule_inputs", hq, d, dtype), inputs)
+                torch.arange(staged * bs, dtype=torch.int64), buffers)
+    blk, hp, count_, qsl, lens, table, meta, slots, (kc, vc, o) = plan.cached(("rule_inputs", hq, d, dtype), inputs)
     q = _pad_rows(query, bucket(n))
     arrays = [_to_jax(x) for x in (blk, hp, q)]  # imported per call: a fence for JAX's reads
     k_j, v_j, q_j = _rule_inputs(bound.cache, *arrays, *written.own, dtype=dtype)
     count(blocks_dequantized=count_)
     k, v, qr = (_to_torch(x) for x in (k_j, v_j, q_j))
-    kc, vc = (torch.empty((k.shape[0] // bs, hk, bs, d), dtype=cdt) for _ in range(2))
     ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
-    o = torch.empty((n - nd, hq, d), dtype=cdt)
     ops.cpu_attention_with_kv_cache(
         query=qr[nd:n], key_cache=kc, value_cache=vc, output=o, query_start_loc=qsl, seq_lens=lens, scale=scale,
         causal=True, alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0, scheduler_metadata=meta,
