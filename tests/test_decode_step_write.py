@@ -15,7 +15,7 @@ BS, HK, D, NS = 32, 2, 32, 3
 MAX_START, MAX_STEPS = 3 * BS, 2 * BS + 3
 PER_SEQ = -(-(MAX_START + MAX_STEPS) // BS)  # blocks per sequence: one cache shape for every example
 # compiled once per scheme (as a serving step compiles them), not op by op for every shape
-_stage = jax.jit(paged.stage_tokens)
+_stage = jax.jit(paged.stage_tokens, static_argnames="one_per_sequence")
 _commit = jax.jit(paged.commit_blocks)
 
 
@@ -38,8 +38,10 @@ def _poisoned(scheme, num_blocks, seed):
 
 @settings(max_examples=6, deadline=None)
 @given(scheme=st.sampled_from(SCHEMES), starts=st.lists(st.integers(0, MAX_START), min_size=NS, max_size=NS),
-       steps=st.integers(1, MAX_STEPS), seed=st.integers(0, 2 ** 16))
-def test_stage_then_commit_equals_write(scheme, starts, steps, seed):
+       steps=st.integers(1, MAX_STEPS), seed=st.integers(0, 2 ** 16), one=st.booleans())
+def test_stage_then_commit_equals_write(scheme, starts, steps, seed, one):
+    # one: the decode steps' writes declare one token per sequence (the ring write without its
+    # per-sequence max), as the engine's decode step does
     rng = np.random.default_rng(seed)
     num_blocks = NS * PER_SEQ
     tables = rng.permutation(num_blocks).reshape(NS, PER_SEQ).astype(np.int32)
@@ -60,7 +62,7 @@ def test_stage_then_commit_equals_write(scheme, starts, steps, seed):
         k, v = (jnp.asarray(rng.normal(size=(NS, HK, D)), jnp.float32) for _ in range(2))
         slots = tables[np.arange(NS), lens // BS] * BS + lens % BS
         a = kj.write(a, k, v, jnp.asarray(slots), seq_ids=seq, positions=jnp.asarray(lens))
-        b = _stage(b, k, v, jnp.asarray(slots), seq_ids=seq, positions=jnp.asarray(lens))
+        b = _stage(b, k, v, jnp.asarray(slots), seq_ids=seq, positions=jnp.asarray(lens), one_per_sequence=one)
         done = (lens % BS == BS - 1) & (lens >= BS)
         blk = np.where(done, tables[np.arange(NS), lens // BS], -1)
         # a fixed batch of 4 entries, padding included

@@ -190,15 +190,17 @@ class LayerCaches:
         slots = jnp.where(slot_mapping >= 0, slot_mapping + boff * cache.block_size, slot_mapping)
         return slots, None if seq_ids is None else seq_ids + soff
 
-    def stage(self, layer, k, v, slot_mapping, seq_ids, positions) -> "LayerCaches":
+    def stage(self, layer, k, v, slot_mapping, seq_ids, positions, *, one_per_sequence: bool = False) -> "LayerCaches":
         """`paged.stage_tokens` into one layer (the decode step's write; blocks committed later). While
-        a tally is open (`open_tally`) its counts are added to the tally; else counted right away."""
+        a tally is open (`open_tally`) its counts are added to the tally; else counted right away.
+        one_per_sequence: as in `paged.write_plan`."""
         if self.tally is None:
-            return self.open_tally(k.shape[0]).stage(layer, k, v, slot_mapping, seq_ids, positions).close_tally(
-                slot_mapping, seq_ids)
+            return self.open_tally(k.shape[0]).stage(layer, k, v, slot_mapping, seq_ids, positions,
+                                                     one_per_sequence=one_per_sequence).close_tally(slot_mapping, seq_ids)
         cache, boff, soff = self.layer_cache(layer)
         slots, sid = self._ids(cache, boff, soff, slot_mapping, seq_ids)
-        staged, changed = paged.stage_tokens_uncounted(cache, k, v, slots, seq_ids=sid, positions=positions)
+        staged, changed = paged.stage_tokens_uncounted(cache, k, v, slots, seq_ids=sid, positions=positions,
+                                                       one_per_sequence=one_per_sequence)
         g, _ = self.locate(layer)
         bad = (token_absmax(k, v) == jnp.inf) & self._counted(slot_mapping, seq_ids)
         tally = list(self.tally)

@@ -284,10 +284,13 @@ class WritePlan(NamedTuple):
     changed: jnp.ndarray | None = None
 
 
-def write_plan(cache: PagedKVCache, k, v, slot_mapping, seq_ids, positions) -> WritePlan:
+def write_plan(cache: PagedKVCache, k, v, slot_mapping, seq_ids, positions, *,
+               one_per_sequence: bool = False) -> WritePlan:
     """The routing of a write (no checks; invalid tokens are masked out and counted in `dropped`).
     Values are rounded to the cache's `value_dtype`; slot `NO_PAGE` routes a token of a quantized
-    scheme to its sink or ring only."""
+    scheme to its sink or ring only. one_per_sequence: the caller guarantees that no sequence writes
+    two tokens (a decode step), so every token past the sink goes to the ring without the scatter
+    that finds each sequence's last position."""
     nb, bs = cache.num_blocks, cache.block_size
     slot = slot_mapping.astype(jnp.int32)
     blk, off = slot // bs, slot % bs
@@ -309,10 +312,13 @@ def write_plan(cache: PagedKVCache, k, v, slot_mapping, seq_ids, positions) -> W
     # Ring: the last `r` positions each sequence writes (a longer write would collide in the ring;
     # its earlier tokens are only needed by blocks this write completes, which read them directly).
     seq_c = jnp.clip(seq, 0, ns - 1)
-    maxpos = jnp.full((ns,), -1, jnp.int32).at[jnp.where(rest, seq, ns)].max(pos, mode="drop")
+    if one_per_sequence:
+        in_ring = rest
+    else:
+        maxpos = jnp.full((ns,), -1, jnp.int32).at[jnp.where(rest, seq, ns)].max(pos, mode="drop")
+        in_ring = rest & (pos > maxpos[seq_c] - r)
     return WritePlan(xs, blk, off, in_range, count(~valid & (slot != -1)), seq=seq,
-                     seq_c=seq_c, pos=pos, is_sink=valid & (pos < cache.sink_len), rest=rest,
-                     in_ring=rest & (pos > maxpos[seq_c] - r), completes=rest & in_range & (off == bs - 1),
+                     seq_c=seq_c, pos=pos, is_sink=valid & (pos < cache.sink_len), rest=rest, in_ring=in_ring, completes=rest & in_range & (off == bs - 1),
                      nonfinite=count(valid & nonfinite), saturated=count(valid & saturated),
                      changed=(~valid & (slot != -1)) | (valid & (nonfinite | saturated)))
 
@@ -463,7 +469,8 @@ def completed_blocks(cache: PagedKVCache, p: WritePlan, size: int, quantizer: st
 
 
 def stage_tokens(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp.ndarray, *,
-                 seq_ids: jnp.ndarray | None = None, positions: jnp.ndarray | None = None) -> PagedKVCache:
+                 seq_ids: jnp.ndarray | None = None, positions: jnp.ndarray | None = None,
+                 one_per_sequence: bool = False) -> PagedKVCache:
     """The first half of a decode-step write: store tokens without quantizing any block.
 
     Same arguments as `write`, no checks (for compiled serving steps whose metadata comes from their
@@ -472,16 +479,19 @@ def stage_tokens(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mappi
     then be quantized into its page by `commit_blocks` before its sequence writes past the ring
     (`tail_len` positions later); reads are right in between, since the query's own block is served
     from the ring. Passthrough schemes store into the pages directly (nothing to commit). Invalid
-    tokens are dropped and counted as by `write`.
+    tokens are dropped and counted as by `write`. one_per_sequence: as in `write_plan` (a decode
+    step's write; a sequence that writes two tokens then may keep the wrong one in its ring).
     """
-    cache, changed = stage_tokens_uncounted(cache, k, v, slot_mapping, seq_ids=seq_ids, positions=positions)
+    cache, changed = stage_tokens_uncounted(cache, k, v, slot_mapping, seq_ids=seq_ids, positions=positions,
+                                            one_per_sequence=one_per_sequence)
     return dataclasses.replace(cache, dropped_tokens=cache.dropped_tokens + jnp.sum(changed, dtype=jnp.int32))
 
 
-def stage_tokens_uncounted(cache: PagedKVCache, k, v, slot_mapping, *, seq_ids=None, positions=None):
+def stage_tokens_uncounted(cache: PagedKVCache, k, v, slot_mapping, *, seq_ids=None, positions=None,
+                           one_per_sequence: bool = False):
     """`stage_tokens` without adding to `dropped_tokens`: (cache, bool [tokens] - the tokens it
     would count). For callers that count many writes at once (`LayerCaches.open_tally`)."""
-    p = write_plan(cache, k, v, slot_mapping, seq_ids, positions)
+    p = write_plan(cache, k, v, slot_mapping, seq_ids, positions, one_per_sequence=one_per_sequence)
     if cache.cfg.is_passthrough:
         b_idx = jnp.where(p.in_range, p.blk, cache.num_blocks)
         pages = {s: {"values": cache.pages[s]["values"].at[b_idx, :, p.off].set(p.xs[s], mode="drop")}
