@@ -277,3 +277,21 @@ def test_rotation_bound_clips_instead_of_testing_rows(fn, rng):
     assert bool(jnp.all(jnp.isfinite(got))) and bool(jnp.all(jnp.isfinite(fn(huge))))
     with pytest.raises(ValueError, match="max_abs"):
         fn(x, max_abs=2.0 ** 101)
+
+
+@pytest.mark.parametrize("fn", [kj.rotate, kj.unrotate])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_token_rotation_is_the_same_rotation(fn, dtype, rng):
+    """`one_token` (decode at batch 1: a product and a sum over D, not a matrix product) gives the
+    matrix product's values up to fp32 rounding, with either overflow guard, and stays finite."""
+    d = 128
+    x = jnp.asarray(rng.standard_normal((1, 3, d)) * 10.0 ** rng.uniform(-3, 4, (1, 3, 1)), dtype)
+    for kw in ({}, {"max_abs": QUANT_MAX}):
+        got = np.asarray(fn(x, jnp.float32, one_token=True, **kw), np.float64)
+        want = np.asarray(fn(x, jnp.float32, **kw), np.float64)
+        scale = np.abs(want).max(axis=-1, keepdims=True)
+        assert (np.abs(got - want) / scale).max() < 1e-6  # per row: rows differ by 10^7 in size
+        assert not np.array_equal(got, np.zeros_like(got))
+    huge = jnp.asarray(x, jnp.float32).at[0, 1, 5].set(3e38).at[0, 2].set(-3e38)
+    assert bool(jnp.all(jnp.isfinite(fn(huge, one_token=True)))) and bool(
+        jnp.all(jnp.isfinite(fn(huge, one_token=True, max_abs=QUANT_MAX))))

@@ -195,8 +195,9 @@ class LayerCaches:
         a tally is open (`open_tally`) its counts are added to the tally; else counted right away.
         one_per_sequence: as in `paged.write_plan`."""
         if self.tally is None:
-            return self.open_tally(k.shape[0]).stage(layer, k, v, slot_mapping, seq_ids, positions,
-                                                     one_per_sequence=one_per_sequence).close_tally(slot_mapping, seq_ids)
+            staged = self.open_tally(k.shape[0]).stage(layer, k, v, slot_mapping, seq_ids, positions,
+                                                       one_per_sequence=one_per_sequence)
+            return staged.close_tally(slot_mapping, seq_ids)
         cache, boff, soff = self.layer_cache(layer)
         slots, sid = self._ids(cache, boff, soff, slot_mapping, seq_ids)
         staged, changed = paged.stage_tokens_uncounted(cache, k, v, slots, seq_ids=sid, positions=positions,
