@@ -59,7 +59,8 @@ def _matmul(x: jnp.ndarray, h: jnp.ndarray, max_abs: float | None, one_token: bo
     return _product(x * s, h, one_token) / s
 
 
-def rotate(x: jnp.ndarray, out_dtype=None, *, max_abs: float | None = None, one_token: bool = False) -> jnp.ndarray:
+def rotate(x: jnp.ndarray, out_dtype=None, *, max_abs: float | None = None,
+           one_token: bool = False) -> jnp.ndarray:
     """Rotate along the last axis: `x @ H`, accumulated in fp32 and rounded to `out_dtype`, with
     results beyond its range saturated to its largest finite value (`schemes.arith.saturate`).
 
@@ -76,7 +77,8 @@ def rotate(x: jnp.ndarray, out_dtype=None, *, max_abs: float | None = None, one_
     return saturate(_matmul(x.astype(jnp.float32), h, max_abs, one_token), out_dtype)
 
 
-def unrotate(x: jnp.ndarray, out_dtype=None, *, max_abs: float | None = None, one_token: bool = False) -> jnp.ndarray:
+def unrotate(x: jnp.ndarray, out_dtype=None, *, max_abs: float | None = None,
+             one_token: bool = False) -> jnp.ndarray:
     """Inverse of `rotate` (H is its own inverse), in fp32 with the exact matrix; max_abs and one_token
     as in `rotate`."""
     out_dtype = x.dtype if out_dtype is None else out_dtype

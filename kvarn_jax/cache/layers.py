@@ -190,7 +190,8 @@ class LayerCaches:
         slots = jnp.where(slot_mapping >= 0, slot_mapping + boff * cache.block_size, slot_mapping)
         return slots, None if seq_ids is None else seq_ids + soff
 
-    def stage(self, layer, k, v, slot_mapping, seq_ids, positions, *, one_per_sequence: bool = False) -> "LayerCaches":
+    def stage(self, layer, k, v, slot_mapping, seq_ids, positions, *,
+              one_per_sequence: bool = False) -> "LayerCaches":
         """`paged.stage_tokens` into one layer (the decode step's write; blocks committed later). While
         a tally is open (`open_tally`) its counts are added to the tally; else counted right away.
         one_per_sequence: as in `paged.write_plan`."""

@@ -318,7 +318,8 @@ def write_plan(cache: PagedKVCache, k, v, slot_mapping, seq_ids, positions, *,
         maxpos = jnp.full((ns,), -1, jnp.int32).at[jnp.where(rest, seq, ns)].max(pos, mode="drop")
         in_ring = rest & (pos > maxpos[seq_c] - r)
     return WritePlan(xs, blk, off, in_range, count(~valid & (slot != -1)), seq=seq,
-                     seq_c=seq_c, pos=pos, is_sink=valid & (pos < cache.sink_len), rest=rest, in_ring=in_ring, completes=rest & in_range & (off == bs - 1),
+                     seq_c=seq_c, pos=pos, is_sink=valid & (pos < cache.sink_len), rest=rest, in_ring=in_ring,
+                     completes=rest & in_range & (off == bs - 1),
                      nonfinite=count(valid & nonfinite), saturated=count(valid & saturated),
                      changed=(~valid & (slot != -1)) | (valid & (nonfinite | saturated)))
 

@@ -444,7 +444,8 @@ class Attention(nnx.Module):
     @staticmethod
     def _decode_heads(caches, q, k, v, batch, j, *, group, impl):
         layer = (group, j)
-        caches = caches.stage(layer, k, v, batch.slot_mapping, batch.seq_ids, batch.positions, one_per_sequence=True)
+        caches = caches.stage(layer, k, v, batch.slot_mapping, batch.seq_ids, batch.positions,
+                              one_per_sequence=True)  # a DecodeBatch holds one token per sequence
         cache, tables, sid = caches.read_view(layer, batch.block_tables, batch.seq_ids)
         # no value checks: under jit there are no values, and the ids come from the caller's scheduler
         o = paged_decode_attention(q, cache, tables, batch.seq_lens, seq_ids=sid, impl=impl, check_values=False)
