@@ -88,8 +88,8 @@ def _pallas(q, cache, block_tables, seq_lens, seq_ids, *, scale, window, interpr
     # rotate once before and un-rotate once after: the kernels work in the stored frame
     # (the bounds skip a per-row overflow test: queries beyond QUANT_MAX are clipped to it, and the
     # output is a weighted mean of stored values, which are far below SAFE_ABS)
-    one = q.shape[0] == 1  # batch 1: the rotations as reductions (`hadamard.rotate`)
-    qr = rotate(q.astype(jnp.float32), max_abs=QUANT_MAX, one_token=one) if cache.cfg.rotated else q
+    one_token = q.shape[0] == 1  # batch 1: the rotations as reductions (`hadamard.rotate`)
+    qr = rotate(q.astype(jnp.float32), max_abs=QUANT_MAX, one_token=one_token) if cache.cfg.rotated else q
     if kernel == "tpu":
         if seq_ids is None:  # built here, not eagerly: an eager op would be one more dispatch per call
             seq_ids = jnp.arange(q.shape[0], dtype=jnp.int32)
@@ -100,5 +100,5 @@ def _pallas(q, cache, block_tables, seq_lens, seq_ids, *, scale, window, interpr
                                                     window=window, interpret=interpret,
                                                     launch=paged_decode_pallas.Launch(num_splits=num_splits))
     if cache.cfg.rotated:
-        o = unrotate(o, max_abs=SAFE_ABS, one_token=one)
+        o = unrotate(o, max_abs=SAFE_ABS, one_token=one_token)
     return saturate(o, q.dtype)
