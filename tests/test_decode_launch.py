@@ -30,6 +30,11 @@ def test_table_reads_the_sm_count_from_the_device():
     # 8 pairs: four waves of programs, capped at a quarter of a wave per pair
     assert pdp.default_num_splits(1, 8, big, 1, None, table=h100_pcie) == 114 * 8 // 4
     assert pdp.default_num_splits(1, 8, big, 1, None, table=pdp.HOPPER) == 132 * 8 // 4
+    # short contexts: splits of at least `min_tiles_per_split` (2) tiles. SmolLM2's 32 x 3 pairs at
+    # 2K tokens (16 tiles): 8 splits (4 with 4 tiles a split, 1.2x slower on an H100)
+    assert pdp.HOPPER.min_tiles_per_split == 2
+    assert pdp.default_num_splits(32, 3, 16, 2, 128, table=pdp.HOPPER) == 8
+    assert pdp.default_num_splits(1, 8, 32, 2, 128, table=pdp.HOPPER) == 16
 
 
 def test_unmeasured_family_gets_hoppers_numbers_and_says_so():

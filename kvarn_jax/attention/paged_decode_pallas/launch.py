@@ -154,13 +154,12 @@ def default_num_splits(batch: int, num_kv_heads: int, max_tiles: int, num_warps:
     """Splits of each sequence's tiles along the KV length. A wave is num_sms x `programs_per_sm`
     programs. With at least as many (sequence, kv head) pairs as SMs: as many splits as still fit
     one wave; with fewer: about `small_batch_waves` waves of programs of at least
-    `min_tiles_per_split` tiles each."""
+    `min_tiles_per_split` tiles each, a pair's splits at most 1 / `max_wave_share` of a wave."""
     table = table or launch_table()
     wave = table.num_sms * programs_per_sm(num_warps, maxnreg, table)
     pairs = max(1, batch * num_kv_heads)
     want = max(1, wave // pairs) if pairs >= table.num_sms else -(-table.small_batch_waves * wave // pairs)
-    m = table.min_tiles_per_split
-    return int(max(1, min(want, max_tiles // m, wave // m)))
+    return int(max(1, min(want, max_tiles // table.min_tiles_per_split, wave // table.max_wave_share)))
 
 
 # ----------------------------------------------------------------------------- resolution

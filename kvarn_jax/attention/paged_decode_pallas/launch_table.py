@@ -33,7 +33,7 @@ class LaunchTable:
     hp_chunk: tokens per step through the high-precision sink and tail (half under a register cap
       or with read-ahead stages).
     Splits: with fewer pairs than SMs, about `small_batch_waves` waves of programs of at least
-      `min_tiles_per_split` tiles.
+      `min_tiles_per_split` tiles, a pair's at most 1 / `max_wave_share` of a wave.
     Merge (`merge.py`): heads-major partials in programs of about `merge_block` elements, at least
       `merge_programs_per_sm` programs per SM; tokens-major ones in programs of up to
       `tokens_merge_block` elements, one warp each, at least `tokens_merge_programs` programs.
@@ -60,7 +60,8 @@ class LaunchTable:
     ids_group: int = 128
     hp_chunk: int = 64
     small_batch_waves: int = 4
-    min_tiles_per_split: int = 4
+    min_tiles_per_split: int = 2
+    max_wave_share: int = 4
     merge_block: int = 8192
     merge_programs_per_sm: int = 2
     tokens_merge_block: int = 4096
