@@ -492,11 +492,11 @@ def test_register_cap_reaches_the_triton_module(monkeypatch):
     monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", capture)
     cache = kj.PagedKVCache.create("kvarn_k4v2_g64", num_blocks=8, block_size=64, num_kv_heads=2, head_dim=64,
                                    max_seqs=2)
-    args = (jnp.zeros((2, 8, 64), jnp.float32), cache, jnp.zeros((2, 4), jnp.int32),
-            jnp.full((2,), 200, jnp.int32), jnp.arange(2, dtype=jnp.int32))
+    args = (jnp.zeros((2, 8, 64), jnp.float32), cache, jnp.zeros((2, 2), jnp.int32),
+            jnp.full((2,), 100, jnp.int32), jnp.arange(2, dtype=jnp.int32))
     # explicit warps, no cap; explicit cap; the default launch (4 (sequence, head) pairs: 2 warps
-    # capped at 128 registers, `default_launch`; one split here, so no merge kernel); the default
-    # launch with its splits merged by the Pallas kernel
+    # capped at 128 registers, `default_launch`; two tiles a row, one split, so no merge kernel); the
+    # default launch with its splits merged by the Pallas kernel
     for kw in (dict(num_warps=1), dict(maxnreg=184), {}, dict(merge="pallas", num_splits=2)):
         fn = lambda q, c, t, l, s, kw=kw: pdp.paged_decode_pallas(q, c, t, l, s, scale=0.1, window=None,  # noqa: E731
                                                                   launch=pdp.Launch(**kw))
