@@ -732,10 +732,42 @@ def test_narrowed_operands_equal_per_product_scaling(rng):
     assert layout.narrow_operand(codes).scale is None
 
 
+@pytest.mark.parametrize("k_mag, v_mag", [(1e-12, 1e-20), (3e5, 1e9), (1e4, 1e-6)])
+def test_bf16_kvarn_cache_of_any_magnitude_decodes_like_the_reference(k_mag, v_mag, rng):
+    """A bf16 KVarN cache's tiles are balanced at write (`kvarn.balance`), so the kernel's fp16
+    products see bounded factors whatever the data's magnitude: keys and values far below or above
+    fp16's range (the query scaled inversely to the keys) decode as close to the reference as the
+    same data at magnitude 1 does, finite. (Values of 1e-20 were zeros while their token scales
+    entered the products as stored: fp16 underflows below 6e-8.)"""
+    from kvarn_jax.attention import paged_decode_pallas as pdp
+    from kvarn_jax.hadamard import rotate, unrotate
+    lens, bs = [70, 129], 64
+    nb = sum(-(-L // bs) for L in lens) + 2
+    seqs = [random_kv(rng, L, 2, 64, dtype=np.float32, outliers=2) for L in lens]
+    tables = allocate_tables(rng, lens, bs, nb)
+    bt, sl = jnp.asarray(tables), jnp.asarray(lens, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((2, 8, 64)) * 2, jnp.float32)
+    seed = int(rng.integers(1 << 30))
+
+    def error(km, vm):
+        cache = kj.PagedKVCache.create("kvarn_k4v2_g32", num_blocks=nb, block_size=bs, num_kv_heads=2, head_dim=64,
+                                       max_seqs=2, dtype=jnp.bfloat16)
+        cache = serve_writes(cache, tables, [(k * km, v * vm) for k, v in seqs], np.random.default_rng(seed))
+        o = pdp.paged_decode_pallas(rotate(q / km), cache, bt, sl, jnp.arange(2, dtype=jnp.int32), scale=0.125,
+                                    window=None, interpret=INTERPRET, launch=pdp.Launch(num_splits=2))
+        out = np.asarray(unrotate(o), np.float64)
+        ref = np.asarray(kj.paged_decode_attention(q / km, cache, bt, sl, impl="reference", scale=0.125), np.float64)
+        assert np.isfinite(out).all() and np.abs(ref).max() > 0
+        return np.abs(out - ref).max() / np.abs(ref).max()
+
+    assert error(k_mag, v_mag) <= 2 * error(1.0, 1.0) + 1e-3
+
+
 @pytest.mark.parametrize("cfg, kw", [("kvarn_k4v2_g32", {}), ("kvarn_k4v2_g32", {"orient": "heads"}),
                                      ("kivi_k2v2_g32", {"sums": "reduce"})])
 def test_narrow_bound_gives_the_same_bits_as_max(cfg, kw, rng):
-    """narrow="bound" (the power of two from the query's maximum and the tile's scale vector) against
+    """narrow="bound" (KVarN: the query brought into range once per program, its tiles balanced at
+    write; KIVI: the power of two from the query's maximum and the tile's scale vector) against
     "max" (from the scaled operand's own maximum) on a bf16 cache whose values exceed fp16's range:
     a power of two changes no fp16 rounding of a normal number, so the outputs are the same bits,
     finite, and within the kernel's tolerance of the reference."""

@@ -162,3 +162,28 @@ def test_nan_is_refused(rng):
     v[5, 1, 3] = np.nan
     with pytest.raises(ValueError, match=r"v contains 1 non-finite"):
         kj.quantize((jnp.asarray(k), jnp.asarray(v)), "int8")
+
+
+@given(side=st.sampled_from("kv"), meta=st.sampled_from([jnp.bfloat16, jnp.float32]),
+       log_mag=st.floats(-20, 30), seed=st.integers(0, 2**31 - 1))
+def test_kvarn_balance_bounds_the_product_factors_and_keeps_every_value(side, meta, log_mag, seed):
+    """A bf16/fp32 cache's KVarN tiles are balanced at write (`kvarn.balance`): keys' largest channel
+    scale in [1, 2), values' largest token scale or zero point in [2^12, 2^13), per tile, whatever
+    the data's magnitude; the power of two moved to the other factor leaves every dequantized value
+    the same bits. An fp16 cache keeps KVarN's own scales."""
+    from kvarn_jax.schemes import kvarn
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((3, 32, 64)) * 10.0 ** (log_mag + rng.uniform(-3, 3, (3, 1, 1))), jnp.float32)
+    t = jnp.swapaxes(x, -1, -2) if side == "k" else x
+    names = ("scale_chan", "zero_chan", "scale_tok") if side == "k" else ("scale_tok", "zero_tok", "scale_chan")
+    plain = kvarn.quantize(x, side, 4, 4, meta=jnp.float16)
+    for n, a in zip(names, kvarn._quantize_matrix(t, 4, 4, meta=jnp.float16)[1:]):
+        np.testing.assert_array_equal(np.asarray(plain[n]), np.asarray(a))
+    f = kvarn.quantize(x, side, 4, 4, meta=meta)
+    g = dict(zip(names, kvarn._quantize_matrix(t, 4, 4, meta=meta)[1:]), codes=f["codes"])
+    np.testing.assert_array_equal(np.asarray(kvarn.dequantize(f, side, 4)), np.asarray(kvarn.dequantize(g, side, 4)))
+    bound = (np.max(np.abs(np.asarray(f["scale_chan"], np.float32)), -1) if side == "k" else
+             np.maximum(np.max(np.abs(np.asarray(f["scale_tok"], np.float32)), -1),
+                        np.max(np.abs(np.asarray(f["zero_tok"], np.float32)), -1)))
+    lo = 1.0 if side == "k" else 2.0 ** 12
+    assert np.all((bound >= lo) & (bound < 2 * lo)), bound

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvarn_jax.hadamard import hadamard_matrix_np
+from kvarn_jax.schemes.kvarn import K_CHAN_EXP, V_TOK_EXP
 
 TIE_RTOL = 1e-6  # kvarn_jax's tie rule for Sinkhorn iterates (see kvarn_jax/schemes/kvarn.py)
 SCALE_FLOOR = 2.0 ** -24
@@ -167,15 +168,36 @@ def _balanced_rtn(t: torch.Tensor, bits: int, iters: int, meta=torch.float16):
     return codes, row_scale, row_zero, col
 
 
+def kvarn_balance(f: dict, side: str, meta) -> dict:
+    """kvarn_jax.schemes.kvarn.balance: a power of two moved between a tile's scales (the same
+    dequantized bits; keys' largest channel scale in [1, 2), values' largest token scale or zero
+    point in [2^12, 2^13))."""
+    if side == "k":
+        bounded, down, up, target = ("scale_chan",), ("scale_chan", "zero_chan"), ("scale_tok",), K_CHAN_EXP
+    else:
+        bounded = down = ("scale_tok", "zero_tok")
+        up, target = ("scale_chan",), V_TOK_EXP
+    peak = torch.stack([f[n].float().abs().amax(-1, keepdim=True) for n in bounded]).amax(0)
+    e = (torch.frexp(peak).exponent - 1).clamp(-120, 120) - target   # floor(log2 peak) - target
+    out = dict(f)
+    for names, sign in ((down, -1), (up, 1)):
+        for n in names:
+            out[n] = saturate(torch.ldexp(f[n].float(), sign * e), meta)
+    return out
+
+
 def kvarn_quantize(x: torch.Tensor, side: str, bits: int, iters: int, meta=torch.float16) -> dict:
-    """Rotated tiles [..., G, D] -> kvarn_jax's stored fields for `side` ("k" or "v"), metadata in `meta`."""
+    """Rotated tiles [..., G, D] -> kvarn_jax's stored fields for `side` ("k" or "v"), metadata in
+    `meta`, balanced as kvarn_jax balances them unless `meta` is fp16."""
     t = x.float()
     if side == "k":
         codes, scale_chan, zero_chan, scale_tok = _balanced_rtn(t.transpose(-1, -2), bits, iters, meta)
-        return {"codes": store_tiled(codes, bits), "scale_chan": scale_chan, "zero_chan": zero_chan,
-                "scale_tok": scale_tok}
-    codes, scale_tok, zero_tok, scale_chan = _balanced_rtn(t, bits, iters, meta)
-    return {"codes": store_tiled(codes, bits), "scale_chan": scale_chan, "scale_tok": scale_tok, "zero_tok": zero_tok}
+        f = {"codes": store_tiled(codes, bits), "scale_chan": scale_chan, "zero_chan": zero_chan,
+             "scale_tok": scale_tok}
+    else:
+        codes, scale_tok, zero_tok, scale_chan = _balanced_rtn(t, bits, iters, meta)
+        f = {"codes": store_tiled(codes, bits), "scale_chan": scale_chan, "scale_tok": scale_tok, "zero_tok": zero_tok}
+    return f if meta == torch.float16 else kvarn_balance(f, side, meta)
 
 
 def kvarn_dequantize(f: dict, side: str, bits: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 
 
@@ -48,3 +49,15 @@ def meta_dtype(dtype) -> jnp.dtype:
     if d not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
     return d
+
+
+def exponent(x: jnp.ndarray) -> jnp.ndarray:
+    """floor(log2(x)) of positive normal fp32 x, exactly (its exponent bits; a log2 instruction is
+    approximate on the GPU), clamped to [-120, 120]."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return jnp.clip(((bits >> 23) & 0xFF) - 127, -120, 120)
+
+
+def pow2(e: jnp.ndarray) -> jnp.ndarray:
+    """2^e in fp32 for integer e in [-126, 127], exactly (built from its exponent bits)."""
+    return jax.lax.bitcast_convert_type((e + 127) << 23, jnp.float32)

@@ -12,11 +12,13 @@ kernel contracts keys over channels and values over tokens, and reads codes alon
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from ..packing import code_planes, load_tiled, store_tiled
-from .arith import JNP, Arith, saturate
+from .arith import JNP, Arith, exponent, pow2, saturate
 from .rtn import SCALE_FLOOR, clip_search, rtn_codes, rtn_params
 
 
@@ -154,21 +156,51 @@ def fields(side: str, bits: int, group: int, head_dim: int, meta=jnp.float16):
             "scale_tok": ((g,), meta), "zero_tok": ((g,), meta)}
 
 
+# Where `balance` puts a tile's scales (powers of two): the largest key channel scale in [1, 2), the
+# largest value token scale or zero point in [2^12, 2^13).
+K_CHAN_EXP, V_TOK_EXP = 0, 12
+
+
+def balance(f: dict, side: str, meta) -> dict:
+    """The same tiles with their scales moved by a power of two between the factors, so that the
+    ones the decode kernel multiplies into its fp16 products are bounded: keys' channel scales at
+    most 2 (the query is brought into range once per program), values' token scales and zero points
+    below 2^13 (probabilities are at most 1). Keys are (c·s_chan + z_chan)·s_tok and values
+    (c·s_tok + z_tok)·s_chan: the other factor takes the inverse power, so every dequantized value is
+    the same bits. Caches wider than fp16 get this (`quantize`); an fp16 cache keeps KVarN's own
+    scales, which its range already bounds."""
+    def peak(*names):  # the largest magnitude of these fields, per tile
+        return functools.reduce(jnp.maximum, [jnp.max(jnp.abs(f[n].astype(jnp.float32)), -1, keepdims=True)
+                                              for n in names])
+
+    if side == "k":
+        e, down, up = exponent(peak("scale_chan")) - K_CHAN_EXP, ("scale_chan", "zero_chan"), ("scale_tok",)
+    else:
+        e, down, up = exponent(peak("scale_tok", "zero_tok")) - V_TOK_EXP, ("scale_tok", "zero_tok"), ("scale_chan",)
+    out = dict(f)
+    for names, p in ((down, pow2(-e)), (up, pow2(e))):
+        for n in names:
+            out[n] = saturate(f[n].astype(jnp.float32) * p, meta)
+    return out
+
+
 def quantize(x: jnp.ndarray, side: str, bits: int, iters: int, ar: Arith = JNP, meta=jnp.float16,
              clip=None) -> dict:
-    """x: rotated tiles [..., G, D] -> stored fields (see `fields`). ar: see `sinkhorn_log_scales`;
-    clip: see `_quantize_matrix`."""
+    """x: rotated tiles [..., G, D] -> stored fields (see `fields`), `balance`d unless `meta` is
+    fp16. ar: see `sinkhorn_log_scales`; clip: see `_quantize_matrix`."""
     if x.ndim > 3:  # XLA's CPU code runs the Sinkhorn loop on [M, H, 1, G, D] tiles ~14x slower than on [M*H, G, D]
         out = quantize(x.reshape((-1,) + x.shape[-2:]), side, bits, iters, ar, meta, clip)
         return {n: f.reshape(x.shape[:-2] + f.shape[1:]) for n, f in out.items()}
     t = x.astype(jnp.float32)
     if side == "k":
         codes, scale_chan, zero_chan, scale_tok = _quantize_matrix(jnp.swapaxes(t, -1, -2), bits, iters, ar, meta, clip)
-        return {"codes": store_tiled(codes, bits), "scale_chan": scale_chan, "zero_chan": zero_chan,
-                "scale_tok": scale_tok}
-    codes, scale_tok, zero_tok, scale_chan = _quantize_matrix(t, bits, iters, ar, meta, clip)
-    return {"codes": store_tiled(codes, bits), "scale_chan": scale_chan, "scale_tok": scale_tok,
-            "zero_tok": zero_tok}
+        f = {"codes": store_tiled(codes, bits), "scale_chan": scale_chan, "zero_chan": zero_chan,
+             "scale_tok": scale_tok}
+    else:
+        codes, scale_tok, zero_tok, scale_chan = _quantize_matrix(t, bits, iters, ar, meta, clip)
+        f = {"codes": store_tiled(codes, bits), "scale_chan": scale_chan, "scale_tok": scale_tok,
+             "zero_tok": zero_tok}
+    return f if jnp.dtype(meta) == jnp.dtype(jnp.float16) else balance(f, side, meta)
 
 
 def dequantize(f: dict, side: str, bits: int) -> jnp.ndarray:

@@ -83,8 +83,8 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
         # were 4e-3 of the output's maximum off the reference instead of 4e-4. Rounded once here,
         # not per tile (int4 heads-major: 751 -> 722 loop instructions offline).
         q, q_planes = f16_sat(q).astype(jnp.float32), [f16_sat(x).astype(jnp.float32) for x in q_planes]
-    # narrow="bound": the query's largest magnitude, once per program (`LayoutPlan.scaled`)
-    q_max = jnp.max(jnp.abs(q)) if plan.bounded else None
+    # narrow="bound": what the products' operands need of the query, once per program (`LayoutPlan.scaled`)
+    q_bound = plan.program_bound(q)
     # the query (and its planes) as product operands, narrowed once per program for a wide cache
     # rather than by each tile's products
     q_op, qp_ops = (narrow_operand(q), [narrow_operand(x) for x in q_planes]) if plan.wide else (q, q_planes)
@@ -175,7 +175,7 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
                 z, chan = here[0], (here[1] if len(here) > 1 else None)
                 tsc = here[2] if tok_ahead else None
                 next_tile = tile_ahead(jnp.minimum(t + 1, hi - 1), t + 1 < hi)
-            qside = plan.tile_query(q, pages, blk, sub, z, q_max)
+            qside = plan.tile_query(q, pages, blk, sub, z, q_bound)
             n_parts = steps * parts
             for k in range(parts):  # parts of a step one after the other: fewer live registers
                 part = step * parts + k
@@ -187,7 +187,7 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
                                                           pages, blk, sub, part, n_parts, chan_tile=chan)
                 carry = update(carry, ss, poss, vfn, masked=tiles_partial, lo=ws_rest)
             return carry + next_tile if ahead else carry
-        ss = [token_order(plan.scores_heads_major(q, q_planes, pages, st, blk, sub, q_max, (q_op, qp_ops)), gp)]
+        ss = [token_order(plan.scores_heads_major(q, q_planes, pages, st, blk, sub, q_bound, (q_op, qp_ops)), gp)]
         poss = [t * t_tok + tok]
         return update(carry, ss, poss, lambda ps: plan.values_heads_major(ps, pages, st, blk, sub), masked=tiles_partial, lo=ws_rest)
 

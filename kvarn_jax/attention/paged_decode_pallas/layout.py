@@ -19,6 +19,8 @@ from jax.experimental import pallas as pl
 
 from ...cache.paged import tokens_last
 from ...config import KVQuantConfig
+from ...schemes import kvarn
+from ...schemes.arith import exponent, pow2
 from .unpack import f16, fp8_codes, planes as jnp_planes, planes_ptx
 
 
@@ -270,7 +272,12 @@ class LayoutPlan:
         # fp32 up to the products, which bring each into fp16's range by a power of two
         # (`_operands`); bf16 high-precision values enter bf16 products as they are (`Halves`). The
         # query itself is rounded as always (`f16_sat`). fp16 caches: every operand rounded to fp16.
-        self.wide, self.bounded = wide, wide and narrow == "bound"
+        # narrow="bound": KVarN's tiles are `kvarn.balance`d at write (their factors of the products
+        # bounded), so only the query is brought into range, once per program (`balanced`); KIVI's
+        # operands by a bound per tile (`bounded`)
+        self.wide = wide
+        self.balanced = wide and narrow == "bound" and cfg.method == "kvarn"
+        self.bounded = wide and narrow == "bound" and not self.balanced
         self.f16 = narrow_operand if wide else f16
         self.dot, self.dot_t, self.dot_tn = (functools.partial(fn, wide=wide) for fn in (dot, dot_t, dot_tn))
         # fold: which products take biased codes (`launch.Launch`: "none", "keys" or "all")
@@ -306,14 +313,28 @@ class LayoutPlan:
             return a.reshape(a.shape[0], a.shape[1] // planes, planes)
         return a.reshape(a.shape[0], 1)
 
-    def scaled(self, x, vec, axis: int, x_max=1.0):
-        """The fp16 operand of x times `vec` broadcast along `axis` (a tile's scale vector): `f16`, or
-        with `narrow="bound"` (wide caches) narrowed by the power of two of x_max·max|vec| >= max|x·vec|,
-        folded into the vector (no pass over the product for its maximum)."""
+    def program_bound(self, q):
+        """What `scaled` needs of the query, once per program: with `balanced` tiles the power of two
+        s that puts max|q|·s in [2^(13-K), 2^(14-K)) (key channel scales < 2^(K+1), K =
+        `kvarn.K_CHAN_EXP`: every product operand stays below 2^15, and small ones far from fp16's
+        subnormals); with `bounded` ones max|q|; else None."""
+        if self.balanced:
+            e = 13 - kvarn.K_CHAN_EXP - exponent(jnp.max(jnp.abs(q)))
+            return pow2(jnp.clip(e, -100, 100))
+        return jnp.max(jnp.abs(q)) if self.bounded else None
+
+    def scaled(self, x, vec, axis: int, x_bound=None):
+        """The fp16 operand of x times `vec` broadcast along `axis` (a tile's scale vector). x_bound:
+        the query's `program_bound`, None for probabilities (<= 1). fp16 caches: `f16`. Wide caches:
+        `balanced` tiles (the vector bounded at write) scaled by the query's power of two only;
+        `bounded` ones by the power of two of x_bound·max|vec| >= max|x·vec|, folded into the vector
+        (no pass over the product for its maximum)."""
         v = jnp.expand_dims(vec, axis)
+        if self.balanced:
+            return Narrowed(f16(x * v), None, x * v) if x_bound is None else Narrowed(f16(x * (v * x_bound)), x_bound, x * v)
         if not self.bounded:
             return self.f16(x * v)
-        s = bound_scale(x_max * jnp.max(jnp.abs(vec)))
+        s = bound_scale((1.0 if x_bound is None else x_bound) * jnp.max(jnp.abs(vec)))
         return Narrowed(f16(x * (v * s)), s, x * v)
 
     def probs(self, p):
@@ -322,7 +343,7 @@ class LayoutPlan:
         return Narrowed(f16(p), None, p) if self.wide else p
 
     # ---------------------------------------------------------------- keys
-    def scores_heads_major(self, q, q_planes, pages, st, blk, sub, q_max=None, q_ops=None):
+    def scores_heads_major(self, q, q_planes, pages, st, blk, sub, q_bound=None, q_ops=None):
         """List over token classes j of raw scores [Gp, T / kc] (tokens j, j + kc, ... of the tile).
         Per-token int keys: q and q_planes come rounded to fp16 (`kernel.decode_kernel`), so Σ_d q below is the
         sum of the query the code products see. q_ops: (q, q_planes) as product operands, narrowed once
@@ -333,7 +354,7 @@ class LayoutPlan:
         if cfg.method in ("kvarn", "kivi"):
             codes = f["codes"][blk, sub]                                   # [G*b/8, D]
             sc, zc = ("scale_chan", "zero_chan") if cfg.method == "kvarn" else ("scale", "zero")
-            qs = self.scaled(q, f[sc][blk, sub].astype(jnp.float32), 0, q_max)
+            qs = self.scaled(q, f[sc][blk, sub].astype(jnp.float32), 0, q_bound)
             zq = jnp.sum(q * f[zc][blk, sub].astype(jnp.float32)[None, :], axis=1)
             # unpack after the query side is ready: the planes' registers then live only as long as
             # the products need them (unpacking first cost ~45 registers per thread)
@@ -450,7 +471,7 @@ class LayoutPlan:
         return [zp - m * psum if self.value_fold else zp for m in magic]
 
     # ---------------------------------------------------------------- tokens-major (tiled schemes)
-    def tile_query(self, q, pages, blk, sub, z=None, q_max=None):
+    def tile_query(self, q, pages, blk, sub, z=None, q_bound=None):
         """Per-tile query side of the tokens-major key product, shared by the tile's parts:
         (qs, zero, bias). qs: the query scaled by the tile's channel scales, fp16 [Gp, D].
         zero: the key zero-point term sum_d q[g, d] * z[d] as [1, Gp], an fp32 sum (z: the tile's
@@ -463,7 +484,7 @@ class LayoutPlan:
         the score product)."""
         f = pages["k"]
         sc, zc = ("scale_chan", "zero_chan") if self.cfg.method == "kvarn" else ("scale", "zero")
-        qs = self.scaled(q, f[sc][blk, sub].astype(jnp.float32), 0, q_max)
+        qs = self.scaled(q, f[sc][blk, sub].astype(jnp.float32), 0, q_bound)
         z = f[zc][blk, sub] if z is None else z
         zero = jnp.sum(q * z.astype(jnp.float32)[None, :], axis=1)[None, :]
         # planes fed as 2^(10 - j*b) + code (fold): remove 2^(10 - j*b) * sum(qs) per score instead
