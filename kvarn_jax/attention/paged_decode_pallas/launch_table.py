@@ -24,8 +24,8 @@ class LaunchTable:
       `max_programs_per_sm` (the shared memory of one-warp KVarN programs).
     Launches, (num_warps, maxnreg): `tiled_latency` for whole KVarN/KIVI tiles tokens-major with
       4-bit values or fewer (sequence, kv head) pairs than SMs; `tiled` for the other KVarN/KIVI
-      launches (`tiled_wide` with a bf16/fp32 cache, whose wider products ran 32% faster on two
-      warps than on one: H100, 32 x 8192); per-token schemes `per_token_step` stepping
+      launches (`tiled_wide` with a bf16/fp32 cache, on two warps: faster than one at 32 x 8192
+      on an H100, 0.121 vs 0.159 ms with balanced KVarN tiles); per-token schemes `per_token_step` stepping
       `step_tokens` tokens (int codes tokens-major, fp8 heads-major), `per_token_grouped_8bit` (heads-major 8-bit keys and values
       with grouped or static scales), else `per_token`, stepping `chunk_tokens`.
     read_ahead_stages: pipeline stages of KVarN's one-warp whole-tile launch on tiles of at most
