@@ -19,7 +19,7 @@ import kvarn_jax as kj
 from kvarn_jax.models import Decoder, LlamaConfig, load_model
 from kvarn_jax.models import weights as weights_mod
 from kvarn_jax.models.llama import DecodeBatch, PrefillBatch
-from kvarn_jax.serving import BlockAllocator, Engine, OutOfBlocksError, SamplingParams, sample
+from kvarn_jax.serving import BlockAllocator, Engine, OutOfBlocksError, SamplingParams, runner, sample
 
 TINY = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=32, max_position_embeddings=512, eos_token_ids=(3,))
@@ -108,6 +108,45 @@ def test_mixed_length_batch_equals_one_by_one(tiny_model, rng, scheme):
         fp16 = Engine(tiny_model, **{**kw, "kv_cache_dtype": "fp16"}).generate(prompts, params)
         same = np.mean([a == b for r, f in zip(batched, fp16) for a, b in zip(r.output_ids, f.output_ids)])
         assert same > 0.5
+
+
+def test_a_step_past_the_sinks_skips_only_their_writes_and_a_broken_promise_is_counted(tiny_model, rng):
+    """`DecodeBatch.past_sink` (the engine's choice when every row is past its sink): the same logits
+    and caches as the full write; a row inside its sink under that promise is dropped and counted in
+    every layer, its sink left as it was. The engine takes the promise only when it holds."""
+    scheme, bs = "kvarn_k4v2_g32", 32
+    caches = tiny_model.new_caches(scheme, num_blocks=3, block_size=bs, max_seqs=2)
+    table = jnp.arange(3, dtype=jnp.int32)[None].repeat(2, 0)
+    decode = jax.jit(lambda c, b: tiny_model.decode(c, b, impl="reference"))
+    for pos, inside in ((40, False), (7, True)):
+        p = jnp.array([pos, -1], jnp.int32)
+        slots = jnp.array([pos, -1], jnp.int32)
+        batch = dict(tokens=jnp.asarray(rng.integers(4, TINY.vocab_size, 2), jnp.int32), positions=p,
+                     slot_mapping=slots, seq_ids=jnp.arange(2, dtype=jnp.int32), block_tables=table)
+        want, c_want = decode(caches, DecodeBatch(**batch))
+        got, c_got = decode(caches, DecodeBatch(**batch, past_sink=True))
+        if not inside:
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+            assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(c_got), jax.tree.leaves(c_want)))
+            continue
+        assert int(c_want.dropped_tokens) == 0
+        assert int(c_got.dropped_tokens) == TINY.num_layers
+        for g, g0, gw in zip(c_got.groups, caches.groups, c_want.groups):
+            for side in ("k", "v"):
+                np.testing.assert_array_equal(np.asarray(g.sink[side]), np.asarray(g0.sink[side]))
+                assert not np.array_equal(np.asarray(gw.sink[side]), np.asarray(g0.sink[side]))
+    # the engine: a batch with a row inside its sink writes the sinks; once every row is past, it does not
+    steps = []
+    eng = Engine(tiny_model, kv_cache_dtype=scheme, **KW)
+    decode_step = eng.runner._decode_fn
+    eng.runner._decode_fn = lambda *a, past_sink, **kw: steps.append(past_sink) or decode_step(*a, past_sink=past_sink, **kw)
+    prompts = _prompts(rng, [20, 40])
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    runner._COMPILED.clear()  # traced afresh, so the spy sees each executable's flag
+    out = eng.generate(prompts, params)
+    assert sorted(set(steps)) == [False, True]
+    assert [r.output_ids for r in out] == [greedy_direct(tiny_model, scheme, q, 16) for q in prompts]
+    assert int(eng.pool().caches.dropped_tokens) == 0
 
 
 def test_engine_matches_plain_model(tiny_model, rng):

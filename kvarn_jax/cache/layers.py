@@ -191,18 +191,18 @@ class LayerCaches:
         return slots, None if seq_ids is None else seq_ids + soff
 
     def stage(self, layer, k, v, slot_mapping, seq_ids, positions, *,
-              one_per_sequence: bool = False) -> "LayerCaches":
+              one_per_sequence: bool = False, past_sink: bool = False) -> "LayerCaches":
         """`paged.stage_tokens` into one layer (the decode step's write; blocks committed later). While
         a tally is open (`open_tally`) its counts are added to the tally; else counted right away.
-        one_per_sequence: as in `paged.write_plan`."""
+        one_per_sequence, past_sink: as in `paged.write_plan`."""
         if self.tally is None:
             staged = self.open_tally(k.shape[0]).stage(layer, k, v, slot_mapping, seq_ids, positions,
-                                                       one_per_sequence=one_per_sequence)
+                                                       one_per_sequence=one_per_sequence, past_sink=past_sink)
             return staged.close_tally(slot_mapping, seq_ids)
         cache, boff, soff = self.layer_cache(layer)
         slots, sid = self._ids(cache, boff, soff, slot_mapping, seq_ids)
         staged, changed = paged.stage_tokens_uncounted(cache, k, v, slots, seq_ids=sid, positions=positions,
-                                                       one_per_sequence=one_per_sequence)
+                                                       one_per_sequence=one_per_sequence, past_sink=past_sink)
         g, _ = self.locate(layer)
         bad = (token_absmax(k, v) == jnp.inf) & self._counted(slot_mapping, seq_ids)
         tally = list(self.tally)
@@ -314,6 +314,12 @@ class LayerCaches:
         with a passthrough layer, which pages every block): one page table serves every layer, so a
         block needs a page if any layer reads it from one."""
         return min(c.paged_from for c in self.groups)
+
+    @property
+    def sink_len(self) -> int:
+        """The longest sink of any layer (0 if every layer is passthrough): a write whose positions are
+        all at least this writes no sink (`stage(past_sink=True)`)."""
+        return max(c.sink_len for c in self.groups)
 
     @property
     def hp_only_blocks(self) -> bool:

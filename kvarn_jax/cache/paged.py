@@ -285,12 +285,15 @@ class WritePlan(NamedTuple):
 
 
 def write_plan(cache: PagedKVCache, k, v, slot_mapping, seq_ids, positions, *,
-               one_per_sequence: bool = False) -> WritePlan:
+               one_per_sequence: bool = False, past_sink: bool = False) -> WritePlan:
     """The routing of a write (no checks; invalid tokens are masked out and counted in `dropped`).
     Values are rounded to the cache's `value_dtype`; slot `NO_PAGE` routes a token of a quantized
     scheme to its sink or ring only. one_per_sequence: the caller guarantees that no sequence writes
     two tokens (a decode step), so every token past the sink goes to the ring without the scatter
-    that finds each sequence's last position."""
+    that finds each sequence's last position. past_sink: the caller guarantees that every token lies
+    past the sink (position >= `sink_len`), so the write has no sink route (`is_sink` None): on GPUs
+    its scatters are kernels of their own even when they store nothing. A token that breaks the
+    promise is invalid: dropped and counted, never stored."""
     nb, bs = cache.num_blocks, cache.block_size
     slot = slot_mapping.astype(jnp.int32)
     blk, off = slot // bs, slot % bs
@@ -308,6 +311,8 @@ def write_plan(cache: PagedKVCache, k, v, slot_mapping, seq_ids, positions, *,
     no_page = slot == NO_PAGE
     off = jnp.where(no_page, pos % bs, off)
     valid = (in_range | no_page) & (seq >= 0) & (seq < ns) & (pos >= 0) & (pos % bs == off)
+    if past_sink:
+        valid &= pos >= cache.sink_len
     rest = valid & (pos >= cache.paged_from)
     # Ring: the last `r` positions each sequence writes (a longer write would collide in the ring;
     # its earlier tokens are only needed by blocks this write completes, which read them directly).
@@ -318,16 +323,19 @@ def write_plan(cache: PagedKVCache, k, v, slot_mapping, seq_ids, positions, *,
         maxpos = jnp.full((ns,), -1, jnp.int32).at[jnp.where(rest, seq, ns)].max(pos, mode="drop")
         in_ring = rest & (pos > maxpos[seq_c] - r)
     return WritePlan(xs, blk, off, in_range, count(~valid & (slot != -1)), seq=seq,
-                     seq_c=seq_c, pos=pos, is_sink=valid & (pos < cache.sink_len), rest=rest, in_ring=in_ring,
-                     completes=rest & in_range & (off == bs - 1),
+                     seq_c=seq_c, pos=pos, is_sink=None if past_sink else valid & (pos < cache.sink_len), rest=rest,
+                     in_ring=in_ring, completes=rest & in_range & (off == bs - 1),
                      nonfinite=count(valid & nonfinite), saturated=count(valid & saturated),
                      changed=(~valid & (slot != -1)) | (valid & (nonfinite | saturated)))
 
 
 def _store_hp(cache: PagedKVCache, p: WritePlan) -> dict:
-    """The sink, tail and their metadata after storing the plan's tokens (`dataclasses.replace` kwargs)."""
+    """The sink (unless the plan has no sink route), tail and their metadata after storing the plan's
+    tokens (`dataclasses.replace` kwargs)."""
     ns, r = cache.max_seqs, cache.tail_len
-    routes = {"sink": (jnp.where(p.is_sink, p.seq, ns), p.off), "tail": (jnp.where(p.in_ring, p.seq, ns), p.pos % r)}
+    routes = {"tail": (jnp.where(p.in_ring, p.seq, ns), p.pos % r)}
+    if p.is_sink is not None:
+        routes["sink"] = (jnp.where(p.is_sink, p.seq, ns), p.off)
     out = {}
     for part, (rows, cols) in routes.items():
         new = {}
@@ -471,7 +479,7 @@ def completed_blocks(cache: PagedKVCache, p: WritePlan, size: int, quantizer: st
 
 def stage_tokens(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp.ndarray, *,
                  seq_ids: jnp.ndarray | None = None, positions: jnp.ndarray | None = None,
-                 one_per_sequence: bool = False) -> PagedKVCache:
+                 one_per_sequence: bool = False, past_sink: bool = False) -> PagedKVCache:
     """The first half of a decode-step write: store tokens without quantizing any block.
 
     Same arguments as `write`, no checks (for compiled serving steps whose metadata comes from their
@@ -480,19 +488,20 @@ def stage_tokens(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mappi
     then be quantized into its page by `commit_blocks` before its sequence writes past the ring
     (`tail_len` positions later); reads are right in between, since the query's own block is served
     from the ring. Passthrough schemes store into the pages directly (nothing to commit). Invalid
-    tokens are dropped and counted as by `write`. one_per_sequence: as in `write_plan` (a decode
+    tokens are dropped and counted as by `write`. one_per_sequence, past_sink: as in `write_plan` (a decode
     step's write; a sequence that writes two tokens then may keep the wrong one in its ring).
     """
     cache, changed = stage_tokens_uncounted(cache, k, v, slot_mapping, seq_ids=seq_ids, positions=positions,
-                                            one_per_sequence=one_per_sequence)
+                                            one_per_sequence=one_per_sequence, past_sink=past_sink)
     return dataclasses.replace(cache, dropped_tokens=cache.dropped_tokens + jnp.sum(changed, dtype=jnp.int32))
 
 
 def stage_tokens_uncounted(cache: PagedKVCache, k, v, slot_mapping, *, seq_ids=None, positions=None,
-                           one_per_sequence: bool = False):
+                           one_per_sequence: bool = False, past_sink: bool = False):
     """`stage_tokens` without adding to `dropped_tokens`: (cache, bool [tokens] - the tokens it
     would count). For callers that count many writes at once (`LayerCaches.open_tally`)."""
-    p = write_plan(cache, k, v, slot_mapping, seq_ids, positions, one_per_sequence=one_per_sequence)
+    p = write_plan(cache, k, v, slot_mapping, seq_ids, positions, one_per_sequence=one_per_sequence,
+                   past_sink=past_sink)
     if cache.cfg.is_passthrough:
         b_idx = jnp.where(p.in_range, p.blk, cache.num_blocks)
         pages = {s: {"values": cache.pages[s]["values"].at[b_idx, :, p.off].set(p.xs[s], mode="drop")}

@@ -238,7 +238,9 @@ class PrefillBatch:
 class DecodeBatch:
     """One token per sequence. tokens, positions, slot_mapping, seq_ids: [B]; block_tables: [B, W].
 
-    Padding rows have slot -1 and seq_lens 0 (`positions` is then ignored).
+    Padding rows have slot -1 and seq_lens 0 (`positions` is then ignored). past_sink (static): the
+    caller knows that every row's position is at least the caches' `sink_len`, so the step writes
+    no sink (`LayerCaches.stage`); a row that is not is dropped and counted, never stored.
     """
 
     tokens: jnp.ndarray
@@ -246,6 +248,7 @@ class DecodeBatch:
     slot_mapping: jnp.ndarray
     seq_ids: jnp.ndarray
     block_tables: jnp.ndarray
+    past_sink: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @property
     def seq_lens(self) -> jnp.ndarray:
@@ -445,7 +448,7 @@ class Attention(nnx.Module):
     def _decode_heads(caches, q, k, v, batch, j, *, group, impl):
         layer = (group, j)
         caches = caches.stage(layer, k, v, batch.slot_mapping, batch.seq_ids, batch.positions,
-                              one_per_sequence=True)  # a DecodeBatch holds one token per sequence
+                              one_per_sequence=True, past_sink=batch.past_sink)  # one token per sequence
         cache, tables, sid = caches.read_view(layer, batch.block_tables, batch.seq_ids)
         # no value checks: under jit there are no values, and the ids come from the caller's scheduler
         o = paged_decode_attention(q, cache, tables, batch.seq_lens, seq_ids=sid, impl=impl, check_values=False)

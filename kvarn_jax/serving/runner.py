@@ -161,14 +161,14 @@ class ModelRunner:
             _COMPILED[key] = exe
         return exe
 
-    def _decode_fn(self, weights, caches, last_tokens, meta, fmeta, kernels, *, sampled: bool):
+    def _decode_fn(self, weights, caches, last_tokens, meta, fmeta, kernels, *, sampled: bool, past_sink: bool):
         model = nnx.merge(self._graphdef, weights)
         cols = {n: meta[:, i] for i, n in enumerate(DECODE_COLS)}
         live = carries_token(cols["slots"])
         seq = cols["seq_ids"]
         batch = DecodeBatch(tokens=last_tokens[jnp.clip(seq, 0, last_tokens.shape[0] - 1)],
                             positions=cols["positions"], slot_mapping=cols["slots"], seq_ids=seq,
-                            block_tables=meta[:, len(DECODE_COLS):])
+                            block_tables=meta[:, len(DECODE_COLS):], past_sink=past_sink)
         before = _nonfinite(caches, seq)
         logits, caches = model.decode(caches, batch, impl=self.impl, commit=False, layer_loop=self.decode_loop,
                                       tp=self.tp, kernels=kernels)
@@ -215,11 +215,19 @@ class ModelRunner:
 
         meta: int32 [B, 5 + W] - columns `DECODE_COLS` (seeds as int32 bit patterns), then the block
         table; fmeta: float32 [B, 2] temperature and top_p. The input token of each row is
-        last_tokens[seq_id]. caches and last_tokens are donated."""
+        last_tokens[seq_id]. caches and last_tokens are donated. A step whose rows all lie past the
+        caches' sinks (padding rows, slot -1, store nothing) runs an executable without the sinks'
+        writes (`DecodeBatch.past_sink`)."""
         args = (self._weights, caches, last_tokens, meta, fmeta, self._kernels)
         sampled = bool((fmeta[:, 0] > 0).any())
-        fn = functools.partial(self._decode_fn, sampled=sampled)
-        return self._executable("decode", fn, args, donate=(1, 2), static=(sampled,))(*args)
+        past_sink = self._past_sink(caches, meta)
+        fn = functools.partial(self._decode_fn, sampled=sampled, past_sink=past_sink)
+        return self._executable("decode", fn, args, donate=(1, 2), static=(sampled, past_sink))(*args)
+
+    @staticmethod
+    def _past_sink(caches: LayerCaches, meta: np.ndarray) -> bool:
+        live = meta[:, DECODE_COLS.index("slots")] != -1
+        return caches.sink_len > 0 and bool((meta[live, DECODE_COLS.index("positions")] >= caches.sink_len).all())
 
     def prefill(self, caches: LayerCaches, last_tokens, tokens: np.ndarray, slots: np.ndarray, meta: np.ndarray,
                 fmeta: np.ndarray):
@@ -269,11 +277,13 @@ class ModelRunner:
         return caches, z, z, meta, blocks
 
     def precompile_decode(self, caches: LayerCaches, last_tokens, batch: int, table_width: int) -> None:
-        """Compile (not run) the decode step of `batch` rows and the commits of up to `batch` blocks."""
+        """Compile (not run) the decode step of `batch` rows (with and without the sinks' writes) and the
+        commits of up to `batch` blocks."""
         meta = np.zeros((batch, len(DECODE_COLS) + table_width), np.int32)
-        self._executable("decode", functools.partial(self._decode_fn, sampled=False),
-                         (self._weights, caches, last_tokens, meta, np.zeros((batch, 2), np.float32), self._kernels),
-                         donate=(1, 2), static=(False,))
+        for past_sink in (False, True) if caches.sink_len else (False,):
+            self._executable("decode", functools.partial(self._decode_fn, sampled=False, past_sink=past_sink),
+                             (self._weights, caches, last_tokens, meta, np.zeros((batch, 2), np.float32), self._kernels),
+                             donate=(1, 2), static=(False, past_sink))
         m = 1
         while m <= batch:
             self._executable("store", self._store_fn, self._commit_args(caches, np.zeros((m, 3), np.int32)), donate=(0,),
