@@ -7,6 +7,9 @@ position 640), under kvarn_k4v2_g128 (fp16: the short prompt). The prompts run b
 so batching must not change them either. A change to these tokens is a change of semantics: regenerate the
 file only with a reason stated in the commit and in the file's "source" (long561/kvarn_k4v2_g128 from
 token 81 on was regenerated when the decode attention began summing pages, sink and ring separately).
+That token is a near-tie in the engine's decode logits whose winner depends on the CPU's float
+rounding (Intel with AVX-512: 198, AMD without: 588); the case's `near_tie` records the other
+continuation, from the same code, and a run must match one of the two in full.
 """
 
 import json
@@ -40,4 +43,8 @@ def test_same_greedy_tokens_as_before(smollm2, scheme, names):
     for case, out in zip(cases, outs):
         got, want = list(out.output_ids), case["output_ids"]
         first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        tie = case.get("near_tie")
+        if tie is not None and first == tie["position"]:
+            want = tie["output_ids"]  # the other side of the recorded near-tie: every token must match it
+            first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
         assert got == want, f"{scheme}: first differing token at {first} of {len(want)}"
