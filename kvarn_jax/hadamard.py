@@ -85,3 +85,16 @@ def unrotate(x: jnp.ndarray, out_dtype=None, *, max_abs: float | None = None,
     out_dtype = x.dtype if out_dtype is None else out_dtype
     h = hadamard_matrix(x.shape[-1], jnp.float32)
     return saturate(_matmul(x.astype(jnp.float32), h, max_abs, one_token), out_dtype)
+
+
+def rotate_rows(w: jnp.ndarray, head_dim: int) -> jnp.ndarray:
+    """w [heads * head_dim, n] -> the matrix whose rows are each head's rows rotated (block-diagonal H
+    times w), in fp32, rounded to w.dtype: `rotate(x) @ rotate_rows(w)` equals `x @ w` up to rounding
+    (x [..., heads, head_dim] flattened to heads * head_dim). A product that follows an output left in
+    the rotated frame thus needs no unrotation of its own."""
+    rows, n = w.shape
+    if rows % head_dim:
+        raise ValueError(f"w has {rows} rows, not a multiple of head_dim={head_dim}")
+    h = hadamard_matrix(head_dim, jnp.float32)
+    blocks = w.astype(jnp.float32).reshape(rows // head_dim, head_dim, n)
+    return jnp.einsum("ij,hjn->hin", h, blocks, precision="highest").reshape(rows, n).astype(w.dtype)

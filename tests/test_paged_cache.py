@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 import kvarn_jax as kj
 from helpers import allocate_tables, dense_attention, expected_kv, random_kv, serve_writes
-from kvarn_jax.hadamard import hadamard_matrix_np
+from kvarn_jax.hadamard import hadamard_matrix_np, rotate_rows
 
 
 def make_cache(cfg, num_blocks=24, block_size=32, heads=2, dim=64, max_seqs=4, dtype=jnp.float16, **kw):
@@ -159,6 +159,43 @@ def test_rotated_io_convention(rng):
     plain = kj.paged_decode_attention_reference(q, cache, bt, sl)
     rot = kj.paged_decode_attention_reference(kj.rotate(q), cache, bt, sl, rotated_io=True)
     np.testing.assert_allclose(np.asarray(kj.unrotate(rot)), np.asarray(plain), atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_rotated_output_is_the_output_in_the_stored_frame(rng, impl):
+    """`rotated_output=True` leaves a KVarN cache's output rotated (q still in the model frame);
+    followed by a matrix that holds the rotation (`rotate_rows`) it gives the plain output's product.
+    Caches that are not rotated ignore it."""
+    lens = [90, 41]
+    tables = jnp.asarray(allocate_tables(rng, lens, 32, 24))
+    sl = jnp.array(lens, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4 * 64, 24)), jnp.float32)
+    for scheme in ("kvarn_k4v2_g32", "int8"):
+        cache = serve_writes(make_cache(scheme), np.asarray(tables),
+                             [random_kv(rng, n, 2, 64, dtype=np.float32) for n in lens], rng)
+        plain = kj.paged_decode_attention(q, cache, tables, sl, impl=impl)
+        rot = kj.paged_decode_attention(q, cache, tables, sl, impl=impl, rotated_output=True)
+        if scheme == "int8":
+            np.testing.assert_array_equal(np.asarray(rot), np.asarray(plain))
+            continue
+        np.testing.assert_allclose(np.asarray(kj.rotate(plain)), np.asarray(rot), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(rot.reshape(2, -1) @ rotate_rows(w, 64)),
+                                   np.asarray(plain.reshape(2, -1) @ w), atol=1e-4)
+
+
+@settings(max_examples=20, deadline=None)
+@given(heads=st.integers(1, 4), log_d=st.integers(1, 7), n=st.integers(1, 9), scale=st.sampled_from([1e-6, 1.0, 1e6]))
+def test_rotate_rows_carries_the_rotation_into_the_next_product(heads, log_d, n, scale):
+    d = 1 << log_d
+    r = np.random.default_rng(heads * 1000 + log_d * 10 + n)
+    x = jnp.asarray(r.standard_normal((3, heads, d)) * scale, jnp.float32)
+    w = jnp.asarray(r.standard_normal((heads * d, n)), jnp.float32)
+    got = kj.rotate(x).reshape(3, -1) @ rotate_rows(w, d)
+    want = x.reshape(3, -1) @ w
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4 * scale * np.sqrt(heads * d))
+    with pytest.raises(ValueError, match="head_dim"):
+        rotate_rows(w[1:], d)
 
 
 # ------------------------------------------------------------------ isolation

@@ -113,7 +113,8 @@ def test_mixed_length_batch_equals_one_by_one(tiny_model, rng, scheme):
 def test_a_step_past_the_sinks_skips_only_their_writes_and_a_broken_promise_is_counted(tiny_model, rng):
     """`DecodeBatch.past_sink` (the engine's choice when every row is past its sink): the same logits
     and caches as the full write; a row inside its sink under that promise is dropped and counted in
-    every layer, its sink left as it was. The engine takes the promise only when it holds."""
+    every layer, its sink left as it was. The engine takes the promise only when it holds; on CPUs
+    its o_proj matrices also hold the rotation, and its tokens still equal the model's own decode."""
     scheme, bs = "kvarn_k4v2_g32", 32
     caches = tiny_model.new_caches(scheme, num_blocks=3, block_size=bs, max_seqs=2)
     table = jnp.arange(3, dtype=jnp.int32)[None].repeat(2, 0)
@@ -136,15 +137,22 @@ def test_a_step_past_the_sinks_skips_only_their_writes_and_a_broken_promise_is_c
                 np.testing.assert_array_equal(np.asarray(g.sink[side]), np.asarray(g0.sink[side]))
                 assert not np.array_equal(np.asarray(gw.sink[side]), np.asarray(g0.sink[side]))
     # the engine: a batch with a row inside its sink writes the sinks; once every row is past, it does not
-    steps = []
+    steps, rotated = [], []
     eng = Engine(tiny_model, kv_cache_dtype=scheme, **KW)
     decode_step = eng.runner._decode_fn
-    eng.runner._decode_fn = lambda *a, past_sink, **kw: steps.append(past_sink) or decode_step(*a, past_sink=past_sink, **kw)
+
+    def spy(*a, past_sink, rotated_o_proj, **kw):
+        steps.append(past_sink)
+        rotated.append(rotated_o_proj)
+        return decode_step(*a, past_sink=past_sink, rotated_o_proj=rotated_o_proj, **kw)
+    eng.runner._decode_fn = spy
     prompts = _prompts(rng, [20, 40])
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     runner._COMPILED.clear()  # traced afresh, so the spy sees each executable's flag
     out = eng.generate(prompts, params)
     assert sorted(set(steps)) == [False, True]
+    # the CPU's switch loop reads o_proj matrices that hold the rotation (`ModelRunner._decode_kernels`)
+    assert set(rotated) == {eng.runner.decode_loop == "switch"}
     assert [r.output_ids for r in out] == [greedy_direct(tiny_model, scheme, q, 16) for q in prompts]
     assert int(eng.pool().caches.dropped_tokens) == 0
 

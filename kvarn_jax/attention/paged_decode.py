@@ -37,7 +37,8 @@ def decode_impl(cfg: KVQuantConfig, block_size: int, head_dim: int, impl: str = 
 
 def paged_decode_attention(q, cache, block_tables, seq_lens, scale: float | None = None, *, seq_ids=None,
                            window: int | None = None, impl: str = "auto", interpret: bool | None = None,
-                           num_splits: int | None = None, kernel: str | None = None, check_values: bool = True):
+                           num_splits: int | None = None, kernel: str | None = None, check_values: bool = True,
+                           rotated_output: bool = False):
     """Decode attention of one query token per sequence over a `PagedKVCache`.
 
     Same arguments and result as `paged_decode_attention_reference` (q [B, Hq, D] -> [B, Hq, D] in
@@ -60,6 +61,10 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, scale: float | None
         (a bad row reads other pages of the cache: its output is wrong, no memory outside the cache
         is read, nothing is written, the other rows are unaffected; on the GPU kernel a length past
         the table's capacity re-reads its last block, so a huge one also takes that long).
+      rotated_output: for a rotated (KVarN) cache, return the output in the stored frame (the
+        model-frame output times H, head by head), not unrotated: for a caller whose next product's
+        matrix holds the rotation (`hadamard.rotate_rows`), which saves a product and its clip per
+        call. Other caches ignore it.
     `impl="pallas"` raises ValueError if the kernel cannot take the cache (e.g. a block size that is
     not a power of two); nothing falls back silently.
     """
@@ -71,7 +76,7 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, scale: float | None
     impl, kernel, why = decode_impl(cache.cfg, cache.block_size, cache.head_dim, impl, kernel, backend)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if impl == "reference":
-        return attend(q, cache, block_tables, seq_lens, sm_scale, seq_ids, window, False)
+        return attend(q, cache, block_tables, seq_lens, sm_scale, seq_ids, window, False, bool(rotated_output))
     if why is not None:
         raise ValueError(f"impl='pallas' cannot run this cache on the {kernel} kernel: {why}; "
                          "use impl='reference' or 'auto'")
@@ -80,11 +85,12 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, scale: float | None
     interpret = backend == "cpu" if interpret is None else bool(interpret)
     require_compiled_backend(interpret, f"paged_decode_attention(impl='pallas', kernel={kernel!r})", kernel)
     return _pallas(q, cache, block_tables, seq_lens, seq_ids, scale=sm_scale, window=window,
-                   interpret=interpret, num_splits=num_splits, kernel=kernel)
+                   interpret=interpret, num_splits=num_splits, kernel=kernel, rotated_output=bool(rotated_output))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "window", "interpret", "num_splits", "kernel"))
-def _pallas(q, cache, block_tables, seq_lens, seq_ids, *, scale, window, interpret, num_splits, kernel):
+@functools.partial(jax.jit, static_argnames=("scale", "window", "interpret", "num_splits", "kernel", "rotated_output"))
+def _pallas(q, cache, block_tables, seq_lens, seq_ids, *, scale, window, interpret, num_splits, kernel,
+            rotated_output=False):
     # rotate once before and un-rotate once after: the kernels work in the stored frame
     # (the bounds skip a per-row overflow test: queries beyond QUANT_MAX are clipped to it, and the
     # output is a weighted mean of stored values, which are far below SAFE_ABS)
@@ -99,6 +105,6 @@ def _pallas(q, cache, block_tables, seq_lens, seq_ids, *, scale, window, interpr
         o = paged_decode_pallas.paged_decode_pallas(qr, cache, block_tables, seq_lens, seq_ids, scale=scale,
                                                     window=window, interpret=interpret,
                                                     launch=paged_decode_pallas.Launch(num_splits=num_splits))
-    if cache.cfg.rotated:
+    if cache.cfg.rotated and not rotated_output:
         o = unrotate(o, max_abs=SAFE_ABS, one_token=one_token)
     return saturate(o, q.dtype)

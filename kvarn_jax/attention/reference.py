@@ -47,7 +47,7 @@ def check_decode_args(q, cache, block_tables, seq_lens, seq_ids, window, values:
 def paged_decode_attention_reference(q: jnp.ndarray, cache: PagedKVCache, block_tables: jnp.ndarray,
                                      seq_lens: jnp.ndarray, scale: float | None = None, *,
                                      seq_ids: jnp.ndarray | None = None, window: int | None = None,
-                                     rotated_io: bool = False) -> jnp.ndarray:
+                                     rotated_io: bool = False, rotated_output: bool = False) -> jnp.ndarray:
     """One query token per sequence against its cached tokens.
 
     q: [B, Hq, D] (Hq a multiple of the cache's Hk; query head h uses kv head h // (Hq // Hk)).
@@ -55,14 +55,15 @@ def paged_decode_attention_reference(q: jnp.ndarray, cache: PagedKVCache, block_
     zero output); seq_ids: [B] high-precision slots (default: the row index); scale: softmax scale
     (default 1/sqrt(D)); window: attend only to the last `window` tokens.
     rotated_io: q is already rotated and the output is returned rotated (kernels' convention).
+    rotated_output: only the output is returned rotated (`paged_decode_attention`'s argument).
     Returns [B, Hq, D] in q.dtype.
     """
     check_decode_args(q, cache, block_tables, seq_lens, seq_ids, window)
-    return attend(q, cache, block_tables, seq_lens, scale, seq_ids, window, rotated_io)
+    return attend(q, cache, block_tables, seq_lens, scale, seq_ids, window, rotated_io, rotated_output)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "window", "rotated_io"))
-def attend(q, cache, block_tables, seq_lens, scale, seq_ids, window, rotated_io):
+@functools.partial(jax.jit, static_argnames=("scale", "window", "rotated_io", "rotated_output"))
+def attend(q, cache, block_tables, seq_lens, scale, seq_ids, window, rotated_io, rotated_output=False):
     """`paged_decode_attention_reference` without the argument checks (callers check first).
 
     A sequence's tokens come from three parts, each attended where it is stored (one softmax over
@@ -147,6 +148,6 @@ def attend(q, cache, block_tables, seq_lens, scale, seq_ids, window, rotated_io)
         denom = denom + pp.sum(-1)
         o = o + jnp.einsum("bhgt,bhtd->bhgd", pp, vp, precision="highest")
     o = (o / jnp.where(denom > 0, denom, 1.0)[..., None]).reshape(nbt, hq, d)
-    if cache.cfg.rotated and not rotated_io:
+    if cache.cfg.rotated and not (rotated_io or rotated_output):
         o = unrotate(o, max_abs=SAFE_ABS)
     return saturate(o, q.dtype)

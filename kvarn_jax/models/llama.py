@@ -238,9 +238,12 @@ class PrefillBatch:
 class DecodeBatch:
     """One token per sequence. tokens, positions, slot_mapping, seq_ids: [B]; block_tables: [B, W].
 
-    Padding rows have slot -1 and seq_lens 0 (`positions` is then ignored). past_sink (static): the
-    caller knows that every row's position is at least the caches' `sink_len`, so the step writes
-    no sink (`LayerCaches.stage`); a row that is not is dropped and counted, never stored.
+    Padding rows have slot -1 and seq_lens 0 (`positions` is then ignored). Static flags:
+    past_sink: the caller knows that every row's position is at least the caches' `sink_len`, so
+    the step writes no sink (`LayerCaches.stage`); a row that is not is dropped and counted, never
+    stored. rotated_o_proj: the o_proj matrices of the layers whose cache is rotated (KVarN) hold
+    the rotation (`hadamard.rotate_rows`), so those layers' attention output is left in the stored
+    frame (`paged_decode_attention(rotated_output=True)`).
     """
 
     tokens: jnp.ndarray
@@ -249,6 +252,7 @@ class DecodeBatch:
     seq_ids: jnp.ndarray
     block_tables: jnp.ndarray
     past_sink: bool = dataclasses.field(default=False, metadata={"static": True})
+    rotated_o_proj: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @property
     def seq_lens(self) -> jnp.ndarray:
@@ -451,7 +455,8 @@ class Attention(nnx.Module):
                               one_per_sequence=True, past_sink=batch.past_sink)  # one token per sequence
         cache, tables, sid = caches.read_view(layer, batch.block_tables, batch.seq_ids)
         # no value checks: under jit there are no values, and the ids come from the caller's scheduler
-        o = paged_decode_attention(q, cache, tables, batch.seq_lens, seq_ids=sid, impl=impl, check_values=False)
+        o = paged_decode_attention(q, cache, tables, batch.seq_lens, seq_ids=sid, impl=impl, check_values=False,
+                                   rotated_output=batch.rotated_o_proj)
         return o, caches
 
 

@@ -45,6 +45,7 @@ from ..cache.layers import LayerCaches
 from ..cache.paged import carries_token
 from ..cache import sharding as cache_sharding
 from ..cache.sharding import HeadParallel
+from ..hadamard import rotate_rows
 from ..models.llama import LAYER_LOOPS, Decoder, DecodeBatch, PrefillBatch, head_parallel_specs, store_tokens
 from .sampling import sample_rows
 
@@ -118,6 +119,7 @@ class ModelRunner:
         self.decode_loop = decode_loop if decode_loop != "auto" else (
             ("switch" if tp is None else "scan") if cpu else "unroll")
         self._kernels = model.layer_kernels() if self.decode_loop == "switch" else None
+        self._rotated_kernels: dict = {}  # rotated layers -> `_kernels` with their o_proj rotated
         self._structure = (self._graphdef, impl, self.decode_loop, tp)
         self._zeros: dict = {}  # (tokens, dtype) -> zero k/v pieces (`commit`)
 
@@ -161,14 +163,34 @@ class ModelRunner:
             _COMPILED[key] = exe
         return exe
 
-    def _decode_fn(self, weights, caches, last_tokens, meta, fmeta, kernels, *, sampled: bool, past_sink: bool):
+    def _decode_kernels(self, caches: LayerCaches) -> tuple:
+        """(per-layer matrices, whether their o_proj holds the rotation) a decode step of these caches
+        reads. Under the "switch" loop, whose per-layer matrices are already a copy of the layers'
+        own, the o_proj matrices of the layers with a rotated (KVarN) cache are swapped for ones that
+        hold the rotation (`hadamard.rotate_rows`; made once per set of such layers): their attention
+        output is then not unrotated, one matrix product and its clip fewer per layer and step. The
+        other loops read the weights in place, where the same would take a second copy of every
+        o_proj (1 GiB for Llama-3-8B in bf16)."""
+        rotated = tuple(c.rotated for c in caches.layer_schemes)
+        if self._kernels is None or not any(rotated):
+            return self._kernels, False
+        kernels = self._rotated_kernels.get(rotated)
+        if kernels is None:
+            d = self.config.head_dim
+            kernels = self._rotated_kernels[rotated] = {**self._kernels, "attn.o_proj": tuple(
+                rotate_rows(a, d) if r else a for a, r in zip(self._kernels["attn.o_proj"], rotated))}
+        return kernels, True
+
+    def _decode_fn(self, weights, caches, last_tokens, meta, fmeta, kernels, *, sampled: bool, past_sink: bool,
+                   rotated_o_proj: bool):
         model = nnx.merge(self._graphdef, weights)
         cols = {n: meta[:, i] for i, n in enumerate(DECODE_COLS)}
         live = carries_token(cols["slots"])
         seq = cols["seq_ids"]
         batch = DecodeBatch(tokens=last_tokens[jnp.clip(seq, 0, last_tokens.shape[0] - 1)],
                             positions=cols["positions"], slot_mapping=cols["slots"], seq_ids=seq,
-                            block_tables=meta[:, len(DECODE_COLS):], past_sink=past_sink)
+                            block_tables=meta[:, len(DECODE_COLS):], past_sink=past_sink,
+                            rotated_o_proj=rotated_o_proj)
         before = _nonfinite(caches, seq)
         logits, caches = model.decode(caches, batch, impl=self.impl, commit=False, layer_loop=self.decode_loop,
                                       tp=self.tp, kernels=kernels)
@@ -218,11 +240,12 @@ class ModelRunner:
         last_tokens[seq_id]. caches and last_tokens are donated. A step whose rows all lie past the
         caches' sinks (padding rows, slot -1, store nothing) runs an executable without the sinks'
         writes (`DecodeBatch.past_sink`)."""
-        args = (self._weights, caches, last_tokens, meta, fmeta, self._kernels)
+        kernels, rotated = self._decode_kernels(caches)
+        args = (self._weights, caches, last_tokens, meta, fmeta, kernels)
         sampled = bool((fmeta[:, 0] > 0).any())
         past_sink = self._past_sink(caches, meta)
-        fn = functools.partial(self._decode_fn, sampled=sampled, past_sink=past_sink)
-        return self._executable("decode", fn, args, donate=(1, 2), static=(sampled, past_sink))(*args)
+        fn = functools.partial(self._decode_fn, sampled=sampled, past_sink=past_sink, rotated_o_proj=rotated)
+        return self._executable("decode", fn, args, donate=(1, 2), static=(sampled, past_sink, rotated))(*args)
 
     @staticmethod
     def _past_sink(caches: LayerCaches, meta: np.ndarray) -> bool:
@@ -280,10 +303,12 @@ class ModelRunner:
         """Compile (not run) the decode step of `batch` rows (with and without the sinks' writes) and the
         commits of up to `batch` blocks."""
         meta = np.zeros((batch, len(DECODE_COLS) + table_width), np.int32)
+        kernels, rotated = self._decode_kernels(caches)
         for past_sink in (False, True) if caches.sink_len else (False,):
-            self._executable("decode", functools.partial(self._decode_fn, sampled=False, past_sink=past_sink),
-                             (self._weights, caches, last_tokens, meta, np.zeros((batch, 2), np.float32), self._kernels),
-                             donate=(1, 2), static=(False, past_sink))
+            fn = functools.partial(self._decode_fn, sampled=False, past_sink=past_sink, rotated_o_proj=rotated)
+            self._executable("decode", fn,
+                             (self._weights, caches, last_tokens, meta, np.zeros((batch, 2), np.float32), kernels),
+                             donate=(1, 2), static=(False, past_sink, rotated))
         m = 1
         while m <= batch:
             self._executable("store", self._store_fn, self._commit_args(caches, np.zeros((m, 3), np.int32)), donate=(0,),
