@@ -4,13 +4,16 @@ one that stores tokens and quantizes blocks.
 `ModelRunner` splits a `Decoder` into its graph and weights once. Each step is one call of one
 compiled function of (weights, caches, last tokens, packed metadata): the model (all layers: decode
 as a Python loop over the layers on GPUs and TPUs, a `lax.scan` on CPUs whose products read per-layer
-arrays through a `lax.switch`, `decode_loop`; prefill as a scan), the logits of the rows that need them, sampling, and the sampled tokens stored into
-`last_tokens` - a per-sequence-slot device array from which the next decode step reads its input
-tokens, so a step never waits for the host to learn the previous step's tokens. The caches and
+arrays through a `lax.switch`, `decode_loop` - there the o_proj arrays of layers with a KVarN cache
+hold the Hadamard rotation, `_decode_kernels`; prefill as a scan), the logits of the rows that need
+them, sampling, and the sampled tokens stored into `last_tokens` - a per-sequence-slot device array
+from which the next decode step reads its input tokens, so a step never waits for the host to learn
+the previous step's tokens. The caches and
 `last_tokens` are donated (updated in place). Host metadata travels as two or three packed arrays
 per call.
 
-Writes: a decode step scatters one token per sequence into high-precision storage. A prefill call
+Writes: a decode step scatters one token per sequence into high-precision storage (into the ring
+only, when the host sees every row past its sink: `DecodeBatch.past_sink`). A prefill call
 only reads the caches and returns its chunk's keys and values in block-sized pieces, which `store`
 writes one piece at a time (the tokens staged, then the blocks they complete quantized); the blocks
 a decode step completes are quantized by the same executable with no tokens (`commit`; the engine
