@@ -331,7 +331,8 @@ class LayoutPlan:
         (no pass over the product for its maximum)."""
         v = jnp.expand_dims(vec, axis)
         if self.balanced:
-            return Narrowed(f16(x * v), None, x * v) if x_bound is None else Narrowed(f16(x * (v * x_bound)), x_bound, x * v)
+            xv = x * v
+            return Narrowed(f16(xv if x_bound is None else x * (v * x_bound)), x_bound, xv)
         if not self.bounded:
             return self.f16(x * v)
         s = bound_scale((1.0 if x_bound is None else x_bound) * jnp.max(jnp.abs(vec)))
