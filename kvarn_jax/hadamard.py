@@ -73,9 +73,29 @@ def rotate(x: jnp.ndarray, out_dtype=None, *, max_abs: float | None = None,
     reduction over D instead of a matrix product, faster there on GPUs; equal up to fp32 rounding.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
+    if x.dtype == jnp.bfloat16 and not one_token:
+        return saturate(_signs_product(x, max_abs), out_dtype)
     h_dtype = jnp.float16 if x.dtype == jnp.float16 else jnp.float32
     h = hadamard_matrix(x.shape[-1], h_dtype).astype(jnp.float32)
     return saturate(_matmul(x.astype(jnp.float32), h, max_abs, one_token), out_dtype)
+
+
+def _signs_product(x: jnp.ndarray, max_abs: float | None) -> jnp.ndarray:
+    """bf16 x [..., D] @ H in fp32: the product of x with the matrix's signs (+-1, exact in bf16)
+    accumulated in fp32, then one multiply by 1/sqrt(D). Every product is exact, so this is the fp32
+    rotation up to the order of its sums; on GPUs it is one bf16 matrix product, into which XLA fuses
+    the clip and whatever computed x, where the fp32 product at full precision is several passes and
+    a clip kernel of its own."""
+    n = x.shape[-1]
+    signs = jnp.asarray(np.sign(hadamard_matrix_np(n)), jnp.bfloat16)
+    if max_abs is not None:
+        if not 0 < max_abs <= SAFE_ABS:
+            raise ValueError(f"max_abs must be in (0, 2^100], got {max_abs}")
+        y = jnp.matmul(jnp.clip(x, -max_abs, max_abs), signs, preferred_element_type=jnp.float32)
+    else:  # rows beyond SAFE_ABS scaled down by a power of two (exact in bf16) and back
+        s = jnp.where(jnp.max(jnp.abs(x), axis=-1, keepdims=True).astype(jnp.float32) > SAFE_ABS, 2.0 ** -16, 1.0)
+        y = jnp.matmul((x * s.astype(x.dtype)), signs, preferred_element_type=jnp.float32) / s
+    return y * np.float32(1.0 / np.sqrt(n))
 
 
 def unrotate(x: jnp.ndarray, out_dtype=None, *, max_abs: float | None = None,

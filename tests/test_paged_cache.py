@@ -198,6 +198,27 @@ def test_rotate_rows_carries_the_rotation_into_the_next_product(heads, log_d, n,
         rotate_rows(w[1:], d)
 
 
+@settings(max_examples=25, deadline=None)
+@given(log_d=st.integers(1, 7), rows=st.integers(1, 40), scale=st.sampled_from([1e-30, 1e-6, 1.0, 1e6, 1e30]),
+       bound=st.sampled_from([None, 2.0 ** 50]))
+def test_a_bf16_rotation_is_the_fp32_rotation(log_d, rows, scale, bound):
+    """bf16 rows rotate as one bf16 product of H's signs with fp32 sums (`hadamard.rotate`): the
+    fp32 rotation of the same values up to the order of the sums, at any magnitude, clipped to the
+    bound as before; rows beyond SAFE_ABS come out finite and equal to the fp32 path's too."""
+    from kvarn_jax.hadamard import SAFE_ABS, _matmul, hadamard_matrix
+    d = 1 << log_d
+    r = np.random.default_rng(log_d * 100 + rows)
+    x = jnp.asarray(r.standard_normal((rows, 2, d)) * scale * np.exp(r.standard_normal((rows, 2, d))), jnp.bfloat16)
+    if bound is None:
+        x = x.at[0, 0, 0].set(jnp.bfloat16(2.0 ** 120))   # a row beyond SAFE_ABS: scaled, not overflowed
+    got = kj.rotate(x, jnp.float32, max_abs=bound)
+    want = _matmul(x.astype(jnp.float32), hadamard_matrix(d), bound)
+    assert got.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(got)))
+    row_max = np.max(np.abs(np.asarray(want)), axis=-1, keepdims=True)
+    err = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
+    assert np.all(err <= 4e-7 * np.sqrt(d) * row_max), float(np.max(err / row_max))
+    assert SAFE_ABS < 2.0 ** 120
+
 # ------------------------------------------------------------------ isolation
 @pytest.mark.parametrize("cfg", ["kvarn_k4v2_g32", "int4", "fp16"])
 def test_writes_touch_only_the_named_slots(cfg, rng):

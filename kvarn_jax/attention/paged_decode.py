@@ -95,7 +95,10 @@ def _pallas(q, cache, block_tables, seq_lens, seq_ids, *, scale, window, interpr
     # (the bounds skip a per-row overflow test: queries beyond QUANT_MAX are clipped to it, and the
     # output is a weighted mean of stored values, which are far below SAFE_ABS)
     one_token = q.shape[0] == 1  # batch 1: the rotations as reductions (`hadamard.rotate`)
-    qr = rotate(q.astype(jnp.float32), max_abs=QUANT_MAX, one_token=one_token) if cache.cfg.rotated else q
+    # a bf16 query enters the rotation as it is (one bf16 product of its signs, `hadamard.rotate`);
+    # others in fp32 with the fp32 matrix
+    q_in = q if q.dtype == jnp.bfloat16 else q.astype(jnp.float32)
+    qr = rotate(q_in, jnp.float32, max_abs=QUANT_MAX, one_token=one_token) if cache.cfg.rotated else q
     if kernel == "tpu":
         if seq_ids is None:  # built here, not eagerly: an eager op would be one more dispatch per call
             seq_ids = jnp.arange(q.shape[0], dtype=jnp.int32)

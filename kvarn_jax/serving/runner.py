@@ -75,6 +75,22 @@ class RunnerStats:
     compile_s: float = 0.0
 
 
+class _HashedOnce:
+    """A key part whose hash is computed once: hashing a model's graph definition took ~40 us, on
+    every step's executable lookup."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value):
+        self.value, self._hash = value, hash(value)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return self is other or (isinstance(other, _HashedOnce) and self._hash == other._hash and self.value == other.value)
+
+
 def _u32(a):
     """Seeds travel as int32 bit patterns (the packed array is int32); back to uint32."""
     return jax.lax.bitcast_convert_type(a, jnp.uint32)
@@ -123,7 +139,7 @@ class ModelRunner:
             ("switch" if tp is None else "scan") if cpu else "unroll")
         self._kernels = model.layer_kernels() if self.decode_loop == "switch" else None
         self._rotated_kernels: dict = {}  # rotated layers -> `_kernels` with their o_proj rotated
-        self._structure = (self._graphdef, impl, self.decode_loop, tp)
+        self._structure = _HashedOnce((self._graphdef, impl, self.decode_loop, tp))
         self._zeros: dict = {}  # (tokens, dtype) -> zero k/v pieces (`commit`)
 
     @property
