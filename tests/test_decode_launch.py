@@ -78,14 +78,21 @@ def test_wide_caches_take_their_own_tiled_launch():
     are not `tiled` (a batch below the SM count: `tiled_latency`) do not depend on the dtype."""
     cfg = kj.parse("kvarn_k4v2_g128")
 
-    def run(batch, wide):
+    def run(batch, wide, max_blocks=64, launch=pdp.Launch()):
         return pdp.resolve_launch(cfg, pdp.CallShape(batch=batch, q_heads=32, kv_heads=8, head_dim=128, block_size=128,
-                                                     max_blocks=64, interpret=False, wide=wide), pdp.Launch(), pdp.HOPPER)
+                                                     max_blocks=max_blocks, interpret=False, wide=wide), launch, pdp.HOPPER)
     narrow, wide = run(32, False), run(32, True)
     assert (narrow.num_warps, narrow.maxnreg, narrow.num_stages) == (*pdp.HOPPER.tiled, 3)
     assert (wide.num_warps, wide.maxnreg, wide.num_stages) == (*pdp.HOPPER.tiled_wide, 2)
     assert wide.narrow == "bound" and pdp.HOPPER.tiled_wide != pdp.HOPPER.tiled
     assert run(4, True) == run(4, False)
+    # its split count (not rounded to a power of two for the Pallas merge), at most one split per two
+    # tiles; an explicit count or launch keeps its own
+    assert (wide.num_splits, wide.merge) == (pdp.HOPPER.wide_splits, "pallas") and narrow.num_splits == 4
+    assert run(128, True, max_blocks=32).num_splits == pdp.HOPPER.wide_splits
+    assert run(32, True, max_blocks=2).num_splits == 1
+    assert run(32, True, launch=pdp.Launch(num_splits=2)).num_splits == 2
+    assert run(32, True, launch=pdp.Launch(num_warps=2)).num_splits != pdp.HOPPER.wide_splits
 
 
 def test_resolve_launch_names_the_bad_option():

@@ -96,7 +96,7 @@ def default_launch(cfg: KVQuantConfig, batch: int, num_kv_heads: int, orient: st
                    table: LaunchTable | None = None, wide: bool = False) -> tuple[int, int | None]:
     """(num_warps, maxnreg) per program. KVarN/KIVI tokens-major whole tiles: `tiled_latency` for
     4-bit values and for <= 2-bit values with fewer (sequence, kv head) pairs than SMs, else
-    `tiled` (`tiled_wide` for a bf16/fp32 cache: wide). Per-token schemes: `per_token_step` when
+    `tiled` (`tiled_wide` for a bf16/fp32 cache: wide; its split count is `LaunchTable.wide_splits`). Per-token schemes: `per_token_step` when
     they step `step_tokens` tokens (chunk: the step if not that), else `per_token_grouped_8bit` or
     `per_token`."""
     table = table or launch_table()
@@ -245,9 +245,15 @@ def resolve_launch(cfg: KVQuantConfig, shape: CallShape, launch: Launch = Launch
         raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
     grp = shape.q_heads // hk
     gp, written = group_rows(grp, tokens_major)
-    splits = launch.num_splits or default_num_splits(shape.batch, hk, shape.max_blocks * (shape.block_size // t_tok),
-                                                     warps, maxnreg, table)
-    if merge == "pallas" and not launch.num_splits:  # a power of two: the merge then reads no padding
+    max_tiles = shape.max_blocks * (shape.block_size // t_tok)
+    # the wide launch at batch x kv heads >= SMs: a measured split count (its merge reads padding)
+    wide_splits = (launch.num_warps is None and shape.batch * hk >= table.num_sms
+                   and (warps, maxnreg) == table.tiled_wide and tiled and tokens_major and shape.wide)
+    if wide_splits:
+        splits = launch.num_splits or max(1, min(table.wide_splits, max_tiles // table.min_tiles_per_split))
+    else:
+        splits = launch.num_splits or default_num_splits(shape.batch, hk, max_tiles, warps, maxnreg, table)
+    if merge == "pallas" and not launch.num_splits and not wide_splits:  # a power of two: no padding read
         splits = split_merge.unpadded_splits(splits)
     # One split and a GQA group that is a power of two: by default the kernel writes the final
     # output, with no merge kernel after it (merge="kernel"); an explicit merge keeps its own.
