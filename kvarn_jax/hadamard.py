@@ -66,8 +66,10 @@ def rotate(x: jnp.ndarray, out_dtype=None, *, max_abs: float | None = None,
     results beyond its range saturated to its largest finite value (`schemes.arith.saturate`).
 
     For fp16 inputs the matrix itself is rounded to fp16 first, as the KVarN reference does
-    (`fp16(x_fp16 @ fp16(H))`); this reproduces its rotated tiles bit for bit. Other dtypes use the
-    fp32 matrix, which is exactly orthonormal up to fp32 rounding. max_abs: clip x to ±max_abs first
+    (`fp16(x_fp16 @ fp16(H))`); this reproduces its rotated tiles bit for bit. bf16 inputs are
+    multiplied by H's signs in one bf16 product with fp32 sums, then by 1/sqrt(D) (every product
+    exact: the fp32 rotation up to the order of the sums). Other dtypes use the fp32 matrix, which
+    is exactly orthonormal up to fp32 rounding. max_abs: clip x to ±max_abs first
     (exact where x is within it; the cheaper overflow guard for hot paths, e.g. `storage.QUANT_MAX`).
     one_token: x holds one token's rows (decode at batch 1): the same sums as a product and a
     reduction over D instead of a matrix product, faster there on GPUs; equal up to fp32 rounding.

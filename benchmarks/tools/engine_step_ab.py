@@ -17,11 +17,14 @@ Variants (marked t: timing only, wrong outputs):
   nounrot   (t) the decode output left in the rotated frame: the most folding the unrotation into
             o_proj could save
   splitsN   every decode call with N splits
+  uncapped  a bf16/fp32 cache's launch of 335d67a: two warps without a register cap, 2 splits at
+            batch x kv heads >= SMs (now capped at 128 registers, 3 splits)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import glob
 import json
@@ -39,19 +42,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from kvarn_jax import hadamard  # noqa: E402
 from kvarn_jax.attention import paged_decode  # noqa: E402
-from kvarn_jax.attention.paged_decode_pallas import launch  # noqa: E402
+from kvarn_jax.attention.paged_decode_pallas import entry, launch  # noqa: E402
 from kvarn_jax.models import ARCHITECTURES  # noqa: E402
 from kvarn_jax.models.llama import Decoder  # noqa: E402
 from kvarn_jax.serving import Engine, SamplingParams  # noqa: E402
 from kvarn_jax.serving import runner  # noqa: E402
 
 WARM = 2
-_ORIGINAL = (hadamard._signs_product, paged_decode.unrotate, launch.default_num_splits)
+_ORIGINAL = (hadamard._signs_product, paged_decode.unrotate, launch.default_num_splits, entry.launch_table)
 
 
 def apply(variant: str) -> None:
     """Put the module functions a variant changes in place (every other variant's undone)."""
-    hadamard._signs_product, paged_decode.unrotate, launch.default_num_splits = _ORIGINAL
+    hadamard._signs_product, paged_decode.unrotate, launch.default_num_splits, entry.launch_table = _ORIGINAL
     if variant == "base":
         return
     if variant == "f32rot":
@@ -62,8 +65,11 @@ def apply(variant: str) -> None:
     elif variant.startswith("splits") and variant[6:].isdigit():
         n = int(variant[6:])
         launch.default_num_splits = lambda *a, **k: n
+    elif variant == "uncapped":
+        table = _ORIGINAL[3]
+        entry.launch_table = lambda device=None: dataclasses.replace(table(device), tiled_wide=(2, None), wide_splits=2)
     else:
-        raise SystemExit(f"unknown variant {variant!r} (base, f32rot, nounrot, splitsN)")
+        raise SystemExit(f"unknown variant {variant!r} (base, f32rot, nounrot, splitsN, uncapped)")
 
 
 def profile(engine: Engine, steps: int = 3) -> dict:
