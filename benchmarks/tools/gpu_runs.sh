@@ -4,11 +4,14 @@
 #
 #   bash benchmarks/tools/gpu_runs.sh OUT_DIR [SECTION ...]
 #
-# Sections (default: all but sweep, in this order):
+# Sections (default: all but sweep and engine_ab, in this order):
 #   kernel    decode kernel: the default launch checked against the reference at full shapes with a
 #             bfloat16 cache, then timed with bfloat16 and float16 caches (the latter the ceiling)
-#   sweep     the bf16-cache kernel's launch (two warps uncapped, the default; capped at 168 registers,
-#             what the program takes since its sink and tail use bf16 products; one warp; four warps)
+#   sweep     the bf16-cache kernel's launch at batch x kv heads >= SMs (the default: two warps capped
+#             at 128 registers, 3 splits; two uncapped warps in the splits rule's count, the launch
+#             before; capped at 112 registers), checked, then timed
+#   engine_ab the Llama-3-8B step at 32 x 8K in one process (tools/engine_step_ab.py): fp16, and
+#             kvarn_k4v2_g128 with the default launch against the uncapped two-warp one
 #   engine    generate.py, SmolLM2-135M shapes: batch 32 x 2K (fp16, int8, kvarn_k4v2_g128) and batch 1;
 #             batch 32 again with XLA's command buffers off
 #   llama     generate.py, Llama-3-8B shapes (32 layers), batch 32 x 8K prompt, 128 new tokens
@@ -50,10 +53,15 @@ for s in $sections; do
             --schemes kvarn_k4v2_g128,int8 --no-baselines --json "$out/kernel_f16.json"
         grep -hE "rel L2|of roofline|FAIL" "$out"/kernel_*.log ;;
     sweep)
-        run sweep_bf16 300 python benchmarks/decode.py --dtype bfloat16 --shapes 32x8192,32x32768 \
-            --schemes kvarn_k4v2_g128 --variants default,maxnreg=168,num_warps=1+num_stages=3,num_warps=4 \
+        run sweep_bf16 300 python benchmarks/decode.py --dtype bfloat16 --shapes 32x8192,128x4096,32x32768 \
+            --schemes kvarn_k4v2_g128 --variants default,num_warps=2,maxnreg=112 \
             --check --no-baselines --json "$out/sweep_bf16.json"
         grep -hE "check|of roofline|FAIL" "$out/sweep_bf16.log" ;;
+    engine_ab)
+        run engine_ab 280 python benchmarks/tools/engine_step_ab.py --config llama3-8b --batch 32 \
+            --prompt-len 8192 --run fp16 --run kvarn_k4v2_g128:base,uncapped --rounds 3 --profile \
+            --json "$out/engine_ab.json"
+        grep -hE "median" "$out/engine_ab.log" ;;
     engine)
         run smollm2_b32 150 python $G --config smollm2-135m --batch 32 --prompt-len 2048 --new-tokens 64 \
             --repeats 2 --kv-cache-dtype fp16,int8,kvarn_k4v2_g128 --json "$out/smollm2_b32.json"
@@ -85,7 +93,7 @@ for s in $sections; do
             --json "$out/accuracy.json" --md "$out/accuracy.md"
         grep -h "rel L2" "$out/accuracy.log" ;;
     *)
-        echo "unknown section $s (kernel sweep engine llama capacity bridge accuracy)" >&2
+        echo "unknown section $s (kernel sweep engine_ab engine llama capacity bridge accuracy)" >&2
         exit 2 ;;
     esac
 done
