@@ -206,6 +206,7 @@ def test_a_bf16_rotation_is_the_fp32_rotation(log_d, rows, scale, bound):
     fp32 rotation of the same values up to the order of the sums, at any magnitude, clipped to the
     bound as before; rows beyond SAFE_ABS come out finite and equal to the fp32 path's too."""
     from kvarn_jax.hadamard import SAFE_ABS, _matmul, hadamard_matrix
+    assert SAFE_ABS < 2.0 ** 120
     d = 1 << log_d
     r = np.random.default_rng(log_d * 100 + rows)
     x = jnp.asarray(r.standard_normal((rows, 2, d)) * scale * np.exp(r.standard_normal((rows, 2, d))), jnp.bfloat16)
@@ -217,7 +218,7 @@ def test_a_bf16_rotation_is_the_fp32_rotation(log_d, rows, scale, bound):
     row_max = np.max(np.abs(np.asarray(want)), axis=-1, keepdims=True)
     err = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
     assert np.all(err <= 4e-7 * np.sqrt(d) * row_max), float(np.max(err / row_max))
-    assert SAFE_ABS < 2.0 ** 120
+
 
 # ------------------------------------------------------------------ isolation
 @pytest.mark.parametrize("cfg", ["kvarn_k4v2_g32", "int4", "fp16"])

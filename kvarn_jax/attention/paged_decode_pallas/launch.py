@@ -96,9 +96,9 @@ def default_launch(cfg: KVQuantConfig, batch: int, num_kv_heads: int, orient: st
                    table: LaunchTable | None = None, wide: bool = False) -> tuple[int, int | None]:
     """(num_warps, maxnreg) per program. KVarN/KIVI tokens-major whole tiles: `tiled_latency` for
     4-bit values and for <= 2-bit values with fewer (sequence, kv head) pairs than SMs, else
-    `tiled` (`tiled_wide` for a bf16/fp32 cache: wide; its split count is `LaunchTable.wide_splits`). Per-token schemes: `per_token_step` when
-    they step `step_tokens` tokens (chunk: the step if not that), else `per_token_grouped_8bit` or
-    `per_token`."""
+    `tiled` (`tiled_wide` for a bf16/fp32 cache: wide; its split count is `LaunchTable.wide_splits`).
+    Per-token schemes: `per_token_step` when they step `step_tokens` tokens (chunk: the step if not
+    that), else `per_token_grouped_8bit` or `per_token`."""
     table = table or launch_table()
     if cfg.method in ("kvarn", "kivi"):
         whole = (orient or default_orient(cfg)) == "tokens" and parts == 1 and steps == 1
