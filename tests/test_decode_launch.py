@@ -93,6 +93,12 @@ def test_wide_caches_take_their_own_tiled_launch():
     assert run(32, True, max_blocks=2).num_splits == 1
     assert run(32, True, launch=pdp.Launch(num_splits=2)).num_splits == 2
     assert run(32, True, launch=pdp.Launch(num_warps=2)).num_splits != pdp.HOPPER.wide_splits
+    # 4-bit values take `tiled_latency` (the same warps and cap) with the splits rule's count
+    k4v4 = pdp.resolve_launch(kj.parse("kvarn_k4v4_g128"), pdp.CallShape(
+        batch=32, q_heads=32, kv_heads=8, head_dim=128, block_size=128, max_blocks=64, interpret=False, wide=True),
+        pdp.Launch(), pdp.HOPPER)
+    assert (k4v4.num_warps, k4v4.maxnreg) == pdp.HOPPER.tiled_latency
+    assert k4v4.num_splits == pdp.default_num_splits(32, 8, 64, *pdp.HOPPER.tiled_latency, pdp.HOPPER)
 
 
 def test_resolve_launch_names_the_bad_option():

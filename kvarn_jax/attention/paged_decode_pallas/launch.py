@@ -101,9 +101,7 @@ def default_launch(cfg: KVQuantConfig, batch: int, num_kv_heads: int, orient: st
     that), else `per_token_grouped_8bit` or `per_token`."""
     table = table or launch_table()
     if cfg.method in ("kvarn", "kivi"):
-        whole = (orient or default_orient(cfg)) == "tokens" and parts == 1 and steps == 1
-        pairs = batch * num_kv_heads
-        if whole and (cfg.v_bits == 4 or (cfg.v_bits <= 2 and pairs < table.num_sms)):
+        if _latency_launch(cfg, batch, num_kv_heads, orient, parts, steps, table):
             return table.tiled_latency
         return table.tiled_wide if wide else table.tiled
     if default_chunk(cfg, None, orient, table) >= table.step_tokens and (chunk or table.step_tokens) >= table.step_tokens:
@@ -111,6 +109,14 @@ def default_launch(cfg: KVQuantConfig, batch: int, num_kv_heads: int, orient: st
     heads = (orient or default_orient(cfg)) == "heads"
     grouped_8bit = cfg.method == "int" and cfg.k_bits == 8 and cfg.v_bits == 8 and (cfg.static or bool(cfg.group))
     return table.per_token_grouped_8bit if heads and grouped_8bit else table.per_token
+
+
+def _latency_launch(cfg: KVQuantConfig, batch: int, num_kv_heads: int, orient: str | None, parts: int, steps: int,
+                    table: LaunchTable) -> bool:
+    """Whether KVarN/KIVI take `tiled_latency`: whole tiles tokens-major with 4-bit values, or with
+    <= 2-bit values and fewer (sequence, kv head) pairs than SMs."""
+    whole = (orient or default_orient(cfg)) == "tokens" and parts == 1 and steps == 1
+    return whole and (cfg.v_bits == 4 or (cfg.v_bits <= 2 and batch * num_kv_heads < table.num_sms))
 
 
 def default_stages(cfg: KVQuantConfig, batch: int, num_kv_heads: int, head_dim: int, orient: str | None = None,
@@ -246,9 +252,11 @@ def resolve_launch(cfg: KVQuantConfig, shape: CallShape, launch: Launch = Launch
     grp = shape.q_heads // hk
     gp, written = group_rows(grp, tokens_major)
     max_tiles = shape.max_blocks * (shape.block_size // t_tok)
-    # the wide launch at batch x kv heads >= SMs: a measured split count (its merge reads padding)
-    wide_splits = (launch.num_warps is None and shape.batch * hk >= table.num_sms
-                   and (warps, maxnreg) == table.tiled_wide and tiled and tokens_major and shape.wide)
+    # the default `tiled_wide` launch (a bf16/fp32 cache, batch x kv heads >= SMs): a measured split
+    # count (its merge reads padding)
+    wide_splits = (launch.num_warps is None and tiled and tokens_major and shape.wide
+                   and (warps, maxnreg) == table.tiled_wide
+                   and not _latency_launch(cfg, shape.batch, hk, orient, parts, steps, table))
     if wide_splits:
         splits = launch.num_splits or max(1, min(table.wide_splits, max_tiles // table.min_tiles_per_split))
     else:
