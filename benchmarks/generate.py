@@ -90,10 +90,7 @@ def profile_decode_steps(engine: Engine, prompts, steps: int) -> dict:
     """Trace `steps` decode steps of `engine` (after the prompts' prefill) and summarize the device's
     kernels: per step, wall time, time the device was busy (overlapping kernels merged) and the
     kernels by total time."""
-    import glob
     import tempfile
-
-    from jax.profiler import ProfileData
 
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=steps + 4, ignore_eos=True)) for p in prompts]
     pool = engine.pool()
@@ -110,6 +107,16 @@ def profile_decode_steps(engine: Engine, prompts, steps: int) -> dict:
     engine.run()
     for i in ids:
         engine.pop_result(i)
+    return {"steps": steps, "wall_ms_per_step": 1000 * wall / steps, **device_kernels(folder, steps)}
+
+
+def device_kernels(folder: str, steps: int) -> dict:
+    """The GPU kernels of a `jax.profiler` trace in `folder`, per step of `steps`: device-busy ms
+    (overlapping kernels merged), kernels, the 15 that took longest and every kernel's calls and ms."""
+    import glob
+
+    from jax.profiler import ProfileData
+
     data = ProfileData.from_file(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0])
     spans, kernels = [], {}
     for plane in data.planes:
@@ -129,7 +136,7 @@ def profile_decode_steps(engine: Engine, prompts, steps: int) -> dict:
             busy += (b - max(a, end)) / 1e6
             end = b
     top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:15]
-    return {"steps": steps, "wall_ms_per_step": 1000 * wall / steps, "busy_ms_per_step": busy / steps,
+    return {"busy_ms_per_step": busy / steps,
             "kernels_per_step": sum(k[0] for k in kernels.values()) / steps,
             "top_kernels": [{"name": n[:120], "calls_per_step": c / steps, "ms_per_step": t / steps}
                             for n, (c, t) in top],

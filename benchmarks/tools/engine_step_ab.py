@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import glob
 import json
 import os
 import statistics
@@ -39,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repository
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # benchmarks/
 
 from kvarn_jax import hadamard  # noqa: E402
 from kvarn_jax.attention import paged_decode  # noqa: E402
@@ -47,6 +47,7 @@ from kvarn_jax.models import ARCHITECTURES  # noqa: E402
 from kvarn_jax.models.llama import Decoder  # noqa: E402
 from kvarn_jax.serving import Engine, SamplingParams  # noqa: E402
 from kvarn_jax.serving import runner  # noqa: E402
+from generate import device_kernels  # noqa: E402
 
 WARM = 2
 _ORIGINAL = (hadamard._signs_product, paged_decode.unrotate, launch.default_num_splits, entry.launch_table)
@@ -73,33 +74,13 @@ def apply(variant: str) -> None:
 
 
 def profile(engine: Engine, steps: int = 3) -> dict:
-    """Device-busy ms and kernels per decode step over `steps` traced steps, and the top kernels."""
-    from jax.profiler import ProfileData
+    """Device-busy ms and kernels per decode step over `steps` traced steps (`generate.device_kernels`)."""
     folder = tempfile.mkdtemp(prefix="engine_step_ab_")
     with jax.profiler.trace(folder):
         for _ in range(steps):
             engine.step()
         engine._drain()
-    data = ProfileData.from_file(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0])
-    spans, kernels = [], {}
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if "stream" in line.name.lower():
-                for e in line.events:
-                    spans.append((e.start_ns, e.start_ns + e.duration_ns))
-                    k = kernels.setdefault(e.name[:80], [0, 0.0])
-                    k[0] += 1
-                    k[1] += e.duration_ns / 1e6
-    busy, end = 0.0, -1.0
-    for a, b in sorted(spans):  # union of kernel intervals
-        if b > end:
-            busy += (b - max(a, end)) / 1e6
-            end = b
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:12]
-    return {"busy_ms": busy / steps, "kernels": sum(k[0] for k in kernels.values()) / steps,
-            "top": [(n, c / steps, t / steps) for n, (c, t) in top]}
+    return device_kernels(folder, steps)
 
 
 def main() -> int:
@@ -167,7 +148,8 @@ def main() -> int:
         for v, x in row.items():
             line = f"  {scheme} {v}: median {x['median_ms']:.3f} ms/step, min {x['min_ms']:.3f}"
             if "profile" in x:
-                line += f"; busy {x['profile']['busy_ms']:.3f} ms, {x['profile']['kernels']:.0f} kernels a step"
+                line += (f"; busy {x['profile']['busy_ms_per_step']:.3f} ms, "
+                         f"{x['profile']['kernels_per_step']:.0f} kernels a step")
             print(line, flush=True)
         res["rows"][scheme] = row
         apply("base")
