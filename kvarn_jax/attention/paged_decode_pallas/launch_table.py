@@ -1,7 +1,7 @@
 """Tuning data of the GPU decode kernel and its split merge, per GPU family (keyed by compute
 capability). Rules in `launch.py` read these numbers; docs/kernels.md ("Launch rules") gives the
 measurements they come from. Only Hopper (sm_90) has been measured, on an H200 (the splits' tile
-minimum on an H100)."""
+minimum and the bf16/fp32 cache's `tiled_wide` launch on an H100)."""
 
 from __future__ import annotations
 
