@@ -44,20 +44,21 @@ def _product(x: jnp.ndarray, h: jnp.ndarray, one_token: bool) -> jnp.ndarray:
         # tokens/s. At batch 32 the matrix product is the faster; stored K/V keep it, so their bits
         # do not depend on how many tokens a write holds.
         return jnp.sum(x[..., :, None] * h, axis=-2)
-    return jnp.matmul(x, h, precision="highest")
+    return jnp.matmul(x, h, precision="highest", preferred_element_type=jnp.float32)
 
 
 def _matmul(x: jnp.ndarray, h: jnp.ndarray, max_abs: float | None, one_token: bool = False) -> jnp.ndarray:
-    """x [..., D] (fp32) @ h in fp32, safe from intermediate overflow. With `max_abs` (at most
-    `SAFE_ABS`) x is clipped to it, which needs no reduction over D: on GPUs the test of
-    each row's largest value is a kernel of its own per call."""
+    """x [..., D] (fp32, or bf16 against a bf16 h) @ h with fp32 sums, safe from intermediate
+    overflow. With `max_abs` (at most `SAFE_ABS`) x is clipped to it, which needs no reduction over
+    D: on GPUs the test of each row's largest value is a kernel of its own per call. Without, rows
+    beyond SAFE_ABS are scaled down by a power of two (exact in either dtype) and back."""
     if max_abs is not None:
         if not 0 < max_abs <= SAFE_ABS:
             raise ValueError(f"max_abs must be in (0, 2^100], got {max_abs}")
         return _product(jnp.clip(x, -max_abs, max_abs), h, one_token)
     big = jnp.max(jnp.abs(x), axis=-1, keepdims=True) > SAFE_ABS
-    s = jnp.where(big, 2.0 ** -16, 1.0)
-    return _product(x * s, h, one_token) / s
+    s = jnp.where(big, 2.0 ** -16, 1.0).astype(x.dtype)
+    return _product(x * s, h, one_token) / s.astype(jnp.float32)
 
 
 def rotate(x: jnp.ndarray, out_dtype=None, *, max_abs: float | None = None,
@@ -83,21 +84,14 @@ def rotate(x: jnp.ndarray, out_dtype=None, *, max_abs: float | None = None,
 
 
 def _signs_product(x: jnp.ndarray, max_abs: float | None) -> jnp.ndarray:
-    """bf16 x [..., D] @ H in fp32: the product of x with the matrix's signs (+-1, exact in bf16)
-    accumulated in fp32, then one multiply by 1/sqrt(D). Every product is exact, so this is the fp32
-    rotation up to the order of its sums, in one single-pass bf16 product where the fp32 one at full
-    precision takes several (the query/K/V rotation of a Llama-3-8B decode step at 32 x 8K on an H100:
-    0.094 against 0.173 ms, benchmarks/results/2026-12-06_engine_gpu.md)."""
+    """bf16 x [..., D] @ H in fp32: x times the matrix's signs (+-1, exact in bf16) with fp32 sums,
+    then one multiply by 1/sqrt(D). Every product is exact, so this is the fp32 rotation up to the
+    order of its sums, in one single-pass bf16 product where the fp32 one at full precision takes
+    several (the query/K/V rotation of a Llama-3-8B decode step at 32 x 8K on an H100: 0.094 against
+    0.173 ms, benchmarks/results/2026-12-06_engine_gpu.md)."""
     n = x.shape[-1]
     signs = jnp.asarray(np.sign(hadamard_matrix_np(n)), jnp.bfloat16)
-    if max_abs is not None:
-        if not 0 < max_abs <= SAFE_ABS:
-            raise ValueError(f"max_abs must be in (0, 2^100], got {max_abs}")
-        y = jnp.matmul(jnp.clip(x, -max_abs, max_abs), signs, preferred_element_type=jnp.float32)
-    else:  # rows beyond SAFE_ABS scaled down by a power of two (exact in bf16) and back
-        s = jnp.where(jnp.max(jnp.abs(x), axis=-1, keepdims=True).astype(jnp.float32) > SAFE_ABS, 2.0 ** -16, 1.0)
-        y = jnp.matmul((x * s.astype(x.dtype)), signs, preferred_element_type=jnp.float32) / s
-    return y * np.float32(1.0 / np.sqrt(n))
+    return _matmul(x, signs, max_abs) * np.float32(1.0 / np.sqrt(n))
 
 
 def unrotate(x: jnp.ndarray, out_dtype=None, *, max_abs: float | None = None,

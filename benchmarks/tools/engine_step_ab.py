@@ -68,7 +68,8 @@ def apply(variant: str) -> None:
         launch.default_num_splits = lambda *a, **k: n
     elif variant == "uncapped":
         table = _ORIGINAL[3]
-        entry.launch_table = lambda device=None: dataclasses.replace(table(device), tiled_wide=(2, None), wide_splits=2)
+        entry.launch_table = lambda device=None: dataclasses.replace(table(device), tiled_wide_full=(2, None),
+                                                                        wide_splits=2)
     else:
         raise SystemExit(f"unknown variant {variant!r} (base, f32rot, nounrot, splitsN, uncapped)")
 
