@@ -8,8 +8,8 @@
 #   kernel    decode kernel: the default launch checked against the reference at full shapes with a
 #             bfloat16 cache, then timed with bfloat16 and float16 caches (the latter the ceiling)
 #   sweep     the bf16-cache kernel's launch at batch x kv heads >= SMs (the default: two warps capped
-#             at 128 registers, 3 splits; two uncapped warps in the splits rule's count, the launch
-#             before; capped at 112 registers), checked, then timed
+#             at 128 registers; capped at 96, which fits 10 programs an SM instead of 8 but spills, and
+#             at 120) in 3 and 4 splits, checked, then timed
 #   engine_ab the Llama-3-8B step at 32 x 8K in one process (tools/engine_step_ab.py): fp16, and
 #             kvarn_k4v2_g128 with the default launch against the uncapped two-warp one
 #   engine    generate.py, SmolLM2-135M shapes: batch 32 x 2K (fp16, int8, kvarn_k4v2_g128) and batch 1;
@@ -53,8 +53,8 @@ for s in $sections; do
             --schemes kvarn_k4v2_g128,int8 --no-baselines --json "$out/kernel_f16.json"
         grep -hE "rel L2|of roofline|FAIL" "$out"/kernel_*.log ;;
     sweep)
-        run sweep_bf16 300 python benchmarks/decode.py --dtype bfloat16 --shapes 32x8192,128x4096,32x32768 \
-            --schemes kvarn_k4v2_g128 --variants default,num_warps=2,maxnreg=112 \
+        run sweep_bf16 300 python benchmarks/decode.py --dtype bfloat16 --shapes 32x8192,128x4096 \
+            --schemes kvarn_k4v2_g128 --variants default,maxnreg=96,maxnreg=120 --splits 3,4 \
             --check --no-baselines --json "$out/sweep_bf16.json"
         grep -hE "check|of roofline|FAIL" "$out/sweep_bf16.log" ;;
     engine_ab)

@@ -614,11 +614,12 @@ class Engine:
         commits = []
         for i, s in enumerate(todo):
             pos = len(s.prompt) + s.scheduled - 1  # the last generated token is written now
-            meta[i, :len(DECODE_COLS)] = (pos, self._slots(s, np.array([pos]))[0], s.slot,
+            blk = s.blocks[pos // bs]  # one position: `_slots` without its array round trip
+            meta[i, :len(DECODE_COLS)] = (pos, NO_PAGE if blk == NO_PAGE else blk * bs + pos % bs, s.slot,
                                           np.uint32(s.params.seed).view(np.int32), s.scheduled)
             # its block is full after this step and has a page to be quantized into
-            if pool.quantized and pos % bs == bs - 1 and s.blocks[pos // bs] != NO_PAGE:
-                commits.append((s.blocks[pos // bs], s.slot, pos - bs + 1))
+            if pool.quantized and pos % bs == bs - 1 and blk != NO_PAGE:
+                commits.append((blk, s.slot, pos - bs + 1))
             s.scheduled += 1
         tok, pool.caches, pool.last_tokens = self.runner.decode(pool.caches, pool.last_tokens, meta, fmeta)
         if commits:
