@@ -73,39 +73,19 @@ def test_resolve_launch_decides_every_option(cfg, batch, ctx, want):
 
 
 def test_wide_caches_take_their_own_tiled_launch():
-    """A bf16/fp32 cache (CallShape.wide) takes `tiled_wide_full` (whole tiles, <= 2-bit values, at
-    least as many pairs as SMs: two warps capped, `wide_splits` splits, the count not rounded to a
-    power of two for the Pallas merge) or `tiled_wide` (other tiled launches, the splits rule) where
-    an fp16 cache takes `tiled`, with two stages (the read-ahead is the one-warp launch's), and
-    narrows by the bound; `tiled_latency` (a batch below the SM count, 4-bit values) does not depend
-    on the dtype."""
-    def run(scheme, batch, wide, max_blocks=64, launch=pdp.Launch()):
-        return pdp.resolve_launch(kj.parse(scheme), pdp.CallShape(
-            batch=batch, q_heads=32, kv_heads=8, head_dim=128, block_size=128, max_blocks=max_blocks,
-            interpret=False, wide=wide), launch, pdp.HOPPER)
-    narrow, wide = run("kvarn_k4v2_g128", 32, False), run("kvarn_k4v2_g128", 32, True)
+    """A bf16/fp32 cache (CallShape.wide) takes `tiled_wide` where an fp16 cache takes `tiled`, with
+    two stages (the read-ahead is the one-warp launch's), and narrows by the bound; launches that
+    are not `tiled` (a batch below the SM count: `tiled_latency`) do not depend on the dtype."""
+    cfg = kj.parse("kvarn_k4v2_g128")
+
+    def run(batch, wide):
+        return pdp.resolve_launch(cfg, pdp.CallShape(batch=batch, q_heads=32, kv_heads=8, head_dim=128, block_size=128,
+                                                     max_blocks=64, interpret=False, wide=wide), pdp.Launch(), pdp.HOPPER)
+    narrow, wide = run(32, False), run(32, True)
     assert (narrow.num_warps, narrow.maxnreg, narrow.num_stages) == (*pdp.HOPPER.tiled, 3)
-    assert (wide.num_warps, wide.maxnreg, wide.num_stages) == (*pdp.HOPPER.tiled_wide_full, 2)
-    assert wide.narrow == "bound" and pdp.HOPPER.tiled_wide_full != pdp.HOPPER.tiled
-    assert (wide.num_splits, wide.merge) == (pdp.HOPPER.wide_splits, "pallas") and narrow.num_splits == 4
-    assert run("kivi_k2v2_g128", 32, True).num_splits == pdp.HOPPER.wide_splits
-    assert run("kvarn_k4v2_g128", 128, True, max_blocks=32).num_splits == pdp.HOPPER.wide_splits
-    assert run("kvarn_k4v2_g128", 32, True, max_blocks=2).num_splits == 1   # at most one split per two tiles
-    assert run("kvarn_k4v2_g128", 4, True) == run("kvarn_k4v2_g128", 4, False)
-    # an explicit count or launch keeps its own
-    assert run("kvarn_k4v2_g128", 32, True, launch=pdp.Launch(num_splits=2)).num_splits == 2
-    assert run("kvarn_k4v2_g128", 32, True, launch=pdp.Launch(num_warps=2)).num_splits != pdp.HOPPER.wide_splits
-    # 4-bit values: `tiled_latency` (the same warps and cap) with the splits rule's count
-    k4v4 = run("kvarn_k4v4_g128", 32, True)
-    assert (k4v4.num_warps, k4v4.maxnreg) == pdp.HOPPER.tiled_latency
-    assert k4v4.num_splits == pdp.default_num_splits(32, 8, 64, *pdp.HOPPER.tiled_latency, pdp.HOPPER)
-    # 8-bit values (or parts > 1) at any batch: `tiled_wide`, uncapped, with the splits rule's count
-    for batch in (1, 32):
-        k4v8, k8v8 = run("kvarn_k4v8_g128", batch, True), run("kvarn_k8v8_g128", batch, True)
-        assert (k4v8.num_warps, k4v8.maxnreg) == (k8v8.num_warps, k8v8.maxnreg) == pdp.HOPPER.tiled_wide
-        assert k4v8.num_splits == pdp.default_num_splits(batch, 8, 64, *pdp.HOPPER.tiled_wide, pdp.HOPPER)
-    parts = run("kvarn_k4v2_g128", 32, True, launch=pdp.Launch(parts=2))
-    assert (parts.num_warps, parts.maxnreg) == pdp.HOPPER.tiled_wide and pdp.HOPPER.tiled_wide[1] is None
+    assert (wide.num_warps, wide.maxnreg, wide.num_stages) == (*pdp.HOPPER.tiled_wide, 2)
+    assert wide.narrow == "bound" and pdp.HOPPER.tiled_wide != pdp.HOPPER.tiled
+    assert run(4, True) == run(4, False)
 
 
 def test_resolve_launch_names_the_bad_option():

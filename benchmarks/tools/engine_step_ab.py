@@ -8,8 +8,11 @@ turn on one prefilled engine, so machine drift between processes does not enter 
 Per `--run SCHEME:VARIANTS` one engine (random bf16 weights of the architecture) prefills `batch`
 random prompts once; each variant's decode executable is compiled once in an executable cache of its
 own, then `rounds` rounds time `steps` decode steps of every variant in turn (after two untimed
-steps). Rows: median and min ms/step over the rounds; with `--profile` (GPU) three traced steps per
-variant: device-busy ms (overlapping kernels merged) and kernels a step.
+steps). Rows: median and min ms/step over the rounds, and per step the host's time inside the decode
+executable's call (dispatch: with the previous step still running, a call that waits for the device
+shows here), waiting for the sampled tokens afterwards, and receiving them; with `--profile` (GPU)
+three traced steps per variant: device-busy ms (overlapping kernels merged), kernels a step and the
+host events that took longest (`host_events`).
 
 Variants (marked t: timing only, wrong outputs):
   base      the code as it is
@@ -17,8 +20,9 @@ Variants (marked t: timing only, wrong outputs):
   nounrot   (t) the decode output left in the rotated frame: the most folding the unrotation into
             o_proj could save
   splitsN   every decode call with N splits
-  uncapped  a bf16/fp32 cache's launch of 335d67a: two warps without a register cap, 2 splits at
-            batch x kv heads >= SMs (now capped at 128 registers, 3 splits)
+  capped3   a bf16/fp32 cache's launch at batch x kv heads >= SMs capped at 128 registers in 3
+            splits (the default is uncapped, in the splits rule's count: 2 at Llama-3-8B's 32 x 8K);
+            faster alone (decode.py), slower in this step (benchmarks/results/2026-12-06_engine_gpu.md)
 """
 
 from __future__ import annotations
@@ -66,22 +70,77 @@ def apply(variant: str) -> None:
     elif variant.startswith("splits") and variant[6:].isdigit():
         n = int(variant[6:])
         launch.default_num_splits = lambda *a, **k: n
-    elif variant == "uncapped":
+    elif variant == "capped3":
         table = _ORIGINAL[3]
-        entry.launch_table = lambda device=None: dataclasses.replace(table(device), tiled_wide_full=(2, None),
-                                                                        wide_splits=2)
+        entry.launch_table = lambda device=None: dataclasses.replace(table(device), tiled_wide=(2, 128))
+        launch.default_num_splits = lambda *a, **k: 3
     else:
-        raise SystemExit(f"unknown variant {variant!r} (base, f32rot, nounrot, splitsN, uncapped)")
+        raise SystemExit(f"unknown variant {variant!r} (base, f32rot, nounrot, splitsN, capped3)")
 
 
 def profile(engine: Engine, steps: int = 3) -> dict:
-    """Device-busy ms and kernels per decode step over `steps` traced steps (`generate.device_kernels`)."""
+    """Device-busy ms and kernels per decode step over `steps` traced steps (`generate.device_kernels`),
+    and the 25 host events with the most time a step."""
     folder = tempfile.mkdtemp(prefix="engine_step_ab_")
     with jax.profiler.trace(folder):
         for _ in range(steps):
             engine.step()
         engine._drain()
-    return device_kernels(folder, steps)
+    return {**device_kernels(folder, steps), "host_events": host_events(folder, steps)}
+
+
+def host_events(folder: str, steps: int, top: int = 25) -> list:
+    """[thread, event, calls a step, ms a step] of a trace's host planes, longest first."""
+    import glob
+
+    from jax.profiler import ProfileData
+
+    data = ProfileData.from_file(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0])
+    total = {}
+    for plane in data.planes:
+        if plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            for e in line.events:
+                t = total.setdefault((line.name[:40], e.name[:100]), [0, 0.0])
+                t[0] += 1
+                t[1] += e.duration_ns / 1e6
+    rows = sorted(total.items(), key=lambda kv: -kv[1][1])[:top]
+    return [[line, name, c / steps, ms / steps] for (line, name), (c, ms) in rows]
+
+
+class HostClock:
+    """Host time of an engine's decode steps: inside the decode executable's call, waiting for the
+    sampled tokens, receiving them (seconds, summed until `take`)."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.acc = engine, {"dispatch": 0.0, "wait": 0.0, "collect": 0.0}
+        decode, collect = engine.runner.decode, engine._collect
+
+        def timed_decode(*a, **k):
+            t = time.perf_counter()
+            out = decode(*a, **k)
+            self.acc["dispatch"] += time.perf_counter() - t
+            return out
+
+        def timed_collect(launched, *a):
+            t = time.perf_counter()
+            for launch_ in launched:
+                jax.block_until_ready(launch_[2])
+            t1 = time.perf_counter()
+            collect(launched, *a)
+            self.acc["wait"] += t1 - t
+            self.acc["collect"] += time.perf_counter() - t1
+
+        engine.runner.decode, engine._collect = timed_decode, timed_collect
+
+    def take(self, steps: int) -> dict:
+        out = {k: 1e3 * v / steps for k, v in self.acc.items()}
+        self.acc = dict.fromkeys(self.acc, 0.0)
+        return out
+
+    def close(self) -> None:
+        del self.engine.runner.decode, self.engine._collect  # the instance attributes set above
 
 
 def main() -> int:
@@ -118,7 +177,7 @@ def main() -> int:
         engine._drain()
         print(f"{scheme}: engine and prefill {time.perf_counter() - t0:.1f} s", flush=True)
         shared = runner._COMPILED  # prefill and store/commit executables serve every variant
-        stores, times = {}, {v: [] for v in variants}
+        stores, times, hosts = {}, {v: [] for v in variants}, {v: [] for v in variants}
         for v in variants:
             apply(v)
             jax.clear_caches()  # nested jitted functions would otherwise keep the previous variant's trace
@@ -135,23 +194,31 @@ def main() -> int:
                 for _ in range(WARM):
                     engine.step()
                 engine._drain()
+                clock = HostClock(engine)
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
                     engine.step()
                 engine._drain()
                 times[v].append(1e3 * (time.perf_counter() - t0) / args.steps)
-        row = {v: {"median_ms": statistics.median(t), "min_ms": min(t), "blocks_ms": t} for v, t in times.items()}
+                hosts[v].append(clock.take(args.steps))
+                clock.close()
+        row = {v: {"median_ms": statistics.median(t), "min_ms": min(t), "blocks_ms": t,
+                   "host_ms": {k: statistics.median(h[k] for h in hosts[v]) for k in hosts[v][0]},
+                   "host_blocks_ms": hosts[v]} for v, t in times.items()}
         if args.profile and jax.default_backend() == "gpu":
             for v in variants:
                 apply(v)
                 runner._COMPILED = stores[v]
                 row[v]["profile"] = profile(engine)
         for v, x in row.items():
-            line = f"  {scheme} {v}: median {x['median_ms']:.3f} ms/step, min {x['min_ms']:.3f}"
+            line = (f"  {scheme} {v}: median {x['median_ms']:.3f} ms/step, min {x['min_ms']:.3f}; host "
+                    + ", ".join(f"{k} {ms:.3f}" for k, ms in x["host_ms"].items()))
             if "profile" in x:
                 line += (f"; busy {x['profile']['busy_ms_per_step']:.3f} ms, "
                          f"{x['profile']['kernels_per_step']:.0f} kernels a step")
             print(line, flush=True)
+            for _, event, calls, ms in x.get("profile", {}).get("host_events", [])[:12]:
+                print(f"    host {event[:80]:80s} {calls:6.1f} calls {ms:8.3f} ms a step", flush=True)
         res["rows"][scheme] = row
         apply("base")
         runner._COMPILED = shared

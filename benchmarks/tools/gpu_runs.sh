@@ -4,14 +4,17 @@
 #
 #   bash benchmarks/tools/gpu_runs.sh OUT_DIR [SECTION ...]
 #
-# Sections (default: all but sweep and engine_ab, in this order):
+# Sections (default: all but sweep, engine_ab and host, in this order):
 #   kernel    decode kernel: the default launch checked against the reference at full shapes with a
 #             bfloat16 cache, then timed with bfloat16 and float16 caches (the latter the ceiling)
-#   sweep     the bf16-cache kernel's launch at batch x kv heads >= SMs (the default: two warps capped
-#             at 128 registers; capped at 96, which fits 10 programs an SM instead of 8 but spills, and
-#             at 120) in 3 and 4 splits, checked, then timed
+#   sweep     the bf16-cache kernel's launch at batch x kv heads >= SMs (the default: two uncapped
+#             warps; capped at 128, 120 and 96 registers, the last fitting 10 programs an SM but
+#             spilling) in 2, 3 and 4 splits, checked, then timed (the kernel alone: engine_ab decides)
 #   engine_ab the Llama-3-8B step at 32 x 8K in one process (tools/engine_step_ab.py): fp16, and
-#             kvarn_k4v2_g128 with the default launch against the uncapped two-warp one
+#             kvarn_k4v2_g128 with the default launch against two warps capped at 128 registers in 3 splits
+#   host      the SmolLM2-135M step at 32 x 2K in one process per XLA setting (tools/engine_step_ab.py):
+#             host time inside the decode call against the device's, with the trace's longest host
+#             events; XLA's defaults, then custom calls recorded into command buffers too
 #   engine    generate.py, SmolLM2-135M shapes: batch 32 x 2K (fp16, int8, kvarn_k4v2_g128) and batch 1;
 #             batch 32 again with XLA's command buffers off
 #   llama     generate.py, Llama-3-8B shapes (32 layers), batch 32 x 8K prompt, 128 new tokens
@@ -54,14 +57,21 @@ for s in $sections; do
         grep -hE "rel L2|of roofline|FAIL" "$out"/kernel_*.log ;;
     sweep)
         run sweep_bf16 300 python benchmarks/decode.py --dtype bfloat16 --shapes 32x8192,128x4096 \
-            --schemes kvarn_k4v2_g128 --variants default,maxnreg=96,maxnreg=120 --splits 3,4 \
+            --schemes kvarn_k4v2_g128 --variants default,maxnreg=128,maxnreg=96,maxnreg=120 --splits 2,3,4 \
             --check --no-baselines --json "$out/sweep_bf16.json"
         grep -hE "check|of roofline|FAIL" "$out/sweep_bf16.log" ;;
     engine_ab)
         run engine_ab 280 python benchmarks/tools/engine_step_ab.py --config llama3-8b --batch 32 \
-            --prompt-len 8192 --run fp16 --run kvarn_k4v2_g128:base,uncapped --rounds 3 --profile \
+            --prompt-len 8192 --run fp16 --run kvarn_k4v2_g128:base,capped3 --rounds 3 --profile \
             --json "$out/engine_ab.json"
         grep -hE "median" "$out/engine_ab.log" ;;
+    host)
+        run host_default 200 python benchmarks/tools/engine_step_ab.py --config smollm2-135m --batch 32 \
+            --prompt-len 2048 --run fp16 --run kvarn_k4v2_g128 --rounds 3 --profile --json "$out/host_default.json"
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+CUSTOM_CALL" run host_cb_custom_call 200 \
+            python benchmarks/tools/engine_step_ab.py --config smollm2-135m --batch 32 --prompt-len 2048 \
+            --run fp16 --run kvarn_k4v2_g128 --rounds 3 --profile --json "$out/host_cb_custom_call.json"
+        grep -hE "median|    host " "$out"/host_*.log ;;
     engine)
         run smollm2_b32 150 python $G --config smollm2-135m --batch 32 --prompt-len 2048 --new-tokens 64 \
             --repeats 2 --kv-cache-dtype fp16,int8,kvarn_k4v2_g128 --json "$out/smollm2_b32.json"
@@ -93,7 +103,7 @@ for s in $sections; do
             --json "$out/accuracy.json" --md "$out/accuracy.md"
         grep -h "rel L2" "$out/accuracy.log" ;;
     *)
-        echo "unknown section $s (kernel sweep engine_ab engine llama capacity bridge accuracy)" >&2
+        echo "unknown section $s (kernel sweep engine_ab host engine llama capacity bridge accuracy)" >&2
         exit 2 ;;
     esac
 done

@@ -106,13 +106,15 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
         if masked:
             lo = ws if lo is None else lo
             ss = [jnp.where(per_token((pos >= lo) & (pos < length)), s, NEG) for s, pos in zip(ss, poss)]
-        # the token classes' blocks share one layout: combined elementwise first, then one reduction
-        # over the token axis (a reduction across the program's warps goes through shared memory)
-        m_new = jnp.maximum(m, jnp.max(functools.reduce(jnp.maximum, ss), axis=ax))
+        m_new = m
+        for s in ss:
+            m_new = jnp.maximum(m_new, jnp.max(s, axis=ax))
         alpha = jnp.exp2(m - m_new)
         # masked logits give exactly 0: m_new is finite, every processed chunk holding a valid position
         ps = [jnp.exp2(s - per_head(m_new)) for s in ss]
-        l_new = alpha * l + jnp.sum(functools.reduce(jnp.add, ps), axis=ax)
+        l_new = alpha * l
+        for p in ps:
+            l_new = l_new + jnp.sum(p, axis=ax)
         contrib = value_fn(ps)
         return m_new, l_new, tuple(per_head(alpha) * a + c for a, c in zip(acc, contrib))
 

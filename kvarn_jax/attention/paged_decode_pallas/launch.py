@@ -96,31 +96,21 @@ def default_launch(cfg: KVQuantConfig, batch: int, num_kv_heads: int, orient: st
                    table: LaunchTable | None = None, wide: bool = False) -> tuple[int, int | None]:
     """(num_warps, maxnreg) per program. KVarN/KIVI tokens-major whole tiles: `tiled_latency` for
     4-bit values and for <= 2-bit values with fewer (sequence, kv head) pairs than SMs, else
-    `tiled` (for a bf16/fp32 cache, wide: `tiled_wide`, or `tiled_wide_full` where whole tiles with
-    <= 2-bit values meet at least as many pairs as SMs, `_tiled_launch`). Per-token schemes: `per_token_step` when they step `step_tokens` tokens (chunk: the step if not
-    that), else `per_token_grouped_8bit` or `per_token`."""
+    `tiled` (`tiled_wide` for a bf16/fp32 cache: wide). Per-token schemes: `per_token_step` when
+    they step `step_tokens` tokens (chunk: the step if not that), else `per_token_grouped_8bit` or
+    `per_token`."""
     table = table or launch_table()
     if cfg.method in ("kvarn", "kivi"):
-        return getattr(table, _tiled_launch(cfg, batch, num_kv_heads, orient, parts, steps, table, wide))
+        whole = (orient or default_orient(cfg)) == "tokens" and parts == 1 and steps == 1
+        pairs = batch * num_kv_heads
+        if whole and (cfg.v_bits == 4 or (cfg.v_bits <= 2 and pairs < table.num_sms)):
+            return table.tiled_latency
+        return table.tiled_wide if wide else table.tiled
     if default_chunk(cfg, None, orient, table) >= table.step_tokens and (chunk or table.step_tokens) >= table.step_tokens:
         return table.per_token_step
     heads = (orient or default_orient(cfg)) == "heads"
     grouped_8bit = cfg.method == "int" and cfg.k_bits == 8 and cfg.v_bits == 8 and (cfg.static or bool(cfg.group))
     return table.per_token_grouped_8bit if heads and grouped_8bit else table.per_token
-
-
-def _tiled_launch(cfg: KVQuantConfig, batch: int, num_kv_heads: int, orient: str | None, parts: int, steps: int,
-                  table: LaunchTable, wide: bool) -> str:
-    """Which `LaunchTable` entry KVarN/KIVI take: "tiled_latency" for whole tiles tokens-major with
-    4-bit values, or with <= 2-bit values and fewer (sequence, kv head) pairs than SMs; for a
-    bf16/fp32 cache (wide) "tiled_wide_full" for the other whole tiles with <= 2-bit values (the
-    launch measured with its own split count), else "tiled_wide"; "tiled" otherwise."""
-    whole = (orient or default_orient(cfg)) == "tokens" and parts == 1 and steps == 1
-    if whole and (cfg.v_bits == 4 or (cfg.v_bits <= 2 and batch * num_kv_heads < table.num_sms)):
-        return "tiled_latency"
-    if wide:
-        return "tiled_wide_full" if whole and cfg.v_bits <= 2 else "tiled_wide"
-    return "tiled"
 
 
 def default_stages(cfg: KVQuantConfig, batch: int, num_kv_heads: int, head_dim: int, orient: str | None = None,
@@ -255,15 +245,9 @@ def resolve_launch(cfg: KVQuantConfig, shape: CallShape, launch: Launch = Launch
         raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
     grp = shape.q_heads // hk
     gp, written = group_rows(grp, tokens_major)
-    max_tiles = shape.max_blocks * (shape.block_size // t_tok)
-    # the default `tiled_wide_full` launch takes a measured split count (its merge reads padding)
-    wide_splits = (launch.num_warps is None and tiled and (warps, maxnreg) == table.tiled_wide_full
-                   and _tiled_launch(cfg, shape.batch, hk, orient, parts, steps, table, shape.wide) == "tiled_wide_full")
-    if wide_splits:
-        splits = launch.num_splits or max(1, min(table.wide_splits, max_tiles // table.min_tiles_per_split))
-    else:
-        splits = launch.num_splits or default_num_splits(shape.batch, hk, max_tiles, warps, maxnreg, table)
-    if merge == "pallas" and not launch.num_splits and not wide_splits:  # a power of two: no padding read
+    splits = launch.num_splits or default_num_splits(shape.batch, hk, shape.max_blocks * (shape.block_size // t_tok),
+                                                     warps, maxnreg, table)
+    if merge == "pallas" and not launch.num_splits:  # a power of two: the merge then reads no padding
         splits = split_merge.unpadded_splits(splits)
     # One split and a GQA group that is a power of two: by default the kernel writes the final
     # output, with no merge kernel after it (merge="kernel"); an explicit merge keeps its own.

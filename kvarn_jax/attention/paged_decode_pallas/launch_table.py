@@ -1,7 +1,7 @@
 """Tuning data of the GPU decode kernel and its split merge, per GPU family (keyed by compute
 capability). Rules in `launch.py` read these numbers; docs/kernels.md ("Launch rules") gives the
 measurements they come from. Only Hopper (sm_90) has been measured, on an H200 (the splits' tile
-minimum and the bf16/fp32 cache's `tiled_wide_full` launch on an H100)."""
+minimum and `tiled_wide` on an H100)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ class LaunchTable:
       `max_programs_per_sm` (the shared memory of one-warp KVarN programs).
     Launches, (num_warps, maxnreg): `tiled_latency` for whole KVarN/KIVI tiles tokens-major with
       4-bit values or fewer (sequence, kv head) pairs than SMs; `tiled` for the other KVarN/KIVI
-      launches (`tiled_wide` with a bf16/fp32 cache; for whole tiles with <= 2-bit values and at
-      least as many pairs as SMs `tiled_wide_full`, in `wide_splits` splits); per-token schemes `per_token_step` stepping
+      launches (`tiled_wide` with a bf16/fp32 cache, on two warps: faster than one at 32 x 8192
+      on an H100, 0.121 vs 0.159 ms with balanced KVarN tiles; capped at 128 registers in 3 splits
+      the kernel alone took 0.110 ms, but the Llama-3-8B engine step 2% longer); per-token schemes `per_token_step` stepping
       `step_tokens` tokens (int codes tokens-major, fp8 heads-major), `per_token_grouped_8bit` (heads-major 8-bit keys and values
       with grouped or static scales), else `per_token`, stepping `chunk_tokens`.
     read_ahead_stages: pipeline stages of KVarN's one-warp whole-tile launch on tiles of at most
@@ -33,8 +34,7 @@ class LaunchTable:
       `ids_group` at a time. Other launches use 2.
     hp_chunk: tokens per step through the high-precision sink and tail (half under a register cap
       or with read-ahead stages).
-    Splits: `tiled_wide_full` launches take `wide_splits`; other launches with fewer pairs than SMs
-      about `small_batch_waves` waves of programs of at least
+    Splits: with fewer pairs than SMs, about `small_batch_waves` waves of programs of at least
       `min_tiles_per_split` tiles, a pair's at most 1 / `max_wave_share` of a wave.
     Merge (`merge.py`): heads-major partials in programs of about `merge_block` elements, at least
       `merge_programs_per_sm` programs per SM; tokens-major ones in programs of up to
@@ -52,8 +52,6 @@ class LaunchTable:
     tiled_latency: tuple[int, int | None] = (2, 128)
     tiled: tuple[int, int | None] = (1, None)
     tiled_wide: tuple[int, int | None] = (2, None)
-    tiled_wide_full: tuple[int, int | None] = (2, 128)
-    wide_splits: int = 3
     per_token_step: tuple[int, int | None] = (2, None)
     per_token_grouped_8bit: tuple[int, int | None] = (2, None)
     per_token: tuple[int, int | None] = (4, None)
