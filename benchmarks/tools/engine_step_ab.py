@@ -125,8 +125,8 @@ class HostClock:
 
         def timed_collect(launched, *a):
             t = time.perf_counter()
-            for launch_ in launched:
-                jax.block_until_ready(launch_[2])
+            for sent in launched:
+                jax.block_until_ready(sent[2])
             t1 = time.perf_counter()
             collect(launched, *a)
             self.acc["wait"] += t1 - t
