@@ -20,6 +20,9 @@ Variants (marked t: timing only, wrong outputs):
   nounrot   (t) the decode output left in the rotated frame: the most folding the unrotation into
             o_proj could save
   splitsN   every decode call with N splits
+  stablemeta the step's packed metadata sent into the same device buffers every step (a donated
+            refill), so the step's parameters keep their addresses: whether XLA's command-buffer
+            update for parameters that move each step is what holds the host
   capped3   a bf16/fp32 cache's launch at batch x kv heads >= SMs capped at 128 registers in 3
             splits (the default is uncapped, in the splits rule's count: 2 at Llama-3-8B's 32 x 8K);
             faster alone (decode.py), slower in this step (benchmarks/results/2026-12-06_engine_gpu.md)
@@ -54,12 +57,45 @@ from kvarn_jax.serving import runner  # noqa: E402
 from generate import device_kernels  # noqa: E402
 
 WARM = 2
-_ORIGINAL = (hadamard._signs_product, paged_decode.unrotate, launch.default_num_splits, entry.launch_table)
+_ORIGINAL = (hadamard._signs_product, paged_decode.unrotate, launch.default_num_splits, entry.launch_table,
+             runner.ModelRunner.decode)
 
+
+
+class _StableBuffers:
+    """Host arrays sent into the same device buffer every step: a one-line executable that donates
+    the previous step's buffer takes the new values into it, so the step's parameters keep their
+    addresses (XLA then has no command-buffer nodes to update for them)."""
+
+    def __init__(self):
+        self.bufs = {}
+        # `old` must be used, or jit drops the argument and its donation (finite values: 0 * old is 0)
+        self.refill = jax.jit(lambda old, new: old * 0 + new, donate_argnums=0)
+
+    def __call__(self, x):
+        key = (x.shape, x.dtype)
+        buf = self.bufs.get(key)
+        self.bufs[key] = buf = jax.device_put(x) if buf is None else self.refill(buf, x)
+        return buf
+
+
+def _stable_decode(stable):
+    """`ModelRunner.decode` with its packed metadata in `_StableBuffers`."""
+    import functools
+
+    def decode(self, caches, last_tokens, meta, fmeta):
+        kernels, rotated = self._decode_kernels(caches)
+        sampled = bool((fmeta[:, 0] > 0).any())
+        past_sink = self._past_sink(caches, meta)
+        args = (self._weights, caches, last_tokens, stable(meta), stable(fmeta), kernels)
+        fn = functools.partial(self._decode_fn, sampled=sampled, past_sink=past_sink, rotated_o_proj=rotated)
+        return self._executable("decode", fn, args, donate=(1, 2), static=(sampled, past_sink, rotated))(*args)
+    return decode
 
 def apply(variant: str) -> None:
     """Put the module functions a variant changes in place (every other variant's undone)."""
-    hadamard._signs_product, paged_decode.unrotate, launch.default_num_splits, entry.launch_table = _ORIGINAL
+    (hadamard._signs_product, paged_decode.unrotate, launch.default_num_splits, entry.launch_table,
+     runner.ModelRunner.decode) = _ORIGINAL
     if variant == "base":
         return
     if variant == "f32rot":
@@ -74,8 +110,10 @@ def apply(variant: str) -> None:
         table = _ORIGINAL[3]
         entry.launch_table = lambda device=None: dataclasses.replace(table(device), tiled_wide=(2, 128))
         launch.default_num_splits = lambda *a, **k: 3
+    elif variant == "stablemeta":
+        runner.ModelRunner.decode = _stable_decode(_StableBuffers())
     else:
-        raise SystemExit(f"unknown variant {variant!r} (base, f32rot, nounrot, splitsN, capped3)")
+        raise SystemExit(f"unknown variant {variant!r} (base, f32rot, nounrot, splitsN, capped3, stablemeta)")
 
 
 def profile(engine: Engine, steps: int = 3) -> dict:

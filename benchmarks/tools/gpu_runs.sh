@@ -14,7 +14,8 @@
 #             kvarn_k4v2_g128 with the default launch against two warps capped at 128 registers in 3 splits
 #   host      the SmolLM2-135M step at 32 x 2K in one process per XLA setting (tools/engine_step_ab.py):
 #             host time inside the decode call against the device's, with the trace's longest host
-#             events; XLA's defaults, then custom calls recorded into command buffers too
+#             events; XLA's defaults (also with the metadata in buffers that keep their addresses,
+#             variant stablemeta), then custom calls recorded into command buffers too
 #   engine    generate.py, SmolLM2-135M shapes: batch 32 x 2K (fp16, int8, kvarn_k4v2_g128) and batch 1;
 #             batch 32 again with XLA's command buffers off
 #   llama     generate.py, Llama-3-8B shapes (32 layers), batch 32 x 8K prompt, 128 new tokens
@@ -66,8 +67,9 @@ for s in $sections; do
             --json "$out/engine_ab.json"
         grep -hE "median" "$out/engine_ab.log" ;;
     host)
-        run host_default 200 python benchmarks/tools/engine_step_ab.py --config smollm2-135m --batch 32 \
-            --prompt-len 2048 --run fp16 --run kvarn_k4v2_g128 --rounds 3 --profile --json "$out/host_default.json"
+        run host_default 260 python benchmarks/tools/engine_step_ab.py --config smollm2-135m --batch 32 \
+            --prompt-len 2048 --run fp16:base,stablemeta --run kvarn_k4v2_g128:base,stablemeta --rounds 3 \
+            --profile --json "$out/host_default.json"
         XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+CUSTOM_CALL" run host_cb_custom_call 200 \
             python benchmarks/tools/engine_step_ab.py --config smollm2-135m --batch 32 --prompt-len 2048 \
             --run fp16 --run kvarn_k4v2_g128 --rounds 3 --profile --json "$out/host_cb_custom_call.json"
