@@ -86,6 +86,10 @@ def test_wide_caches_take_their_own_tiled_launch():
     assert (wide.num_warps, wide.maxnreg, wide.num_stages) == (*pdp.HOPPER.tiled_wide, 2)
     assert wide.narrow == "bound" and pdp.HOPPER.tiled_wide != pdp.HOPPER.tiled
     assert run(4, True) == run(4, False)
+    # uncapped, in the splits rule's count: the launch the Llama-3-8B engine step ran fastest with
+    # (2 splits at 32 x 8K; capped at 128 registers in 3 splits the step was 2% slower on an H100)
+    assert wide.maxnreg is None and wide.num_splits == 2
+    assert wide.num_splits == pdp.default_num_splits(32, 8, 64, *pdp.HOPPER.tiled_wide, pdp.HOPPER)
 
 
 def test_resolve_launch_names_the_bad_option():
