@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -61,7 +62,6 @@ _ORIGINAL = (hadamard._signs_product, paged_decode.unrotate, launch.default_num_
              runner.ModelRunner.decode)
 
 
-
 class _StableBuffers:
     """Host arrays sent into the same device buffer every step: a one-line executable that donates
     the previous step's buffer takes the new values into it, so the step's parameters keep their
@@ -81,8 +81,6 @@ class _StableBuffers:
 
 def _stable_decode(stable):
     """`ModelRunner.decode` with its packed metadata in `_StableBuffers`."""
-    import functools
-
     def decode(self, caches, last_tokens, meta, fmeta):
         kernels, rotated = self._decode_kernels(caches)
         sampled = bool((fmeta[:, 0] > 0).any())
@@ -91,6 +89,7 @@ def _stable_decode(stable):
         fn = functools.partial(self._decode_fn, sampled=sampled, past_sink=past_sink, rotated_o_proj=rotated)
         return self._executable("decode", fn, args, donate=(1, 2), static=(sampled, past_sink, rotated))(*args)
     return decode
+
 
 def apply(variant: str) -> None:
     """Put the module functions a variant changes in place (every other variant's undone)."""
