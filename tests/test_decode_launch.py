@@ -78,9 +78,9 @@ def test_wide_caches_take_their_own_tiled_launch():
     are not `tiled` (a batch below the SM count: `tiled_latency`) do not depend on the dtype."""
     cfg = kj.parse("kvarn_k4v2_g128")
 
-    def run(batch, wide):
+    def run(batch, wide, max_blocks=64, launch=pdp.Launch()):
         return pdp.resolve_launch(cfg, pdp.CallShape(batch=batch, q_heads=32, kv_heads=8, head_dim=128, block_size=128,
-                                                     max_blocks=64, interpret=False, wide=wide), pdp.Launch(), pdp.HOPPER)
+                                                     max_blocks=max_blocks, interpret=False, wide=wide), launch, pdp.HOPPER)
     narrow, wide = run(32, False), run(32, True)
     assert (narrow.num_warps, narrow.maxnreg, narrow.num_stages) == (*pdp.HOPPER.tiled, 3)
     assert (wide.num_warps, wide.maxnreg, wide.num_stages) == (*pdp.HOPPER.tiled_wide, 2)
@@ -90,6 +90,10 @@ def test_wide_caches_take_their_own_tiled_launch():
     # (2 splits at 32 x 8K; capped at 128 registers in 3 splits the step was 2% slower on an H100)
     assert wide.maxnreg is None and wide.num_splits == 2
     assert wide.num_splits == pdp.default_num_splits(32, 8, 64, *pdp.HOPPER.tiled_wide, pdp.HOPPER)
+    assert wide.merge == "pallas" and narrow.num_splits == 4
+    # at most one split per two tiles; an explicit count keeps its own
+    assert run(32, True, max_blocks=2).num_splits == 1
+    assert run(32, True, launch=pdp.Launch(num_splits=3)).num_splits == 3
 
 
 def test_resolve_launch_names_the_bad_option():

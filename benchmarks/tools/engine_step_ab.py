@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import gc
 import json
 import os
@@ -59,7 +58,7 @@ from generate import device_kernels  # noqa: E402
 
 WARM = 2
 _ORIGINAL = (hadamard._signs_product, paged_decode.unrotate, launch.default_num_splits, entry.launch_table,
-             runner.ModelRunner.decode)
+             runner.ModelRunner._executable)
 
 
 class _StableBuffers:
@@ -79,22 +78,22 @@ class _StableBuffers:
         return buf
 
 
-def _stable_decode(stable):
-    """`ModelRunner.decode` with its packed metadata in `_StableBuffers`."""
-    def decode(self, caches, last_tokens, meta, fmeta):
-        kernels, rotated = self._decode_kernels(caches)
-        sampled = bool((fmeta[:, 0] > 0).any())
-        past_sink = self._past_sink(caches, meta)
-        args = (self._weights, caches, last_tokens, stable(meta), stable(fmeta), kernels)
-        fn = functools.partial(self._decode_fn, sampled=sampled, past_sink=past_sink, rotated_o_proj=rotated)
-        return self._executable("decode", fn, args, donate=(1, 2), static=(sampled, past_sink, rotated))(*args)
-    return decode
+def _stable_executable(stable):
+    """`ModelRunner._executable` whose decode executables take their packed metadata (arguments 3
+    and 4) through `_StableBuffers`; the runner's own decode is unchanged."""
+    original = _ORIGINAL[4]
 
+    def executable(self, kind, fn, args, *a, **k):
+        exe = original(self, kind, fn, args, *a, **k)
+        if kind != "decode":
+            return exe
+        return lambda *call: exe(*call[:3], stable(call[3]), stable(call[4]), *call[5:])
+    return executable
 
 def apply(variant: str) -> None:
     """Put the module functions a variant changes in place (every other variant's undone)."""
     (hadamard._signs_product, paged_decode.unrotate, launch.default_num_splits, entry.launch_table,
-     runner.ModelRunner.decode) = _ORIGINAL
+     runner.ModelRunner._executable) = _ORIGINAL
     if variant == "base":
         return
     if variant == "f32rot":
@@ -110,7 +109,7 @@ def apply(variant: str) -> None:
         entry.launch_table = lambda device=None: dataclasses.replace(table(device), tiled_wide=(2, 128))
         launch.default_num_splits = lambda *a, **k: 3
     elif variant == "stablemeta":
-        runner.ModelRunner.decode = _stable_decode(_StableBuffers())
+        runner.ModelRunner._executable = _stable_executable(_StableBuffers())
     else:
         raise SystemExit(f"unknown variant {variant!r} (base, f32rot, nounrot, splitsN, capped3, stablemeta)")
 
