@@ -116,12 +116,21 @@ def apply(variant: str) -> None:
 
 def profile(engine: Engine, steps: int = 3) -> dict:
     """Device-busy ms and kernels per decode step over `steps` traced steps (`generate.device_kernels`),
-    and the 25 host events with the most time a step."""
+    and the 25 host events with the most time a step; the steps are chosen so that no block commit
+    runs among them."""
+    bs = engine.block_size
+    while any((len(s.prompt) + s.scheduled + k - 1) % bs == bs - 1 for s in engine.pool().running
+              for k in range(steps + 1)):
+        engine.step()  # a block commit's call would be traced with the steps: step past it
+    engine._drain()
+    commits = engine.stats.commit_calls
     folder = tempfile.mkdtemp(prefix="engine_step_ab_")
     with jax.profiler.trace(folder):
         for _ in range(steps):
             engine.step()
         engine._drain()
+    if engine.stats.commit_calls != commits:
+        raise RuntimeError("a block commit ran in the traced steps")
     return {**device_kernels(folder, steps), "host_events": host_events(folder, steps)}
 
 

@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/tools/gpu_runs.sh OUT_DIR [SECTION ...]
 #
-# Sections (default: all but sweep, engine_ab and host, in this order):
+# Sections (default: all but sweep, engine_ab, host and host_xla, in this order):
 #   kernel    decode kernel: the default launch checked against the reference at full shapes with a
 #             bfloat16 cache, then timed with bfloat16 and float16 caches (the latter the ceiling)
 #   sweep     the bf16-cache kernel's launch at batch x kv heads >= SMs (the default: two uncapped
@@ -15,7 +15,9 @@
 #   host      the SmolLM2-135M step at 32 x 2K in one process per XLA setting (tools/engine_step_ab.py):
 #             host time inside the decode call against the device's, with the trace's longest host
 #             events; XLA's defaults (also with the metadata in buffers that keep their addresses,
-#             variant stablemeta), then custom calls recorded into command buffers too
+#             variant stablemeta)
+#   host_xla  the same (base only) with custom calls recorded into XLA's command buffers too, then with
+#             command buffers off
 #   engine    generate.py, SmolLM2-135M shapes: batch 32 x 2K (fp16, int8, kvarn_k4v2_g128) and batch 1;
 #             batch 32 again with XLA's command buffers off
 #   llama     generate.py, Llama-3-8B shapes (32 layers), batch 32 x 8K prompt, 128 new tokens
@@ -70,10 +72,14 @@ for s in $sections; do
         run host_default 260 python benchmarks/tools/engine_step_ab.py --config smollm2-135m --batch 32 \
             --prompt-len 2048 --run fp16:base,stablemeta --run kvarn_k4v2_g128:base,stablemeta --rounds 3 \
             --profile --json "$out/host_default.json"
-        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+CUSTOM_CALL" run host_cb_custom_call 200 \
-            python benchmarks/tools/engine_step_ab.py --config smollm2-135m --batch 32 --prompt-len 2048 \
-            --run fp16 --run kvarn_k4v2_g128 --rounds 3 --profile --json "$out/host_cb_custom_call.json"
-        grep -hE "median|    host " "$out"/host_*.log ;;
+        grep -hE "median|    host " "$out"/host_default.log ;;
+    host_xla)
+        for flags in cb_custom_call:+CUSTOM_CALL cb_off:; do
+            XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=${flags#*:}" run host_${flags%%:*} 190 \
+                python benchmarks/tools/engine_step_ab.py --config smollm2-135m --batch 32 --prompt-len 2048 \
+                --run fp16 --run kvarn_k4v2_g128 --rounds 3 --profile --json "$out/host_${flags%%:*}.json"
+            grep -hE "median|    host " "$out/host_${flags%%:*}.log"
+        done ;;
     engine)
         run smollm2_b32 150 python $G --config smollm2-135m --batch 32 --prompt-len 2048 --new-tokens 64 \
             --repeats 2 --kv-cache-dtype fp16,int8,kvarn_k4v2_g128 --json "$out/smollm2_b32.json"
@@ -105,7 +111,7 @@ for s in $sections; do
             --json "$out/accuracy.json" --md "$out/accuracy.md"
         grep -h "rel L2" "$out/accuracy.log" ;;
     *)
-        echo "unknown section $s (kernel sweep engine_ab host engine llama capacity bridge accuracy)" >&2
+        echo "unknown section $s (kernel sweep engine_ab host host_xla engine llama capacity bridge accuracy)" >&2
         exit 2 ;;
     esac
 done
