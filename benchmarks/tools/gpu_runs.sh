@@ -15,7 +15,8 @@
 #   host      the SmolLM2-135M step at 32 x 2K in one process per XLA setting (tools/engine_step_ab.py):
 #             host time inside the decode call against the device's, with the trace's longest host
 #             events; XLA's defaults (also with the metadata in buffers that keep their addresses,
-#             variant stablemeta)
+#             variant stablemeta), with the decode executables' thunk sequences summarized
+#             (tools/thunk_summary.py: what runs inside XLA's command buffers)
 #   host_xla  the same (base only) with custom calls recorded into XLA's command buffers too, then with
 #             command buffers off
 #   engine    generate.py, SmolLM2-135M shapes: batch 32 x 2K (fp16, int8, kvarn_k4v2_g128) and batch 1;
@@ -69,10 +70,16 @@ for s in $sections; do
             --json "$out/engine_ab.json"
         grep -hE "median" "$out/engine_ab.log" ;;
     host)
-        run host_default 260 python benchmarks/tools/engine_step_ab.py --config smollm2-135m --batch 32 \
+        # the decode executables' thunk sequences: what runs inside XLA's command buffers and what not
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/xla_dump --xla_dump_hlo_module_re=.*decode.*" \
+            run host_default 260 python benchmarks/tools/engine_step_ab.py --config smollm2-135m --batch 32 \
             --prompt-len 2048 --run fp16:base,stablemeta --run kvarn_k4v2_g128:base,stablemeta --rounds 3 \
             --profile --json "$out/host_default.json"
-        grep -hE "median|    host " "$out"/host_default.log ;;
+        find "$out/xla_dump" -type f ! -name "*thunk_sequence*" -delete 2>/dev/null
+        find "$out/xla_dump" -type d -empty -delete 2>/dev/null
+        python benchmarks/tools/thunk_summary.py "$out"/xla_dump/*thunk_sequence*.txt > "$out/thunks.txt"
+        grep -hE "median|    host " "$out"/host_default.log
+        cat "$out/thunks.txt" ;;
     host_xla)
         for flags in cb_custom_call:+CUSTOM_CALL cb_off:; do
             XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=${flags#*:}" run host_${flags%%:*} 190 \
