@@ -10,8 +10,8 @@ random prompts once; each variant's decode executable is compiled once in an exe
 own, then `rounds` rounds time `steps` decode steps of every variant in turn (after two untimed
 steps). Rows: median and min ms/step over the rounds, and per step the host's time inside the decode
 executable's call (dispatch: with the previous step still running, a call that waits for the device
-shows here), waiting for the sampled tokens afterwards, and receiving them; with `--profile` (GPU)
-three traced steps per variant: device-busy ms (overlapping kernels merged), kernels a step and the
+shows here; prewait: the serial variant's wait before the call), waiting for the sampled tokens
+afterwards, and receiving them; with `--profile` (GPU) three traced steps per variant: device-busy ms (overlapping kernels merged), kernels a step and the
 host events that took longest (`host_events`).
 
 Variants (marked t: timing only, wrong outputs):
@@ -23,6 +23,9 @@ Variants (marked t: timing only, wrong outputs):
   stablemeta the step's packed metadata sent into the same device buffers every step (a donated
             refill), so the step's parameters keep their addresses: whether XLA's command-buffer
             update for parameters that move each step is what holds the host
+  serial    each decode call made after the previous step finished (steps never overlap; the
+            wait is the host column prewait): whether XLA's per-execution buffers taking other
+            addresses while the previous step runs is what its command-buffer update costs
   capped3   a bf16/fp32 cache's launch at batch x kv heads >= SMs capped at 128 registers in 3
             splits (the default is uncapped, in the splits rule's count: 2 at Llama-3-8B's 32 x 8K);
             faster alone (decode.py), slower in this step (benchmarks/results/2026-12-06_engine_gpu.md)
@@ -90,6 +93,29 @@ def _stable_executable(stable):
         return lambda *call: exe(*call[:3], stable(call[3]), stable(call[4]), *call[5:])
     return executable
 
+_PREWAIT = [0.0]  # seconds the serial variant waited for the previous step before a decode call
+
+
+def _serial_executable():
+    """`ModelRunner._executable` whose decode executables wait for the previous step (their donated
+    caches) before the call, so no two steps overlap: XLA's per-execution buffers (temporaries,
+    outputs) can then take the same addresses every step. The wait is timed apart (`_PREWAIT`)."""
+    original = _ORIGINAL[4]
+
+    def executable(self, kind, fn, args, *a, **k):
+        exe = original(self, kind, fn, args, *a, **k)
+        if kind != "decode":
+            return exe
+
+        def call(*c):
+            t = time.perf_counter()
+            jax.block_until_ready(c[1])
+            _PREWAIT[0] += time.perf_counter() - t
+            return exe(*c)
+        return call
+    return executable
+
+
 def apply(variant: str) -> None:
     """Put the module functions a variant changes in place (every other variant's undone)."""
     (hadamard._signs_product, paged_decode.unrotate, launch.default_num_splits, entry.launch_table,
@@ -110,8 +136,10 @@ def apply(variant: str) -> None:
         launch.default_num_splits = lambda *a, **k: 3
     elif variant == "stablemeta":
         runner.ModelRunner._executable = _stable_executable(_StableBuffers())
+    elif variant == "serial":
+        runner.ModelRunner._executable = _serial_executable()
     else:
-        raise SystemExit(f"unknown variant {variant!r} (base, f32rot, nounrot, splitsN, capped3, stablemeta)")
+        raise SystemExit(f"unknown variant {variant!r} (base, f32rot, nounrot, splitsN, capped3, stablemeta, serial)")
 
 
 def profile(engine: Engine, steps: int = 3) -> dict:
@@ -159,13 +187,16 @@ class HostClock:
     sampled tokens, receiving them (seconds, summed until `take`)."""
 
     def __init__(self, engine: Engine):
-        self.engine, self.acc = engine, {"dispatch": 0.0, "wait": 0.0, "collect": 0.0}
+        self.engine, self.acc = engine, {"prewait": 0.0, "dispatch": 0.0, "wait": 0.0, "collect": 0.0}
+        _PREWAIT[0] = 0.0
         decode, collect = engine.runner.decode, engine._collect
 
         def timed_decode(*a, **k):
-            t = time.perf_counter()
+            t, before = time.perf_counter(), _PREWAIT[0]
             out = decode(*a, **k)
-            self.acc["dispatch"] += time.perf_counter() - t
+            waited = _PREWAIT[0] - before
+            self.acc["prewait"] += waited
+            self.acc["dispatch"] += time.perf_counter() - t - waited
             return out
 
         def timed_collect(launched, *a):

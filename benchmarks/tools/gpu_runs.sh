@@ -15,7 +15,7 @@
 #   host      the SmolLM2-135M step at 32 x 2K in one process per XLA setting (tools/engine_step_ab.py):
 #             host time inside the decode call against the device's, with the trace's longest host
 #             events; XLA's defaults (also with the metadata in buffers that keep their addresses,
-#             variant stablemeta), with the decode executables' thunk sequences summarized
+#             variant stablemeta; steps that never overlap, serial), with the decode executables' thunk sequences summarized
 #             (tools/thunk_summary.py: what runs inside XLA's command buffers)
 #   host_xla  the same (base only) with custom calls recorded into XLA's command buffers too, then with
 #             command buffers off
@@ -72,8 +72,8 @@ for s in $sections; do
     host)
         # the decode executables' thunk sequences: what runs inside XLA's command buffers and what not
         XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/xla_dump --xla_dump_hlo_module_re=.*decode.*" \
-            run host_default 260 python benchmarks/tools/engine_step_ab.py --config smollm2-135m --batch 32 \
-            --prompt-len 2048 --run fp16:base,stablemeta --run kvarn_k4v2_g128:base,stablemeta --rounds 3 \
+            run host_default 300 python benchmarks/tools/engine_step_ab.py --config smollm2-135m --batch 32 \
+            --prompt-len 2048 --run fp16:base,stablemeta,serial --run kvarn_k4v2_g128:base,stablemeta,serial --rounds 3 \
             --profile --json "$out/host_default.json"
         find "$out/xla_dump" -type f ! -name "*thunk_sequence*" -delete 2>/dev/null
         find "$out/xla_dump" -type d -empty -delete 2>/dev/null
