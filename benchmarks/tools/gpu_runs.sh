@@ -12,10 +12,10 @@
 #             spilling) in 2, 3 and 4 splits, checked, then timed (the kernel alone: engine_ab decides)
 #   engine_ab the Llama-3-8B step at 32 x 8K in one process (tools/engine_step_ab.py): fp16, and
 #             kvarn_k4v2_g128 with the default launch against two warps capped at 128 registers in 3 splits
-#   host      the SmolLM2-135M step at 32 x 2K in one process per XLA setting (tools/engine_step_ab.py):
-#             host time inside the decode call against the device's, with the trace's longest host
-#             events; XLA's defaults (also with the metadata in buffers that keep their addresses,
-#             variant stablemeta; steps that never overlap, serial), with the decode executables' thunk sequences summarized
+#   host      the SmolLM2-135M step at 32 x 2K in one process (tools/engine_step_ab.py): host time
+#             inside the decode call against the device's, with the trace's longest host events;
+#             variants stablemeta (the metadata in buffers that keep their addresses) and serial (steps
+#             that never overlap); the decode executables' thunk sequences summarized
 #             (tools/thunk_summary.py: what runs inside XLA's command buffers)
 #   host_xla  the same (base only) with custom calls recorded into XLA's command buffers too, then with
 #             command buffers off
