@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/tools/gpu_runs.sh OUT_DIR [SECTION ...]
 #
-# Sections (default: all but sweep, engine_ab, host and host_xla, in this order):
+# Sections (default: all but sweep, engine_ab and the host ones, in this order):
 #   kernel    decode kernel: the default launch checked against the reference at full shapes with a
 #             bfloat16 cache, then timed with bfloat16 and float16 caches (the latter the ceiling)
 #   sweep     the bf16-cache kernel's launch at batch x kv heads >= SMs (the default: two uncapped
@@ -17,8 +17,10 @@
 #             variants stablemeta (the metadata in buffers that keep their addresses) and serial (steps
 #             that never overlap); the decode executables' thunk sequences summarized
 #             (tools/thunk_summary.py: what runs inside XLA's command buffers)
-#   host_xla  the same (base only) with custom calls recorded into XLA's command buffers too, then with
-#             command buffers off
+#   host_skip_temp, host_cb_off  the same (base only) with XLA's command-buffer update mode SKIP_TEMP
+#             (temporaries at a fixed address), or with command buffers off
+#   host_vlog the same, few steps, with XLA's log of the allocations that move between calls and the
+#             commands it updates
 #   engine    generate.py, SmolLM2-135M shapes: batch 32 x 2K (fp16, int8, kvarn_k4v2_g128) and batch 1;
 #             batch 32 again with XLA's command buffers off
 #   llama     generate.py, Llama-3-8B shapes (32 layers), batch 32 x 8K prompt, 128 new tokens
@@ -80,13 +82,25 @@ for s in $sections; do
         python benchmarks/tools/thunk_summary.py "$out"/xla_dump/*thunk_sequence*.txt > "$out/thunks.txt"
         grep -hE "median|    host " "$out"/host_default.log
         cat "$out/thunks.txt" ;;
-    host_xla)
-        for flags in cb_custom_call:+CUSTOM_CALL cb_off:; do
-            XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=${flags#*:}" run host_${flags%%:*} 190 \
-                python benchmarks/tools/engine_step_ab.py --config smollm2-135m --batch 32 --prompt-len 2048 \
-                --run fp16 --run kvarn_k4v2_g128 --rounds 3 --profile --json "$out/host_${flags%%:*}.json"
-            grep -hE "median|    host " "$out/host_${flags%%:*}.log"
-        done ;;
+    host_skip_temp | host_cb_off)
+        # XLA's command buffers with the temporaries at a fixed virtual address (update mode
+        # SKIP_TEMP: commands that touch only moved temporaries are not updated), or off
+        flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP
+        [ $s = host_cb_off ] && flags=--xla_gpu_enable_command_buffer=
+        XLA_FLAGS="${XLA_FLAGS:-} $flags" run $s 200 python benchmarks/tools/engine_step_ab.py \
+            --config smollm2-135m --batch 32 --prompt-len 2048 --run fp16 --run kvarn_k4v2_g128 --rounds 3 \
+            --profile --json "$out/$s.json"
+        grep -hE "median|    host " "$out/$s.log" ;;
+    host_vlog)
+        # which of the decode executable's allocations move between calls, and how many commands
+        # XLA updates for it (XLA's own log lines)
+        TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=gpu_executable=5,command_executor=1,command_buffer_thunk=2 \
+            run host_vlog 150 python benchmarks/tools/engine_step_ab.py --config smollm2-135m --batch 32 \
+            --prompt-len 2048 --run fp16 --run kvarn_k4v2_g128 --rounds 1 --steps 4
+        grep -E "changed address|Updated [0-9]+ command|median|engine and prefill" "$out/host_vlog.log" | cut -c1-400 \
+            > "$out/host_vlog_lines.txt"
+        [ "$(stat -c %s "$out/host_vlog.log")" -gt 5000000 ] && gzip "$out/host_vlog.log"
+        grep -E "median" "$out/host_vlog_lines.txt"; grep -E "changed address|Updated" "$out/host_vlog_lines.txt" | sort | uniq -c | sort -rn | head -20 ;;
     engine)
         run smollm2_b32 150 python $G --config smollm2-135m --batch 32 --prompt-len 2048 --new-tokens 64 \
             --repeats 2 --kv-cache-dtype fp16,int8,kvarn_k4v2_g128 --json "$out/smollm2_b32.json"
@@ -118,7 +132,7 @@ for s in $sections; do
             --json "$out/accuracy.json" --md "$out/accuracy.md"
         grep -h "rel L2" "$out/accuracy.log" ;;
     *)
-        echo "unknown section $s (kernel sweep engine_ab host host_xla engine llama capacity bridge accuracy)" >&2
+        echo "unknown section $s (kernel sweep engine_ab host host_skip_temp host_cb_off host_vlog engine llama capacity bridge accuracy)" >&2
         exit 2 ;;
     esac
 done
