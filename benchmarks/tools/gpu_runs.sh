@@ -17,6 +17,7 @@
 #             variants stablemeta (the metadata in buffers that keep their addresses) and serial (steps
 #             that never overlap); the decode executables' thunk sequences summarized
 #             (tools/thunk_summary.py: what runs inside XLA's command buffers)
+#   host_quick the same without stablemeta, 2 rounds (for a short lease)
 #   host_skip_temp, host_cb_off  the same (base only) with XLA's command-buffer update mode SKIP_TEMP
 #             (temporaries at a fixed address), or with command buffers off
 #   host_vlog the same, few steps, with XLA's log of the allocations that move between calls and the
@@ -71,11 +72,13 @@ for s in $sections; do
             --prompt-len 8192 --run fp16 --run kvarn_k4v2_g128:base,capped3 --rounds 3 --profile \
             --json "$out/engine_ab.json"
         grep -hE "median" "$out/engine_ab.log" ;;
-    host)
+    host | host_quick)
+        variants=base,stablemeta,serial rounds=3 limit=300
+        [ $s = host_quick ] && variants=base,serial rounds=2 limit=220
         # the decode executables' thunk sequences: what runs inside XLA's command buffers and what not
         XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/xla_dump --xla_dump_hlo_module_re=.*decode.*" \
-            run host_default 300 python benchmarks/tools/engine_step_ab.py --config smollm2-135m --batch 32 \
-            --prompt-len 2048 --run fp16:base,stablemeta,serial --run kvarn_k4v2_g128:base,stablemeta,serial --rounds 3 \
+            run host_default $limit python benchmarks/tools/engine_step_ab.py --config smollm2-135m --batch 32 \
+            --prompt-len 2048 --run fp16:$variants --run kvarn_k4v2_g128:$variants --rounds $rounds \
             --profile --json "$out/host_default.json"
         find "$out/xla_dump" -type f ! -name "*thunk_sequence*" -delete 2>/dev/null
         find "$out/xla_dump" -type d -empty -delete 2>/dev/null
@@ -132,7 +135,7 @@ for s in $sections; do
             --json "$out/accuracy.json" --md "$out/accuracy.md"
         grep -h "rel L2" "$out/accuracy.log" ;;
     *)
-        echo "unknown section $s (kernel sweep engine_ab host host_skip_temp host_cb_off host_vlog engine llama capacity bridge accuracy)" >&2
+        echo "unknown section $s (kernel sweep engine_ab host host_quick host_skip_temp host_cb_off host_vlog engine llama capacity bridge accuracy)" >&2
         exit 2 ;;
     esac
 done
