@@ -26,6 +26,8 @@ Variants (marked t: timing only, wrong outputs):
   serial    each decode call made after the previous step finished (steps never overlap; the
             wait is the host column prewait): whether XLA's per-execution buffers taking other
             addresses while the previous step runs is what its command-buffer update costs
+  earlycopy the sampled tokens' copy to the host started right after the step's dispatch, not when
+            the engine collects them a step later: whether the copy's latency is in the collect column
   capped3   a bf16/fp32 cache's launch at batch x kv heads >= SMs capped at 128 registers in 3
             splits (the default is uncapped, in the splits rule's count: 2 at Llama-3-8B's 32 x 8K);
             faster alone (decode.py), slower in this step (benchmarks/results/2026-12-06_engine_gpu.md)
@@ -116,6 +118,24 @@ def _serial_executable():
     return executable
 
 
+def _early_copy_executable():
+    """`ModelRunner._executable` whose decode calls start the sampled tokens' copy to the host as soon
+    as the step is dispatched (the engine starts it when it collects them, a step later)."""
+    original = _ORIGINAL[4]
+
+    def executable(self, kind, fn, args, *a, **k):
+        exe = original(self, kind, fn, args, *a, **k)
+        if kind != "decode":
+            return exe
+
+        def call(*c):
+            out = exe(*c)
+            out[0].copy_to_host_async()
+            return out
+        return call
+    return executable
+
+
 def apply(variant: str) -> None:
     """Put the module functions a variant changes in place (every other variant's undone)."""
     (hadamard._signs_product, paged_decode.unrotate, launch.default_num_splits, entry.launch_table,
@@ -138,8 +158,11 @@ def apply(variant: str) -> None:
         runner.ModelRunner._executable = _stable_executable(_StableBuffers())
     elif variant == "serial":
         runner.ModelRunner._executable = _serial_executable()
+    elif variant == "earlycopy":
+        runner.ModelRunner._executable = _early_copy_executable()
     else:
-        raise SystemExit(f"unknown variant {variant!r} (base, f32rot, nounrot, splitsN, capped3, stablemeta, serial)")
+        raise SystemExit(f"unknown variant {variant!r} (base, f32rot, nounrot, splitsN, capped3, stablemeta, serial, "
+                         "earlycopy)")
 
 
 def profile(engine: Engine, steps: int = 3) -> dict:

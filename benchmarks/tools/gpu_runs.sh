@@ -14,10 +14,11 @@
 #             kvarn_k4v2_g128 with the default launch against two warps capped at 128 registers in 3 splits
 #   host      the SmolLM2-135M step at 32 x 2K in one process (tools/engine_step_ab.py): host time
 #             inside the decode call against the device's, with the trace's longest host events;
-#             variants stablemeta (the metadata in buffers that keep their addresses) and serial (steps
-#             that never overlap); the decode executables' thunk sequences summarized
-#             (tools/thunk_summary.py: what runs inside XLA's command buffers)
-#   host_quick the same without stablemeta, 2 rounds (for a short lease)
+#             variants stablemeta (the metadata in buffers that keep their addresses), serial (steps
+#             that never overlap) and earlycopy (the tokens' copy to the host started at dispatch); the
+#             decode executables' thunk sequences summarized (tools/thunk_summary.py: what runs inside
+#             XLA's command buffers)
+#   host_quick base and earlycopy, 2 rounds (for a short lease)
 #   host_skip_temp, host_cb_off  the same (base only) with XLA's command-buffer update mode SKIP_TEMP
 #             (temporaries at a fixed address), or with command buffers off
 #   host_vlog the same, few steps, with XLA's log of the allocations that move between calls and the
@@ -73,8 +74,8 @@ for s in $sections; do
             --json "$out/engine_ab.json"
         grep -hE "median" "$out/engine_ab.log" ;;
     host | host_quick)
-        variants=base,stablemeta,serial rounds=3 limit=300
-        [ $s = host_quick ] && variants=base,serial rounds=2 limit=220
+        variants=base,stablemeta,serial,earlycopy rounds=3 limit=330
+        [ $s = host_quick ] && variants=base,earlycopy rounds=2 limit=220
         # the decode executables' thunk sequences: what runs inside XLA's command buffers and what not
         XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/xla_dump --xla_dump_hlo_module_re=.*decode.*" \
             run host_default $limit python benchmarks/tools/engine_step_ab.py --config smollm2-135m --batch 32 \
