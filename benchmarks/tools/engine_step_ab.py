@@ -11,8 +11,9 @@ own, then `rounds` rounds time `steps` decode steps of every variant in turn (af
 steps). Rows: median and min ms/step over the rounds, and per step the host's time inside the decode
 executable's call (dispatch: with the previous step still running, a call that waits for the device
 shows here; prewait: the serial variant's wait before the call), waiting for the sampled tokens
-afterwards, and receiving them; with `--profile` (GPU) three traced steps per variant: device-busy ms (overlapping kernels merged), kernels a step and the
-host events that took longest (`host_events`).
+afterwards, and receiving them; with `--profile` (GPU) three traced steps per variant (none of them
+committing a block): device-busy ms (overlapping kernels merged), kernels a step and the host events
+that took longest (`host_events`).
 
 Variants (marked t: timing only, wrong outputs):
   base      the code as it is
@@ -94,6 +95,7 @@ def _stable_executable(stable):
             return exe
         return lambda *call: exe(*call[:3], stable(call[3]), stable(call[4]), *call[5:])
     return executable
+
 
 _PREWAIT = [0.0]  # seconds the serial variant waited for the previous step before a decode call
 

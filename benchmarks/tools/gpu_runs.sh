@@ -21,7 +21,7 @@
 #   host_quick base and earlycopy, 2 rounds (for a short lease)
 #   host_skip_temp, host_cb_off  the same (base only) with XLA's command-buffer update mode SKIP_TEMP
 #             (temporaries at a fixed address), or with command buffers off
-#   host_vlog the same, few steps, with XLA's log of the allocations that move between calls and the
+#   host_vlog the same (base only, 2 rounds of 16 steps) with XLA's log of the allocations that move between calls and the
 #             commands it updates
 #   engine    generate.py, SmolLM2-135M shapes: batch 32 x 2K (fp16, int8, kvarn_k4v2_g128) and batch 1;
 #             batch 32 again with XLA's command buffers off
@@ -84,6 +84,7 @@ for s in $sections; do
         find "$out/xla_dump" -type f ! -name "*thunk_sequence*" -delete 2>/dev/null
         find "$out/xla_dump" -type d -empty -delete 2>/dev/null
         python benchmarks/tools/thunk_summary.py "$out"/xla_dump/*thunk_sequence*.txt > "$out/thunks.txt"
+        find "$out/xla_dump" -type f ! -name "*after_thunk_passes*" -delete 2>/dev/null  # few files come back
         grep -hE "median|    host " "$out"/host_default.log
         cat "$out/thunks.txt" ;;
     host_skip_temp | host_cb_off)
@@ -100,11 +101,12 @@ for s in $sections; do
         # XLA updates for it (XLA's own log lines)
         TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=gpu_executable=5,command_executor=1,command_buffer_thunk=2 \
             run host_vlog 150 python benchmarks/tools/engine_step_ab.py --config smollm2-135m --batch 32 \
-            --prompt-len 2048 --run fp16 --run kvarn_k4v2_g128 --rounds 1 --steps 4
-        grep -E "changed address|Updated [0-9]+ command|median|engine and prefill" "$out/host_vlog.log" | cut -c1-400 \
-            > "$out/host_vlog_lines.txt"
+            --prompt-len 2048 --run fp16 --run kvarn_k4v2_g128 --rounds 2 --steps 16
+        # the decode executables' lines (their graphs have hundreds of commands; other executables' few)
+        grep -E "jit__decode_fn executions|Updated [0-9]{3,} commands|median|engine and prefill" "$out/host_vlog.log" \
+            | sed -E 's/^[IWE][0-9]+ [0-9:.]+ +[0-9]+ //' | cut -c1-300 > "$out/host_vlog_lines.txt"
         [ "$(stat -c %s "$out/host_vlog.log")" -gt 5000000 ] && gzip "$out/host_vlog.log"
-        grep -E "median" "$out/host_vlog_lines.txt"; grep -E "changed address|Updated" "$out/host_vlog_lines.txt" | sort | uniq -c | sort -rn | head -20 ;;
+        head -80 "$out/host_vlog_lines.txt" ;;
     engine)
         run smollm2_b32 150 python $G --config smollm2-135m --batch 32 --prompt-len 2048 --new-tokens 64 \
             --repeats 2 --kv-cache-dtype fp16,int8,kvarn_k4v2_g128 --json "$out/smollm2_b32.json"
