@@ -21,8 +21,8 @@
 #   host_quick base and earlycopy, 2 rounds (for a short lease)
 #   host_skip_temp, host_cb_off  the same (base only) with XLA's command-buffer update mode SKIP_TEMP
 #             (temporaries at a fixed address), or with command buffers off
-#   host_vlog the same (base only, 2 rounds of 16 steps) with XLA's log of the allocations that move between calls and the
-#             commands it updates
+#   host_vlog the same (base only, 2 rounds of 16 steps) with XLA's log of the allocations that move
+#             between calls and the commands it updates
 #   engine    generate.py, SmolLM2-135M shapes: batch 32 x 2K (fp16, int8, kvarn_k4v2_g128) and batch 1;
 #             batch 32 again with XLA's command buffers off
 #   llama     generate.py, Llama-3-8B shapes (32 layers), batch 32 x 8K prompt, 128 new tokens
