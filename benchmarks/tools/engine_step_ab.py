@@ -84,58 +84,45 @@ class _StableBuffers:
         return buf
 
 
-def _stable_executable(stable):
-    """`ModelRunner._executable` whose decode executables take their packed metadata (arguments 3
-    and 4) through `_StableBuffers`; the runner's own decode is unchanged."""
+def _decode_wrapped(wrap):
+    """`ModelRunner._executable` whose decode executables are called through `wrap(exe)` (a function
+    of the call's arguments); the runner's own decode is unchanged."""
     original = _ORIGINAL[4]
 
     def executable(self, kind, fn, args, *a, **k):
         exe = original(self, kind, fn, args, *a, **k)
-        if kind != "decode":
-            return exe
-        return lambda *call: exe(*call[:3], stable(call[3]), stable(call[4]), *call[5:])
+        return wrap(exe) if kind == "decode" else exe
     return executable
+
+
+def _stable_meta(stable):
+    """Decode calls taking their packed metadata (arguments 3 and 4) through `_StableBuffers`."""
+    return _decode_wrapped(lambda exe: lambda *c: exe(*c[:3], stable(c[3]), stable(c[4]), *c[5:]))
 
 
 _PREWAIT = [0.0]  # seconds the serial variant waited for the previous step before a decode call
 
 
-def _serial_executable():
-    """`ModelRunner._executable` whose decode executables wait for the previous step (their donated
-    caches) before the call, so no two steps overlap: XLA's per-execution buffers (temporaries,
-    outputs) can then take the same addresses every step. The wait is timed apart (`_PREWAIT`)."""
-    original = _ORIGINAL[4]
-
-    def executable(self, kind, fn, args, *a, **k):
-        exe = original(self, kind, fn, args, *a, **k)
-        if kind != "decode":
-            return exe
-
-        def call(*c):
-            t = time.perf_counter()
-            jax.block_until_ready(c[1])
-            _PREWAIT[0] += time.perf_counter() - t
-            return exe(*c)
-        return call
-    return executable
+def _serial(exe):
+    """A decode call that first waits for the previous step (its donated caches), so no two steps
+    overlap: XLA's per-execution buffers (temporaries, outputs) can then take the same addresses
+    every step. The wait is timed apart (`_PREWAIT`)."""
+    def call(*c):
+        t = time.perf_counter()
+        jax.block_until_ready(c[1])
+        _PREWAIT[0] += time.perf_counter() - t
+        return exe(*c)
+    return call
 
 
-def _early_copy_executable():
-    """`ModelRunner._executable` whose decode calls start the sampled tokens' copy to the host as soon
-    as the step is dispatched (the engine starts it when it collects them, a step later)."""
-    original = _ORIGINAL[4]
-
-    def executable(self, kind, fn, args, *a, **k):
-        exe = original(self, kind, fn, args, *a, **k)
-        if kind != "decode":
-            return exe
-
-        def call(*c):
-            out = exe(*c)
-            out[0].copy_to_host_async()
-            return out
-        return call
-    return executable
+def _early_copy(exe):
+    """A decode call that starts the sampled tokens' copy to the host as soon as the step is
+    dispatched (the engine starts it when it collects them, a step later)."""
+    def call(*c):
+        out = exe(*c)
+        out[0].copy_to_host_async()
+        return out
+    return call
 
 
 def apply(variant: str) -> None:
@@ -157,11 +144,11 @@ def apply(variant: str) -> None:
         entry.launch_table = lambda device=None: dataclasses.replace(table(device), tiled_wide=(2, 128))
         launch.default_num_splits = lambda *a, **k: 3
     elif variant == "stablemeta":
-        runner.ModelRunner._executable = _stable_executable(_StableBuffers())
+        runner.ModelRunner._executable = _stable_meta(_StableBuffers())
     elif variant == "serial":
-        runner.ModelRunner._executable = _serial_executable()
+        runner.ModelRunner._executable = _decode_wrapped(_serial)
     elif variant == "earlycopy":
-        runner.ModelRunner._executable = _early_copy_executable()
+        runner.ModelRunner._executable = _decode_wrapped(_early_copy)
     else:
         raise SystemExit(f"unknown variant {variant!r} (base, f32rot, nounrot, splitsN, capped3, stablemeta, serial, "
                          "earlycopy)")
