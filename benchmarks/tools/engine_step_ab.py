@@ -41,6 +41,7 @@ import dataclasses
 import gc
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -152,6 +153,17 @@ def apply(variant: str) -> None:
     else:
         raise SystemExit(f"unknown variant {variant!r} (base, f32rot, nounrot, splitsN, capped3, stablemeta, serial, "
                          "earlycopy)")
+
+
+def kernel_kinds(kernels: dict) -> list:
+    """[(kind, calls a step, ms a step)] of `device_kernels`' kernels, XLA's numbered fusions of one
+    kind together (loop_add_fusion_3 and _7 are one kind), most calls first: what a layer runs."""
+    kinds: dict = {}
+    for name, (calls, ms) in kernels.items():
+        k = kinds.setdefault(re.sub(r"([._]\d+)+$", "", name), [0.0, 0.0])
+        k[0] += calls
+        k[1] += ms
+    return sorted(((n, c, t) for n, (c, t) in kinds.items()), key=lambda x: (-x[1], -x[2]))
 
 
 def profile(engine: Engine, steps: int = 3) -> dict:
@@ -307,6 +319,9 @@ def main() -> int:
             print(line, flush=True)
             for _, event, calls, ms in x.get("profile", {}).get("host_events", [])[:12]:
                 print(f"    host {event[:80]:80s} {calls:6.1f} calls {ms:8.3f} ms a step", flush=True)
+            if "profile" in x and v == variants[0]:
+                for name, calls, ms in kernel_kinds(x["profile"].get("kernels", {}))[:25]:
+                    print(f"    kernels {name[:70]:70s} {calls:6.1f} a step {ms:8.4f} ms", flush=True)
         res["rows"][scheme] = row
         apply("base")
         runner._COMPILED = shared

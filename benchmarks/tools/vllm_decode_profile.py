@@ -11,7 +11,8 @@ apart from the others) and, for the plugin, the pieces of a decode-only layer (`
 (`CPUAttentionBackendImpl.forward`). To compare two bridges, run it once per checkout, back to back,
 with the other checkout's `bridge` first on PYTHONPATH; the generated token ids are in the JSON.
 --replay N then times the last fused decode step's XLA computation N times in a row in the same
-process (warm caches, no model in between). The last run also reports its busiest threads' CPU
+process (warm caches, no model in between), and each layer's last call in turn (each reads its own
+cache, as in a step). The last run also reports its busiest threads' CPU
 seconds (Linux).
 """
 
@@ -40,6 +41,7 @@ class Timers:
         self.decode_layers: list = []
         self.other_layers: list = []
         self.last_decode = None
+        self.layer_decode: dict = {}
 
     def clear(self):
         self.t.clear()
@@ -74,7 +76,11 @@ def thread_cpu_seconds() -> dict:
             stat = open(t + "/stat").read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        out[os.path.basename(t)] = (name, (int(stat[11]) + int(stat[12])) / tick)
+        try:
+            cpus = [x for x in open(t + "/status") if x.startswith("Cpus_allowed_list")][0].split()[1]
+        except (OSError, IndexError):
+            cpus = "?"
+        out[os.path.basename(t)] = (f"{name} (cpus {cpus})", (int(stat[11]) + int(stat[12])) / tick)
     return out
 
 
@@ -98,6 +104,7 @@ def install(timers: Timers, scheme: str):
     def keep_last(*args, **kw):  # the last fused decode step's arguments, for --replay
         if kw.get("q_heads") is not None:
             timers.last_decode = (args, kw)
+            timers.layer_decode[id(args[1])] = (args, kw)  # each layer's cache: its last step's call
         return served(*args, **kw)
     torch_ops._decode_served = keep_last
     for name in PIECES["torch_ops"]:
@@ -187,6 +194,14 @@ def main(argv=None):
             jax.block_until_ready(torch_ops._decode_served(*args, **kw))
         report["replay_ms"] = round(1e3 * (time.perf_counter() - t0) / a.replay, 4)
         print("replay: the last fused decode step's XLA computation, warm, ms", report["replay_ms"], flush=True)
+        calls = list(timers.layer_decode.values())
+        n = max(1, a.replay // len(calls))
+        t0 = time.perf_counter()
+        for _ in range(n):
+            for args, kw in calls:  # every layer's last call in turn: each reads its own cache, as in a step
+                jax.block_until_ready(torch_ops._decode_served(*args, **kw))
+        report["replay_layers_ms"] = round(1e3 * (time.perf_counter() - t0) / (n * len(calls)), 4)
+        print(f"replay across the {len(calls)} layers' caches in turn, ms", report["replay_layers_ms"], flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -14,10 +14,11 @@ copied from its blocks into slot r (zeros for a row starting its sequence this s
 rows of one layer, outside the KV budget) instead of max_num_seqs rows of every layer; work: one
 indexed copy of the batch's rows per layer and step.
 
-A decode-only step on the CPU that starts and completes no block (most steps) skips the staging
-(`HpPool.in_place`): torch copies the rows' sink and last ring block from the pool's blocks into a
-buffer its XLA computation reads (one indexed copy: XLA's CPU gather costs more per byte), and stores
-the new rows there, one indexed copy per layer.
+A decode-only step on the CPU in which no sequence starts skips the staging (`HpPool.in_place`):
+torch copies the rows' sink and last ring block from the pool's blocks into a buffer its XLA
+computation reads (one indexed copy: XLA's CPU gather costs more per byte), and stores the new rows
+there, one indexed copy per layer; the ring blocks the step fills are quantized from that
+computation's output (`torch_ops._decode_step_served`).
 """
 
 from __future__ import annotations
@@ -99,10 +100,12 @@ class HpPool:
     def in_place(self, bound, plan, decode_impl: str) -> InPlace | None:
         """What a decode-only step needs to use its rows' sink and tail in the pool's blocks
         (`torch_ops.forward(pooled=)`), or None when the step takes the staging (`gather` /
-        `scatter`): steps with prefill rows, rows starting their sequence, completed blocks, or
-        decode rows not on the CPU's served decode. Index arrays made once per step."""
+        `scatter`): steps with prefill rows, rows starting their sequence, completed blocks the fused
+        step does not quantize (`torch_ops.fuses_completions`), or decode rows not on the CPU's served
+        decode. Index arrays made once per step."""
         if not self.active or not plan.num_rows or plan.num_decodes != plan.num_rows or decode_impl != "served" \
-                or plan.completing or plan.cache[HP_FRESH].any() or bound.buffer.device.type != "cpu":
+                or (plan.completing and not torch_ops.fuses_completions(bound)) or plan.cache[HP_FRESH].any() \
+                or bound.buffer.device.type != "cpu":
             return None
         hu, buf = self._bound_units(bound)
         seq, _, _, _, _ = self._indices(bound, plan)[1]

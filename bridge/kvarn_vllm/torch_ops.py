@@ -6,9 +6,9 @@ that tensor (no copy; checked by data pointer). A step is described once by a `p
 (every layer shares it); per layer:
 
 - `write(bound, key, value, plan)` stores the step's tokens in place. For a quantized cache, a step
-  with prefill rows or completed blocks runs one XLA computation (`_write_step`): the tokens as
-  the cache stores them (`kvarn_jax.storage`'s rule: rotated for KVarN, rounded to the value dtype,
-  NaN/Inf tokens as zeros), the rows the sink and tail ring keep, the completed blocks' page fields
+  with prefill rows or completed blocks runs one XLA computation (`_write_step`, then the completed
+  blocks' quantizer `_completed_fields`): the tokens as the cache stores them (`kvarn_jax.storage`'s
+  rule: rotated for KVarN, rounded to the value dtype, NaN/Inf tokens as zeros), the rows the sink and tail ring keep, the completed blocks' page fields
   (`kvarn_jax`'s own write plan and quantizer), per-slot counts of the tokens stored altered, and
   the prefill queries' own-block rows; torch then copies the kept rows and the fields' bytes, one
   indexed copy each, to destinations the plan computed once for the step. XLA cannot write into a
@@ -59,7 +59,8 @@ import kvarn_jax
 from kvarn_jax import schemes
 from kvarn_jax.schemes import kvarn
 from kvarn_jax.attention.prefill import dequantize_blocks
-from kvarn_jax.cache.paged import auto_quantizer, completed_blocks, completion_sizes, saturated_blocks, write_plan
+from kvarn_jax.cache.paged import (auto_quantizer, completed_block_values, completion_sizes, quantized_fields,
+                                   saturated_blocks, write_plan)
 from kvarn_jax.hadamard import hadamard_matrix_np, rotate, unrotate
 from kvarn_jax.storage import QUANT_MAX, storage_values
 
@@ -492,17 +493,20 @@ def _before(bound: BoundCache, plan: StepPlan) -> dict:
     return out
 
 
-def _quantized_completions(cache, p, size, quantizer):
-    """(block ids [size], {leaf key: fields [size, ...]}, [max_seqs + 1] int32 tokens per slot of
-    blocks whose metadata saturated) for the blocks of write plan `p` (`completed_blocks`)."""
-    c_m, fields = completed_blocks(cache, p, size, quantizer)
-    n = p.blk.shape[0]
-    (ti,) = jnp.nonzero(p.completes, size=size, fill_value=n)  # the same completions, in the same order
-    bad = saturated_blocks(cache, fields) & (c_m < cache.num_blocks)
-    at = jnp.where(bad, p.seq_c[jnp.minimum(ti, n - 1)], cache.max_seqs)
+@functools.partial(jax.jit, static_argnames=("quantizer", "pack"))
+def _completed_fields(cache, blocks, blk, seq, *, quantizer: str, pack: bool):
+    """Completed blocks quantized: blocks {side: [size, Hk, bs, D] float32} (`completed_block_values`),
+    blk [size] their physical ids (num_blocks: an unused slot), seq [size] their sequence slots.
+    Returns ({leaf key: fields [size, ...]}, or with pack their bytes [size, bytes] (`_packed`); [max_seqs
+    + 1] int32 tokens per slot of the blocks whose metadata saturated). Its own executable, which
+    every step that completes blocks calls - prefill, mixed or decode-only - so that a block's page
+    is the same bits whichever step completed it."""
+    fields = quantized_fields(cache, blocks, quantizer)
+    bad = saturated_blocks(cache, fields) & (blk < cache.num_blocks)
+    at = jnp.where(bad, jnp.clip(seq, 0, cache.max_seqs - 1), cache.max_seqs)
     per_slot = jnp.zeros((cache.max_seqs + 1,), jnp.int32).at[at].add(cache.block_size)
-    return c_m, {f"pages.{s}.{name}": f.astype(cache.pages[s][name].dtype)
-                 for s in schemes.SIDES for name, f in fields[s].items()}, per_slot
+    out = {f"pages.{s}.{name}": f.astype(cache.pages[s][name].dtype) for s in schemes.SIDES for name, f in fields[s].items()}
+    return (_packed(out) if pack else out), per_slot
 
 
 def _write_ids(plan: StepPlan, nb: int) -> torch.Tensor:
@@ -544,26 +548,23 @@ def _packed(fields: dict) -> jnp.ndarray:
     return jnp.concatenate(parts, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("size", "quantizer", "dtype", "pack"))
-def _write_step(cache, kv, ids, keep, own=None, *, size: int, quantizer: str, dtype: str = "float32",
-                pack: bool = False):
+@functools.partial(jax.jit, static_argnames=("size", "dtype"))
+def _write_step(cache, kv, ids, keep, own=None, *, size: int, dtype: str = "float32"):
     """A quantized cache's write in one XLA computation: the tokens as the cache stores them
-    (`storage_values`: rotated, rounded, NaN/Inf tokens as zeros, saturated), the page fields of the
-    blocks the write completes (`write_plan`, `completed_blocks`; size 0: none), per-slot counts of
-    the altered tokens, and with `own` the prefill queries' own-block rows (`_own_rows`), read from
+    (`storage_values`: rotated, rounded, NaN/Inf tokens as zeros, saturated), the blocks the write
+    completes, not yet quantized (`write_plan`, `completed_block_values`; size 0: none), per-slot
+    counts of the altered tokens, and with `own` the prefill queries' own-block rows (`_own_rows`), read from
     the sink and ring as they were before this write. kv [2, nb, Hk, D] (padding: slot -1 in ids).
     keep: the rows the sink and ring keep (`_kept_rows`). Returns (rows [2, nb, Hk, D], kept rows
-    [K, D], (block ids, fields - or with pack their bytes, `_packed`) or None, counts [max_seqs + 1, 3],
-    own K/V or None)."""
+    [K, D], the completed blocks (`completed_block_values`: ids, slots, values - quantized by
+    `_completed_fields`) or None, counts [max_seqs + 1, 3], own K/V or None)."""
     k_s, v_s, nonfinite, saturated = storage_values(cache.cfg, kv[0], kv[1], cache.value_dtype)
     rows = jnp.stack((k_s, v_s))
     counts = _slot_counts(cache.max_seqs, ids[1], ids[0] >= 0, nonfinite, saturated)
     completed = None
     if size:
         p = write_plan(cache, k_s, v_s, ids[0], ids[1], ids[2])._replace(xs={"k": k_s, "v": v_s})
-        c_m, fields, bad = _quantized_completions(cache, p, size, quantizer)
-        completed = (c_m, _packed(fields) if pack else fields)
-        counts = counts.at[:, 2].add(bad)
+        completed = completed_block_values(cache, p, size)
     kept = rows.reshape(-1, rows.shape[-1])[keep]
     return rows, kept, completed, counts, (None if own is None else _own_rows(cache, rows, own, dtype))
 
@@ -617,12 +618,17 @@ def _write_jax(bound: BoundCache, key: torch.Tensor, value: torch.Tensor, plan: 
     kv_j, ids_j, keep_j = _to_jax(kv), _to_jax(ids), _to_jax(keep)
     own_j = None if own is None else _to_jax(own)
     pack = bool(c) and bound.page_columns is not None  # every field of every completed block in one copy
-    rows_j, kept_j, completed, counts, own_kv = _write_step(
-        bound.cache, kv_j, ids_j, keep_j, own_j, size=size, quantizer=auto_quantizer(bound.cache),
-        dtype=str(bound.compute_dtype).split(".")[-1], pack=pack)
+    rows_j, kept_j, values, counts, own_kv = _write_step(
+        bound.cache, kv_j, ids_j, keep_j, own_j, size=size, dtype=str(bound.compute_dtype).split(".")[-1])
+    completed = None
+    if values is not None:
+        fields, bad = _completed_fields(bound.cache, values[2], values[0], values[1],
+                                        quantizer=auto_quantizer(bound.cache), pack=pack)
+        completed = (values[0], fields)
+        counts = counts.at[:, 2].add(bad)
     counts_t = _to_torch(counts)
     _count_altered(bound, counts_t)
-    held = [kv_j, ids_j, keep_j, own_j, rows_j, kept_j, completed, counts, counts_t, own_kv]
+    held = [kv_j, ids_j, keep_j, own_j, rows_j, kept_j, values, completed, counts, counts_t, own_kv]
     if pack:  # before the rows: the pages came from the ring as it was
         base, mult, key_ = bound.page_columns
         pdst = plan.cached(("page_bytes", key_), lambda: _page_byte_destinations(plan, base, mult))
@@ -811,8 +817,9 @@ def _kvarn_page_values(cache, f: dict, p):
     return kvarn.value_sums(f, pr, cache.cfg.bits("v")).sum(2)
 
 
-@_jit(static_argnames=("scale", "slots", "q_heads"), cpu_options=ROW_INVARIANT_CPU)
-def _decode_served(q, cache, blk, entries, info, hp_rows=None, altered_total=None, *, scale, slots=1, q_heads=None):
+@_jit(static_argnames=("scale", "slots", "q_heads", "completes"), cpu_options=ROW_INVARIANT_CPU)
+def _decode_served(q, cache, blk, entries, info, hp_rows=None, altered_total=None, *, scale, slots=1, q_heads=None,
+                   completes=0):
     """Decode rows on the CPU in one XLA computation: dequantize the pages each row reads, attend
     with the sink and the ring's last block (quantized caches), softmax over all of a row's blocks.
     q [B, Hq, D]; entries / info: `StepPlan.decode_entries`. Each row's sums run over its own blocks
@@ -828,7 +835,11 @@ def _decode_served(q, cache, blk, entries, info, hp_rows=None, altered_total=Non
     counts, kept as a JAX array until read (`_fold_altered`).
 
     With hp_rows ([B, 4, Hk, bs, D] in the value dtype, `_hp_rows`) the rows' sink and the ring's last
-    block (K, V, K, V) are those, copied from the pool's blocks, not the cache's staging leaves."""
+    block (K, V, K, V) are those, copied from the pool's blocks, not the cache's staging leaves.
+
+    completes (a `completion_sizes` size, with q_heads): the blocks that rows fill this step (their
+    new token in the ring block's last slot) are returned too, as `_completed_fields` quantizes them
+    (`_completed_values`)."""
     kv = None
     if q_heads is not None:
         hk_ = cache.num_kv_heads
@@ -840,7 +851,7 @@ def _decode_served(q, cache, blk, entries, info, hp_rows=None, altered_total=Non
     if cache.cfg.rotated:
         qf = rotate(qf)
     qg = qf.reshape(b, hk, g, d)
-    rows = None
+    rows = ring = None
     if kv is not None:
         store = cache.value_dtype
         k_s, v_s, nonfinite, saturated = storage_values(cache.cfg, kv[0], kv[1], store)
@@ -880,6 +891,7 @@ def _decode_served(q, cache, blk, entries, info, hp_rows=None, altered_total=Non
                 # first: the same sums, in the same order, as a step that writes and then attends
                 at = ((here & live)[:, None] & (pos[None, :] == info[4][:, None]))[:, None, :, None]
                 kk, vv = (jnp.where(at, x[:, :, None, :].astype(kk.dtype), y) for x, y in zip(rows, (kk, vv)))
+                ring = (kk, vv)  # the last part: the ring's block, with this step's rows
             seen = pos[None, :] < lens[:, None]
             sh = jnp.einsum("bhgd,bhtd->bhgt", qg, kk.astype(jnp.float32), precision="highest") * scale
             sh = jnp.where(seen[:, None, None, :], sh, -jnp.inf)
@@ -901,7 +913,24 @@ def _decode_served(q, cache, blk, entries, info, hp_rows=None, altered_total=Non
     o = o.astype(q.dtype)
     if kv is None:
         return o
-    return _packed_step(rows, o), altered + (0 if altered_total is None else altered_total)
+    total = altered + (0 if altered_total is None else altered_total)
+    if completes:
+        return _packed_step(rows, o), total, _completed_values(cache, ring, info, live, completes)
+    return _packed_step(rows, o), total
+
+
+def _completed_values(cache, ring, info, live, size: int):
+    """What `completed_block_values` gives for the ring blocks that decode rows fill this step (the
+    new token in the block's last slot): (block ids [size] - 0 for a completion, num_blocks for an
+    unused slot: torch knows the real ids - the rows' slots [size], {side: [size, Hk, bs, D] float32}
+    the blocks as the ring stores them), blocks in row order. ring: (K, V) [B, Hk, bs, D], each
+    row's ring block with this step's rows in it."""
+    b, bs = info.shape[1], cache.block_size
+    fills = live & (info[3] > 0) & (info[4] == bs - 1)    # not the sink, and its last slot
+    (ci,) = jnp.nonzero(fills, size=size, fill_value=b)
+    c = jnp.minimum(ci, b - 1)
+    blk = jnp.where(ci < b, 0, cache.num_blocks)
+    return blk, info[0][c], {side: x[c].astype(jnp.float32) for side, x in zip(schemes.SIDES, ring)}
 
 
 def _bytes(x):
@@ -1025,29 +1054,56 @@ def _fold_altered() -> None:
             acc.add_(counts.to(acc.device))
 
 
+def fuses_completions(bound: BoundCache) -> bool:
+    """Whether a decode-only step on the CPU that completes blocks of this quantized cache runs as one
+    fused computation too (`_decode_step_served`): when every page field lies in the layer's buffer,
+    so that one indexed copy stores the completed blocks' bytes (`BoundCache.page_columns`). Else
+    such a step writes with `write` (the staged path) - a property of the layout, fixed at bind."""
+    return not bound.cfg.is_passthrough and bound.page_columns is not None
+
+
 def _decode_step_served(bound, query, key, value, plan, scale, out, pooled=None):
-    """A decode-only step on the CPU that completes no block of a quantized cache: the write and the
-    attention in one XLA computation (`_decode_served` with q_heads); torch then stores the rows and
-    the output. q, k and v cross into JAX in one buffer imported once (`_qkv`), the rows and the
-    output come back as one array. pooled: `hp_pool.InPlace` - the sink and ring rows are read from
-    and the new rows stored into the pool's blocks directly (no staging)."""
+    """A decode-only step on the CPU: the write and the attention in one XLA computation
+    (`_decode_served` with q_heads) - blocks the step completes quantized in it too
+    (`fuses_completions`); torch then stores the rows, the completed pages and the output. q, k and v
+    cross into JAX in one buffer imported once (`_qkv`), the rows, pages and output come back as one
+    array. pooled: `hp_pool.InPlace` - the sink and ring rows are read from and the new rows stored
+    into the pool's blocks directly (no staging)."""
     nd, c = plan.num_decodes, plan.completing
     e_j, i_j, b_j = _decode_inputs(bound, plan)
     bb = i_j.shape[1]
-    if c and not bound.cfg.is_passthrough:
-        raise ValueError("kvarn: a decode step that completes blocks of a quantized cache writes with `write`")
-    if pooled is not None and (c or pooled.hp_src.shape[0] != bb):
-        raise ValueError("kvarn: a decode step in the pool's blocks must complete no block and have its rows padded "
-                         f"to {bb}")
+    quantizes = bool(c) and not bound.cfg.is_passthrough
+    if quantizes and not fuses_completions(bound):
+        raise ValueError("kvarn: this cache's decode steps that complete blocks write with `write` "
+                         "(fuses_completions is False)")
+    if pooled is not None and pooled.hp_src.shape[0] != bb:
+        raise ValueError(f"kvarn: a decode step in the pool's blocks must have its rows padded to {bb}")
     qkv_j = _qkv(query, key, value, nd, bb)
     hp_j = None if pooled is None else _hp_rows(bound, pooled)
     dev, slots = bound.buffer.device, bound.layout.max_seqs
-    packed_j, total = _decode_served(qkv_j, bound.cache, b_j, e_j, i_j, hp_j,
-                                     _pending_altered(dev, slots), scale=scale, slots=slots, q_heads=query.shape[1])
+    size = 0
+    if quantizes:  # the sizes `write` quantizes in, so that the pages are the same bits
+        size = next(m for m in completion_sizes(bound.cache, bucket(plan.num_tokens)) if m >= c)
+    packed_j, total, *values = _decode_served(qkv_j, bound.cache, b_j, e_j, i_j, hp_j, _pending_altered(dev, slots),
+                                              scale=scale, slots=slots, q_heads=query.shape[1], completes=size)
+    pages_j = None
+    if quantizes:
+        blk_j, seq_j, blocks_j = values[0]
+        pages_j, bad = _completed_fields(bound.cache, blocks_j, blk_j, seq_j, quantizer=auto_quantizer(bound.cache),
+                                         pack=True)
+        bad_t = _to_torch(bad)  # a torch add: a JAX one would be one more dispatch
+        _altered(dev, slots)[:, 2].add_(bad_t)
     _set_pending_altered(dev, slots, total)
     packed = _to_torch(packed_j)
     hk, d = bound.layout.num_kv_heads, bound.layout.head_dim
     rows, o = _unpacked_step(packed, (2, bb, hk, d), bound.rows.dtype, (bb, query.shape[1], d), query.dtype)
+    held = [packed_j, packed]
+    if quantizes:
+        base, mult, key_ = bound.page_columns
+        pdst = plan.cached(("page_bytes", key_), lambda: _page_byte_destinations(plan, base, mult))
+        pages = _to_torch(pages_j).reshape(-1)
+        bound.buffer.index_copy_(0, pdst, pages[:pdst.shape[0]])
+        held += [values, pages_j, pages, bad, bad_t]
     if pooled is None:
         dst, src = _row_destinations(plan, bound, bb)
         flat, target = rows.reshape(-1, d), bound.rows
@@ -1056,7 +1112,7 @@ def _decode_step_served(bound, query, key, value, plan, scale, out, pooled=None)
         flat, target = rows.reshape(-1).view(torch.uint8).view(-1, pooled.unit), pooled.buffer_units
     target.index_copy_(0, dst, flat if src is None else flat.index_select(0, src))
     out[:nd].copy_(o[:nd])
-    return [packed_j, packed]
+    return held
 
 
 def _prefill_mask(plan: StepPlan, r: int, passthrough: bool, device, dtype) -> torch.Tensor:
@@ -1228,16 +1284,16 @@ def forward(bound: BoundCache, query: torch.Tensor, key: torch.Tensor, value: to
     """One attention layer of a step: `write` the step's key/value, then `attend` (what vLLM's impl
     calls). On the CPU a decode-only step runs both in one XLA computation (`_decode_step_served`):
     vLLM's CPU worker pins its threads to every core, and each torch op it then runs costs a wake-up
-    of all of them - one JAX call instead of a dozen small ops. A quantized cache's decode step that
-    completes blocks (one step in block_size) writes with `write` as a prefill step does: its blocks
-    are quantized by the same compiled computation (`_write_step`), so a block's fields do not depend
-    on whether the step that completed it had prefill rows. pooled (`hp_pool.HpPool.in_place`, a
-    fused step only): the sink and tail rows live in the pool's blocks and are used there."""
+    of all of them - one JAX call instead of a dozen small ops. The blocks such a step completes are
+    quantized in it (`fuses_completions`) by the same quantizer, in the same batch sizes, as `write`
+    quantizes them, so a block's fields do not depend on which step completed it. pooled
+    (`hp_pool.HpPool.in_place`, a fused step only): the sink and tail rows live in the pool's blocks
+    and are used there."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
     n, nd = plan.num_tokens, plan.num_decodes
-    quantizes = plan.completing and not bound.cfg.is_passthrough
-    if not (nd == plan.num_rows and nd and decode_impl(impl) == "served" and not quantizes):
+    staged_write = plan.completing and not bound.cfg.is_passthrough and not fuses_completions(bound)
+    if not (nd == plan.num_rows and nd and decode_impl(impl) == "served" and not staged_write):
         if pooled is not None:
             raise ValueError("pooled is for decode-only steps of the CPU's served decode")
         written = write(bound, key, value, plan)

@@ -452,6 +452,22 @@ def completed_blocks(cache: PagedKVCache, p: WritePlan, size: int, quantizer: st
     a slot is unused; {side: {field: [size, Hk, tiles_per_block, ...]}} in the pages' layout,
     `tokens_last`). Each block is assembled from the sequence's ring (tokens of earlier writes)
     overlaid with this write's tokens as the ring keeps them (`hp.roundtrip`)."""
+    c_m, _, blocks = completed_block_values(cache, p, size)
+    return c_m, quantized_fields(cache, blocks, quantizer)
+
+
+def quantized_fields(cache: PagedKVCache, blocks: dict, quantizer: str = "reference") -> dict:
+    """{side: [M, Hk, block_size, D] float32 block values (`completed_block_values`)} -> {side:
+    {field: [M, Hk, tiles_per_block, ...]}}: the blocks quantized, in the pages' layout."""
+    return {s: pages_from_fields(cache.cfg, s, _quantize_blocks(cache, s, _page_input(cache, blocks[s]), quantizer))
+            for s in schemes.SIDES}
+
+
+def completed_block_values(cache: PagedKVCache, p: WritePlan, size: int):
+    """What `completed_blocks` quantizes: (physical block ids [size], num_blocks where a slot is
+    unused; the blocks' sequence slots [size]; {side: [size, Hk, block_size, D] float32}, each block
+    from the sequence's ring overlaid with this write's tokens as the ring keeps them, a partial
+    sink's positions excluded as `hp.exclude_sink` does)."""
     n = p.blk.shape[0]
     nb, bs = cache.num_blocks, cache.block_size
     (ti,) = jnp.nonzero(p.completes, size=size, fill_value=n)
@@ -468,13 +484,12 @@ def completed_blocks(cache: PagedKVCache, p: WritePlan, size: int, quantizer: st
     src = jnp.full((size + 1, bs), -1, jnp.int32).at[m_t, p.off].set(jnp.arange(n, dtype=jnp.int32))[:size]
     from_write = (src >= 0)[..., None, None]
     src = jnp.clip(src, 0, n - 1)
-    fields = {}
+    blocks = {}
     for s in schemes.SIDES:
         ring = _ring_blocks(cache, s, s_m, start)              # [size, bs, Hk, D]
         buf = jnp.where(from_write, hp_storage.roundtrip(cache.cfg, p.xs[s][src], cache.dtype), ring)
-        buf = hp_storage.exclude_sink(cache.cfg, buf.transpose(0, 2, 1, 3), start)
-        fields[s] = pages_from_fields(cache.cfg, s, _quantize_blocks(cache, s, _page_input(cache, buf), quantizer))
-    return c_m, fields
+        blocks[s] = hp_storage.exclude_sink(cache.cfg, buf.transpose(0, 2, 1, 3), start)
+    return c_m, s_m, blocks
 
 
 def stage_tokens(cache: PagedKVCache, k: jnp.ndarray, v: jnp.ndarray, slot_mapping: jnp.ndarray, *,
