@@ -29,6 +29,8 @@ Variants (marked t: timing only, wrong outputs):
             addresses while the previous step runs is what its command-buffer update costs
   earlycopy the sampled tokens' copy to the host started right after the step's dispatch, not when
             the engine collects them a step later: whether the copy's latency is in the collect column
+  pallasmerge the decode kernel's splits merged by the Pallas merge kernel for every scheme (by
+            default only KVarN with 2-bit values; the others merge in XLA fusions, ~4 kernels a layer)
   capped3   a bf16/fp32 cache's launch at batch x kv heads >= SMs capped at 128 registers in 3
             splits (the default is uncapped, in the splits rule's count: 2 at Llama-3-8B's 32 x 8K);
             faster alone (decode.py), slower in this step (benchmarks/results/2026-12-06_engine_gpu.md)
@@ -65,7 +67,7 @@ from generate import device_kernels  # noqa: E402
 
 WARM = 2
 _ORIGINAL = (hadamard._signs_product, paged_decode.unrotate, launch.default_num_splits, entry.launch_table,
-             runner.ModelRunner._executable)
+             runner.ModelRunner._executable, launch.default_merge)
 
 
 class _StableBuffers:
@@ -129,7 +131,7 @@ def _early_copy(exe):
 def apply(variant: str) -> None:
     """Put the module functions a variant changes in place (every other variant's undone)."""
     (hadamard._signs_product, paged_decode.unrotate, launch.default_num_splits, entry.launch_table,
-     runner.ModelRunner._executable) = _ORIGINAL
+     runner.ModelRunner._executable, launch.default_merge) = _ORIGINAL
     if variant == "base":
         return
     if variant == "f32rot":
@@ -150,9 +152,11 @@ def apply(variant: str) -> None:
         runner.ModelRunner._executable = _decode_wrapped(_serial)
     elif variant == "earlycopy":
         runner.ModelRunner._executable = _decode_wrapped(_early_copy)
+    elif variant == "pallasmerge":
+        launch.default_merge = lambda cfg: "pallas"
     else:
         raise SystemExit(f"unknown variant {variant!r} (base, f32rot, nounrot, splitsN, capped3, stablemeta, serial, "
-                         "earlycopy)")
+                         "earlycopy, pallasmerge)")
 
 
 def kernel_kinds(kernels: dict) -> list:
