@@ -27,8 +27,6 @@ Variants (marked t: timing only, wrong outputs):
   serial    each decode call made after the previous step finished (steps never overlap; the
             wait is the host column prewait): whether XLA's per-execution buffers taking other
             addresses while the previous step runs is what its command-buffer update costs
-  earlycopy the sampled tokens' copy to the host started right after the step's dispatch, not when
-            the engine collects them a step later: whether the copy's latency is in the collect column
   pallasmerge the decode kernel's splits merged by the Pallas merge kernel for every scheme (by
             default only KVarN with 2-bit values; the others merge in XLA fusions, ~4 kernels a layer)
   capped3   a bf16/fp32 cache's launch at batch x kv heads >= SMs capped at 128 registers in 3
@@ -118,16 +116,6 @@ def _serial(exe):
     return call
 
 
-def _early_copy(exe):
-    """A decode call that starts the sampled tokens' copy to the host as soon as the step is
-    dispatched (the engine starts it when it collects them, a step later)."""
-    def call(*c):
-        out = exe(*c)
-        out[0].copy_to_host_async()
-        return out
-    return call
-
-
 def apply(variant: str) -> None:
     """Put the module functions a variant changes in place (every other variant's undone)."""
     (hadamard._signs_product, paged_decode.unrotate, launch.default_num_splits, entry.launch_table,
@@ -150,13 +138,11 @@ def apply(variant: str) -> None:
         runner.ModelRunner._executable = _stable_meta(_StableBuffers())
     elif variant == "serial":
         runner.ModelRunner._executable = _decode_wrapped(_serial)
-    elif variant == "earlycopy":
-        runner.ModelRunner._executable = _decode_wrapped(_early_copy)
     elif variant == "pallasmerge":
         launch.default_merge = lambda cfg: "pallas"
     else:
         raise SystemExit(f"unknown variant {variant!r} (base, f32rot, nounrot, splitsN, capped3, stablemeta, serial, "
-                         "earlycopy, pallasmerge)")
+                         "pallasmerge)")
 
 
 def kernel_kinds(kernels: dict) -> list:

@@ -15,10 +15,10 @@
 #   host      the SmolLM2-135M step at 32 x 2K in one process (tools/engine_step_ab.py): host time
 #             inside the decode call against the device's, with the trace's longest host events;
 #             variants stablemeta (the metadata in buffers that keep their addresses), serial (steps
-#             that never overlap) and earlycopy (the tokens' copy to the host started at dispatch); the
+#             that never overlap) and pallasmerge (every scheme's splits merged by the Pallas kernel); the
 #             decode executables' thunk sequences summarized (tools/thunk_summary.py: what runs inside
 #             XLA's command buffers)
-#   host_quick base, earlycopy and pallasmerge, 2 rounds (for a short lease)
+#   host_quick base and pallasmerge, 2 rounds (for a short lease)
 #   host_skip_temp, host_cb_off  the same (base only) with XLA's command-buffer update mode SKIP_TEMP
 #             (temporaries at a fixed address), or with command buffers off
 #   host_vlog the same (base only, 2 rounds of 16 steps) with XLA's log of the allocations that move
@@ -74,8 +74,8 @@ for s in $sections; do
             --json "$out/engine_ab.json"
         grep -hE "median" "$out/engine_ab.log" ;;
     host | host_quick)
-        variants=base,stablemeta,serial,earlycopy rounds=3 limit=330
-        [ $s = host_quick ] && variants=base,earlycopy,pallasmerge rounds=2 limit=280
+        variants=base,stablemeta,serial,pallasmerge rounds=3 limit=330
+        [ $s = host_quick ] && variants=base,pallasmerge rounds=2 limit=220
         # the decode executables' thunk sequences: what runs inside XLA's command buffers and what not
         XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/xla_dump --xla_dump_hlo_module_re=.*decode.*" \
             run host_default $limit python benchmarks/tools/engine_step_ab.py --config smollm2-135m --batch 32 \

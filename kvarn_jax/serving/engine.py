@@ -598,6 +598,7 @@ class Engine:
                 s.scheduled = 1
             finishing.append(done)
         tok, pool.last_tokens, kp, vp = self.runner.prefill(pool.caches, pool.last_tokens, tokens, slots, meta, fmeta)
+        tok.copy_to_host_async()  # as in `_decode`
         for j in range(pieces):
             if (store[j, :, 0] != -1).any():
                 pool.caches = self.runner.store(pool.caches, kp[j], vp[j], store[j], commits[j])
@@ -622,6 +623,9 @@ class Engine:
                 commits.append((blk, s.slot, pos - bs + 1))
             s.scheduled += 1
         tok, pool.caches, pool.last_tokens = self.runner.decode(pool.caches, pool.last_tokens, meta, fmeta)
+        # the tokens' copy to the host queued behind the step now, not when they are collected a
+        # step later: collecting them then costs ~0.25 ms instead of ~0.45 (H100, SmolLM2 32 x 2K)
+        tok.copy_to_host_async()
         if commits:
             blocks = np.full((_pow2(len(commits)), 3), -1, np.int32)
             blocks[:len(commits)] = commits
@@ -641,8 +645,6 @@ class Engine:
         """Receive a step's sampled tokens (waits for the device) and account its time: the interval
         since the previous step's tokens arrived (or since this step's dispatch, after idling), less
         the compilation done in it (compiling happens on the host while dispatching)."""
-        for entry in launched:
-            entry[2].copy_to_host_async()
         arrived = [np.asarray(entry[2]) for entry in launched]  # [2, rows]: tokens, non-finite flags
         now, compiled = time.perf_counter(), self.runner.stats.compile_s
         start, start_compiled = ((dispatched_at, compiled_at) if self._last_arrival is None
