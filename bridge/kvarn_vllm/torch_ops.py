@@ -6,10 +6,11 @@ that tensor (no copy; checked by data pointer). A step is described once by a `p
 (every layer shares it); per layer:
 
 - `write(bound, key, value, plan)` stores the step's tokens in place. For a quantized cache, a step
-  with prefill rows or completed blocks runs one XLA computation (`_write_step`, then the completed
+  with prefill rows or completed blocks runs two XLA computations (`_write_step`, then the completed
   blocks' quantizer `_completed_fields`): the tokens as the cache stores them (`kvarn_jax.storage`'s
-  rule: rotated for KVarN, rounded to the value dtype, NaN/Inf tokens as zeros), the rows the sink and tail ring keep, the completed blocks' page fields
-  (`kvarn_jax`'s own write plan and quantizer), per-slot counts of the tokens stored altered, and
+  rule: rotated for KVarN, rounded to the value dtype, NaN/Inf tokens as zeros), the rows the sink
+  and tail ring keep, the completed blocks' page fields (`kvarn_jax`'s own write plan and
+  quantizer), per-slot counts of the tokens stored altered, and
   the prefill queries' own-block rows; torch then copies the kept rows and the fields' bytes, one
   indexed copy each, to destinations the plan computed once for the step. XLA cannot write into a
   buffer it imported from torch, hence the split. Other steps (a decode step completing no block,
@@ -505,7 +506,8 @@ def _completed_fields(cache, blocks, blk, seq, *, quantizer: str, pack: bool):
     bad = saturated_blocks(cache, fields) & (blk < cache.num_blocks)
     at = jnp.where(bad, jnp.clip(seq, 0, cache.max_seqs - 1), cache.max_seqs)
     per_slot = jnp.zeros((cache.max_seqs + 1,), jnp.int32).at[at].add(cache.block_size)
-    out = {f"pages.{s}.{name}": f.astype(cache.pages[s][name].dtype) for s in schemes.SIDES for name, f in fields[s].items()}
+    out = {f"pages.{s}.{name}": f.astype(cache.pages[s][name].dtype)
+           for s in schemes.SIDES for name, f in fields[s].items()}
     return (_packed(out) if pack else out), per_slot
 
 
@@ -553,8 +555,8 @@ def _write_step(cache, kv, ids, keep, own=None, *, size: int, dtype: str = "floa
     """A quantized cache's write in one XLA computation: the tokens as the cache stores them
     (`storage_values`: rotated, rounded, NaN/Inf tokens as zeros, saturated), the blocks the write
     completes, not yet quantized (`write_plan`, `completed_block_values`; size 0: none), per-slot
-    counts of the altered tokens, and with `own` the prefill queries' own-block rows (`_own_rows`), read from
-    the sink and ring as they were before this write. kv [2, nb, Hk, D] (padding: slot -1 in ids).
+    counts of the altered tokens, and with `own` the prefill queries' own-block rows (`_own_rows`),
+    read from the sink and ring as they were before this write. kv [2, nb, Hk, D] (padding: slot -1 in ids).
     keep: the rows the sink and ring keep (`_kept_rows`). Returns (rows [2, nb, Hk, D], kept rows
     [K, D], the completed blocks (`completed_block_values`: ids, slots, values - quantized by
     `_completed_fields`) or None, counts [max_seqs + 1, 3], own K/V or None)."""
