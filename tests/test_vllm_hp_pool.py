@@ -119,9 +119,10 @@ def test_decode_in_the_pools_blocks_equals_staging(scheme, dtype, bs):
     """Decode-only steps that use the sink/tail rows where they live (`HpPool.in_place`: read by the
     XLA computation from the layer's buffer, new rows stored there) give bit for bit the outputs
     and buffer bytes of staging them (gather / forward / scatter), across steps that fill the sink,
-    wrap the ring, complete blocks (quantized in the fused step in place, by `write` staged), pad
-    the batch (5 rows -> 8) and start sequences - the
-    pooled side given q, k and v as views of one qkv tensor, as vLLM gives them."""
+    wrap the ring, complete blocks (both sides quantize them from the fused step's output), pad the
+    batch (5 rows -> 8) and start sequences - the pooled side given q, k and v as views of one qkv
+    tensor, as vLLM gives them. (`test_vllm_torch_ops.py` checks the fused step's pages against
+    `write`'s.)"""
     hk, d, hq = 3, 64, 9
     tdt = getattr(torch, dtype)
     lay = PageLayout(scheme, block_size=bs, num_kv_heads=hk, head_dim=d, dtype=dtype, max_seqs=8)

@@ -527,3 +527,34 @@ def test_failed_requests_lose_their_token_and_are_named_in_the_output():
     got = runner.sample_tokens(None)
     assert got.sampled_token_ids == [[5], [6], []] and list(getattr(got, failures.FAILED)) == ["c"]
     assert runner.sample_tokens(None) is out  # reported once
+
+
+def test_saturated_block_metadata_is_counted_for_its_sequence_on_every_write_path(rng, monkeypatch):
+    """A completed block whose KVarN metadata saturated counts block_size tokens for its own sequence,
+    whether a decode-only step completed it (the fused step's quantizer) or a prefill did (`write`):
+    every block is made to look saturated, and the per-slot counts must name exactly the two
+    sequences' page blocks (a sink block is no page and counts nothing)."""
+    monkeypatch.setattr(torch_ops, "saturated_blocks",
+                        lambda cache, fields: jnp.ones(next(iter(fields["k"].values())).shape[0], bool))
+    torch_ops._completed_fields.clear_cache()  # traced again with the patched check (and after the test)
+    fused = []
+    step_served = torch_ops._decode_step_served
+    monkeypatch.setattr(torch_ops, "_decode_step_served",
+                        lambda bound, q, k, v, plan, *a, **kw: fused.append(plan.completing) or step_served(
+                            bound, q, k, v, plan, *a, **kw))
+    lens = [70, 70, 70]
+    seqs, queries = _sequences(rng, lens)
+    tables = allocate_tables(rng, lens, 32, 12)
+    # seq 0 fills block 1 (positions 32..63) in a decode-only step, seq 1 in a prefill chunk; seq 2
+    # only fills its sink block (block 0)
+    steps = [[(0, 63), (1, 20), (2, 10)], [(0, 1), (1, 1), (2, 1)], [(1, 43), (2, 30)]]
+    bound, _ = _bind("kvarn_k4v2_g32", rng)
+    torch_ops.reset_counters()
+    try:
+        _serve(bound, None, seqs, queries, tables, steps)
+        slots = torch_ops.take_altered_slots("cpu", bound.layout.max_seqs)
+    finally:
+        torch_ops._completed_fields.clear_cache()
+    assert 1 in fused  # the decode-only step that completed seq 0's block 1 ran fused
+    np.testing.assert_array_equal(slots[:, 2], [32, 32, 0, 0])
+    assert not slots[:, :2].any()

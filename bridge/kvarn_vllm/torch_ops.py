@@ -368,6 +368,14 @@ def _count_altered(bound: BoundCache, counts: torch.Tensor) -> None:
     _altered(bound.buffer.device, bound.layout.max_seqs).add_(counts)
 
 
+def _count_saturated_blocks(bound: BoundCache, per_slot) -> tuple:
+    """Add `_completed_fields`' per-slot tokens of blocks whose metadata saturated ([max_seqs + 1]
+    int32, a JAX array) to the totals, without waiting; returns what to keep alive."""
+    t = _to_torch(per_slot)
+    _altered(bound.buffer.device, bound.layout.max_seqs)[:, 2].add_(t)
+    return per_slot, t
+
+
 def _count_altered_tokens(bound: BoundCache, plan: StepPlan, nonfinite: torch.Tensor, saturated: torch.Tensor):
     """Per-token flags [tokens] (torch's write) added to their sequences' slots."""
     seq = plan.cached(("token_seq_dev",), lambda: plan.to_device(plan.token_seq))
@@ -622,15 +630,15 @@ def _write_jax(bound: BoundCache, key: torch.Tensor, value: torch.Tensor, plan: 
     pack = bool(c) and bound.page_columns is not None  # every field of every completed block in one copy
     rows_j, kept_j, values, counts, own_kv = _write_step(
         bound.cache, kv_j, ids_j, keep_j, own_j, size=size, dtype=str(bound.compute_dtype).split(".")[-1])
+    counts_t = _to_torch(counts)
+    _count_altered(bound, counts_t)
+    held = [kv_j, ids_j, keep_j, own_j, rows_j, kept_j, values, counts, counts_t, own_kv]
     completed = None
     if values is not None:
         fields, bad = _completed_fields(bound.cache, values[2], values[0], values[1],
                                         quantizer=auto_quantizer(bound.cache), pack=pack)
         completed = (values[0], fields)
-        counts = counts.at[:, 2].add(bad)
-    counts_t = _to_torch(counts)
-    _count_altered(bound, counts_t)
-    held = [kv_j, ids_j, keep_j, own_j, rows_j, kept_j, values, completed, counts, counts_t, own_kv]
+        held += [completed, _count_saturated_blocks(bound, bad)]
     if pack:  # before the rows: the pages came from the ring as it was
         base, mult, key_ = bound.page_columns
         pdst = plan.cached(("page_bytes", key_), lambda: _page_byte_destinations(plan, base, mult))
@@ -827,21 +835,21 @@ def _decode_served(q, cache, blk, entries, info, hp_rows=None, altered_total=Non
     q [B, Hq, D]; entries / info: `StepPlan.decode_entries`. Each row's sums run over its own blocks
     in position order, whatever else is in the batch. Returns [B, Hq, D] in q's dtype.
 
-    With q_heads the step's write is done here too (a write that completes no block of a quantized
-    cache: `forward`): q is then the step's queries, keys and values side by side, [B, q_heads + 2 *
-    Hk, D] (one exchange, `_qkv`), and the attention is computed as if the new keys and values were
-    written (each row's new token in its sink, ring or page). Returns (packed, altered): the rows as
-    the cache stores them ([2, B, Hk, D], `kvarn_jax.storage.storage_values`) and the output as one
-    uint8 array (`_unpacked_step`; one exchange back), which the caller stores afterwards; and
-    altered_total ([slots + 1, 3] int32 running totals in `ALTERED` order) plus this step's per-slot
-    counts, kept as a JAX array until read (`_fold_altered`).
+    With q_heads the step's write is done here too (a decode-only step: `forward`): q is then the
+    step's queries, keys and values side by side, [B, q_heads + 2 * Hk, D] (one exchange, `_qkv`),
+    and the attention is computed as if the new keys and values were written (each row's new token
+    in its sink, ring or page). Returns (packed, altered, completed): the rows as the cache stores
+    them ([2, B, Hk, D], `kvarn_jax.storage.storage_values`) and the output as one uint8 array
+    (`_unpacked_step`; one exchange back), which the caller stores afterwards; altered_total
+    ([slots + 1, 3] int32 running totals in `ALTERED` order) plus this step's per-slot counts, kept
+    as a JAX array until read (`_fold_altered`); and the blocks the step completes (below).
 
     With hp_rows ([B, 4, Hk, bs, D] in the value dtype, `_hp_rows`) the rows' sink and the ring's last
     block (K, V, K, V) are those, copied from the pool's blocks, not the cache's staging leaves.
 
-    completes (a `completion_sizes` size, with q_heads): the blocks that rows fill this step (their
-    new token in the ring block's last slot) are returned too, as `_completed_fields` quantizes them
-    (`_completed_values`)."""
+    completes (a `completion_sizes` size, with q_heads; 0: none): the blocks that rows fill this step
+    (their new token in the ring block's last slot) are returned third, as `_completed_fields`
+    quantizes them (`_completed_values`; None without completes)."""
     kv = None
     if q_heads is not None:
         hk_ = cache.num_kv_heads
@@ -916,9 +924,7 @@ def _decode_served(q, cache, blk, entries, info, hp_rows=None, altered_total=Non
     if kv is None:
         return o
     total = altered + (0 if altered_total is None else altered_total)
-    if completes:
-        return _packed_step(rows, o), total, _completed_values(cache, ring, info, live, completes)
-    return _packed_step(rows, o), total
+    return _packed_step(rows, o), total, (_completed_values(cache, ring, info, live, completes) if completes else None)
 
 
 def _completed_values(cache, ring, info, live, size: int):
@@ -1086,15 +1092,13 @@ def _decode_step_served(bound, query, key, value, plan, scale, out, pooled=None)
     size = 0
     if quantizes:  # the sizes `write` quantizes in, so that the pages are the same bits
         size = next(m for m in completion_sizes(bound.cache, bucket(plan.num_tokens)) if m >= c)
-    packed_j, total, *values = _decode_served(qkv_j, bound.cache, b_j, e_j, i_j, hp_j, _pending_altered(dev, slots),
-                                              scale=scale, slots=slots, q_heads=query.shape[1], completes=size)
-    pages_j = None
+    packed_j, total, values = _decode_served(qkv_j, bound.cache, b_j, e_j, i_j, hp_j, _pending_altered(dev, slots),
+                                             scale=scale, slots=slots, q_heads=query.shape[1], completes=size)
     if quantizes:
-        blk_j, seq_j, blocks_j = values[0]
+        blk_j, seq_j, blocks_j = values
         pages_j, bad = _completed_fields(bound.cache, blocks_j, blk_j, seq_j, quantizer=auto_quantizer(bound.cache),
                                          pack=True)
-        bad_t = _to_torch(bad)  # a torch add: a JAX one would be one more dispatch
-        _altered(dev, slots)[:, 2].add_(bad_t)
+        counted = _count_saturated_blocks(bound, bad)
     _set_pending_altered(dev, slots, total)
     packed = _to_torch(packed_j)
     hk, d = bound.layout.num_kv_heads, bound.layout.head_dim
@@ -1105,7 +1109,7 @@ def _decode_step_served(bound, query, key, value, plan, scale, out, pooled=None)
         pdst = plan.cached(("page_bytes", key_), lambda: _page_byte_destinations(plan, base, mult))
         pages = _to_torch(pages_j).reshape(-1)
         bound.buffer.index_copy_(0, pdst, pages[:pdst.shape[0]])
-        held += [values, pages_j, pages, bad, bad_t]
+        held += [values, pages_j, pages, counted]
     if pooled is None:
         dst, src = _row_destinations(plan, bound, bb)
         flat, target = rows.reshape(-1, d), bound.rows
