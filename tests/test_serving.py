@@ -151,8 +151,8 @@ def test_a_step_past_the_sinks_skips_only_their_writes_and_a_broken_promise_is_c
     runner._COMPILED.clear()  # traced afresh, so the spy sees each executable's flag
     out = eng.generate(prompts, params)
     assert sorted(set(steps)) == [False, True]
-    # the CPU's switch loop reads o_proj matrices that hold the rotation (`ModelRunner._decode_kernels`)
-    assert set(rotated) == {eng.runner.decode_loop == "switch"}
+    # the switch and unrolled loops read o_proj matrices that hold the rotation (`ModelRunner.decode_kernels`)
+    assert set(rotated) == {eng.runner.decode_loop != "scan"}
     assert [r.output_ids for r in out] == [greedy_direct(tiny_model, scheme, q, 16) for q in prompts]
     assert int(eng.pool().caches.dropped_tokens) == 0
 
@@ -344,6 +344,9 @@ def test_decode_loop_does_not_change_results(tiny_model, rng):
     engines = (scan, Engine(tiny_model, decode_loop="unroll", **kw), Engine(tiny_model, decode_loop="switch", **kw))
     outputs = [[r.output_ids for r in e.generate(prompts, params)] for e in engines]
     assert outputs[0] == outputs[1] == outputs[2]
+    # the unrolled loop reads a rotated copy of every layer's o_proj (the scan unrotates instead)
+    o_bytes = tiny_model.layers.attn.o_proj.kernel[...].nbytes
+    assert (scan.runner.rotated_bytes(), engines[1].runner.rotated_bytes()) == (0, o_bytes)
     assert Engine(tiny_model, **kw).runner.decode_loop == ("switch" if jax.default_backend() == "cpu" else "unroll")
     # compiled once per shape: repeating the same batch compiles nothing new
     n = scan.runner.stats.compiles

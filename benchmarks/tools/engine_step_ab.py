@@ -18,8 +18,8 @@ that took longest (`host_events`).
 Variants (marked t: timing only, wrong outputs):
   base      the code as it is
   f32rot    a bf16 query/K/V rotated in fp32 with the fp32 matrix (the rotation before 335d67a)
-  nounrot   (t) the decode output left in the rotated frame: the most folding the unrotation into
-            o_proj could save
+  nofold    KVarN layers' attention output unrotated before their own o_proj, not left rotated for
+            a rotated copy of o_proj (`ModelRunner.decode_kernels`)
   splitsN   every decode call with N splits
   stablemeta the step's packed metadata sent into the same device buffers every step (a donated
             refill), so the step's parameters keep their addresses: whether XLA's command-buffer
@@ -55,7 +55,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # benchmarks/
 
 from kvarn_jax import hadamard  # noqa: E402
-from kvarn_jax.attention import paged_decode  # noqa: E402
 from kvarn_jax.attention.paged_decode_pallas import entry, launch  # noqa: E402
 from kvarn_jax.models import ARCHITECTURES  # noqa: E402
 from kvarn_jax.models.llama import Decoder  # noqa: E402
@@ -64,8 +63,8 @@ from kvarn_jax.serving import runner  # noqa: E402
 from generate import device_kernels  # noqa: E402
 
 WARM = 2
-_ORIGINAL = (hadamard._signs_product, paged_decode.unrotate, launch.default_num_splits, entry.launch_table,
-             runner.ModelRunner._executable, launch.default_merge)
+_ORIGINAL = (hadamard._signs_product, launch.default_num_splits, entry.launch_table,
+             runner.ModelRunner._executable, launch.default_merge, runner.ModelRunner.decode_kernels)
 
 
 class _StableBuffers:
@@ -118,20 +117,20 @@ def _serial(exe):
 
 def apply(variant: str) -> None:
     """Put the module functions a variant changes in place (every other variant's undone)."""
-    (hadamard._signs_product, paged_decode.unrotate, launch.default_num_splits, entry.launch_table,
-     runner.ModelRunner._executable, launch.default_merge) = _ORIGINAL
+    (hadamard._signs_product, launch.default_num_splits, entry.launch_table,
+     runner.ModelRunner._executable, launch.default_merge, runner.ModelRunner.decode_kernels) = _ORIGINAL
     if variant == "base":
         return
     if variant == "f32rot":
         hadamard._signs_product = lambda x, max_abs: hadamard._matmul(
             x.astype(np.float32), hadamard.hadamard_matrix(x.shape[-1]), max_abs)
-    elif variant == "nounrot":
-        paged_decode.unrotate = lambda x, out_dtype=None, **kw: x if out_dtype is None else x.astype(out_dtype)
+    elif variant == "nofold":
+        runner.ModelRunner.decode_kernels = lambda self, schemes: (self._kernels, False)
     elif variant.startswith("splits") and variant[6:].isdigit():
         n = int(variant[6:])
         launch.default_num_splits = lambda *a, **k: n
     elif variant == "capped3":
-        table = _ORIGINAL[3]
+        table = _ORIGINAL[2]
         entry.launch_table = lambda device=None: dataclasses.replace(table(device), tiled_wide=(2, 128))
         launch.default_num_splits = lambda *a, **k: 3
     elif variant == "stablemeta":
@@ -141,7 +140,7 @@ def apply(variant: str) -> None:
     elif variant == "pallasmerge":
         launch.default_merge = lambda cfg: "pallas"
     else:
-        raise SystemExit(f"unknown variant {variant!r} (base, f32rot, nounrot, splitsN, capped3, stablemeta, serial, "
+        raise SystemExit(f"unknown variant {variant!r} (base, f32rot, nofold, splitsN, capped3, stablemeta, serial, "
                          "pallasmerge)")
 
 

@@ -11,20 +11,23 @@
 #             warps; capped at 128, 120 and 96 registers, the last fitting 10 programs an SM but
 #             spilling) in 2, 3 and 4 splits, checked, then timed (the kernel alone: engine_ab decides)
 #   engine_ab the Llama-3-8B step at 32 x 8K in one process (tools/engine_step_ab.py): fp16, and
-#             kvarn_k4v2_g128 with the default launch against two warps capped at 128 registers in 3 splits
+#             kvarn_k4v2_g128 as the engine runs it against nofold (its output unrotated before o_proj)
 #   host      the SmolLM2-135M step at 32 x 2K in one process (tools/engine_step_ab.py): host time
 #             inside the decode call against the device's, with the trace's longest host events;
-#             variants stablemeta (the metadata in buffers that keep their addresses), serial (steps
-#             that never overlap) and pallasmerge (every scheme's splits merged by the Pallas kernel); the
+#             variants nofold (KVarN's output unrotated before o_proj, not a rotated o_proj copy),
+#             stablemeta (the metadata in buffers that keep their addresses), serial (steps that
+#             never overlap); the
 #             decode executables' thunk sequences summarized (tools/thunk_summary.py: what runs inside
 #             XLA's command buffers)
-#   host_quick base and pallasmerge, 2 rounds (for a short lease)
+#   host_quick base and nofold, 2 rounds (for a short lease)
 #   host_skip_temp, host_cb_off  the same (base only) with XLA's command-buffer update mode SKIP_TEMP
 #             (temporaries at a fixed address), or with command buffers off
 #   host_vlog the same (base only, 2 rounds of 16 steps) with XLA's log of the allocations that move
 #             between calls and the commands it updates
 #   engine    generate.py, SmolLM2-135M shapes: batch 32 x 2K (fp16, int8, kvarn_k4v2_g128) and batch 1;
 #             batch 32 again with XLA's command buffers off
+#   fold      the SmolLM2-135M step at 32 x 2K in one process: fp16, kvarn_k4v2_g128 and its nofold
+#             variant; then the engine section's first two generate.py runs
 #   llama     generate.py, Llama-3-8B shapes (32 layers), batch 32 x 8K prompt, 128 new tokens
 #   capacity  generate.py, Llama-3-8B shapes at a batch x context fp16 cannot hold (128 x 12K on a
 #             GPU of more than 100 GiB, else 64 x 12K): fp16 must be refused at start, kvarn served
@@ -70,12 +73,12 @@ for s in $sections; do
         grep -hE "check|of roofline|FAIL" "$out/sweep_bf16.log" ;;
     engine_ab)
         run engine_ab 280 python benchmarks/tools/engine_step_ab.py --config llama3-8b --batch 32 \
-            --prompt-len 8192 --run fp16 --run kvarn_k4v2_g128:base,capped3 --rounds 3 --profile \
+            --prompt-len 8192 --run fp16 --run kvarn_k4v2_g128:base,nofold --rounds 3 --profile \
             --json "$out/engine_ab.json"
         grep -hE "median" "$out/engine_ab.log" ;;
     host | host_quick)
-        variants=base,stablemeta,serial,pallasmerge rounds=3 limit=330
-        [ $s = host_quick ] && variants=base,pallasmerge rounds=2 limit=220
+        variants=base,nofold,stablemeta,serial rounds=3 limit=330
+        [ $s = host_quick ] && variants=base,nofold rounds=2 limit=220
         # the decode executables' thunk sequences: what runs inside XLA's command buffers and what not
         XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$out/xla_dump --xla_dump_hlo_module_re=.*decode.*" \
             run host_default $limit python benchmarks/tools/engine_step_ab.py --config smollm2-135m --batch 32 \
@@ -116,6 +119,18 @@ for s in $sections; do
             --config smollm2-135m --batch 32 --prompt-len 2048 --new-tokens 64 \
             --kv-cache-dtype fp16,kvarn_k4v2_g128 --json "$out/smollm2_b32_no_command_buffers.json"
         grep -hE "^\| (1|32) \|" "$out"/smollm2_*.log ;;
+    fold)
+        # KVarN's output left rotated for a rotated o_proj copy (the engine) against unrotated (nofold),
+        # fp16 in the same process; then the engine's rows through generate.py
+        run fold_ab 230 python benchmarks/tools/engine_step_ab.py --config smollm2-135m --batch 32 \
+            --prompt-len 2048 --run fp16 --run kvarn_k4v2_g128:base,nofold --rounds 3 --profile \
+            --json "$out/fold_ab.json"
+        grep -hE "median|kernels" "$out/fold_ab.log"
+        run smollm2_b32 150 python $G --config smollm2-135m --batch 32 --prompt-len 2048 --new-tokens 64 \
+            --repeats 2 --kv-cache-dtype fp16,int8,kvarn_k4v2_g128 --json "$out/smollm2_b32.json"
+        run smollm2_b1 90 python $G --config smollm2-135m --batch 1 --prompt-len 2048 --new-tokens 64 \
+            --repeats 2 --kv-cache-dtype fp16,kvarn_k4v2_g128 --json "$out/smollm2_b1.json"
+        grep -hE "^\| (1|32) \|" "$out"/smollm2_*.log ;;
     llama)
         run llama3_8b_b32 200 python $G --config llama3-8b --batch 32 --prompt-len 8192 --new-tokens 128 \
             --kv-cache-dtype fp16,kvarn_k4v2_g128 --json "$out/llama3_8b_b32.json"
@@ -138,7 +153,7 @@ for s in $sections; do
             --json "$out/accuracy.json" --md "$out/accuracy.md"
         grep -h "rel L2" "$out/accuracy.log" ;;
     *)
-        echo "unknown section $s (kernel sweep engine_ab host host_quick host_skip_temp host_cb_off host_vlog engine llama capacity bridge accuracy)" >&2
+        echo "unknown section $s (kernel sweep engine_ab host host_quick host_skip_temp host_cb_off host_vlog engine fold llama capacity bridge accuracy)" >&2
         exit 2 ;;
     esac
 done

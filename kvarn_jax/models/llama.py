@@ -284,7 +284,8 @@ class Linear(nnx.Module):
 
 
 def _picked(products, name):
-    return None if products is None else functools.partial(products, name)
+    """The product that replaces a layer's own matrix `name` (products: None, or {name: x -> x @ A})."""
+    return None if products is None else products.get(name)
 
 
 class Embedding(nnx.Module):
@@ -497,15 +498,24 @@ LAYER_MATRICES = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "m
                   "mlp.down_proj")
 
 
-def _switch_products(kernels: Mapping, index):
-    """name, x -> x @ kernels[name][index] (index traced): a `lax.switch` whose branch i multiplies by
+def _switch_products(kernels: Mapping, index) -> dict:
+    """{name: x -> x @ kernels[name][index]} (index traced): a `lax.switch` whose branch i multiplies by
     array i, so the product reads that layer's array where it is (a dynamic slice of stacked
     weights is a copy on XLA's CPU backend)."""
-    def product(name, x):
+    def product(x, name):
         arrays = kernels[name]
         branches = [functools.partial(_product_with, i=i) for i in range(len(arrays))]
         return jax.lax.switch(index, branches, x, arrays)
-    return product
+    return {name: functools.partial(product, name=name) for name in kernels}
+
+
+def _layer_products(kernels: Mapping | None, i: int) -> dict | None:
+    """{name: x -> x @ kernels[name][i]} for the matrices of layer i (a static index) that `kernels`
+    replaces (an entry None keeps the layer's own matrix)."""
+    if kernels is None:
+        return None
+    return {name: functools.partial(_product_with, arrays=arrays, i=i)
+            for name, arrays in kernels.items() if arrays[i] is not None}
 
 
 def _product_with(x, arrays, *, i):
@@ -579,9 +589,10 @@ class Decoder(nnx.Module):
         caches; prefill layers only read them and return their (k, v), stacked over the layers."""
         if layer_loop not in LAYER_LOOPS:
             raise ValueError(f"layer_loop must be one of {list(LAYER_LOOPS)}, got {layer_loop!r}")
-        if (layer_loop == "switch") != (kernels is not None):
-            raise ValueError("layer_loop='switch' takes the per-layer matrices (kernels=model.layer_kernels()), "
-                             "and only it does")
+        if layer_loop == "switch" and (kernels is None or set(kernels) != set(LAYER_MATRICES)):
+            raise ValueError("layer_loop='switch' takes the per-layer matrices (kernels=model.layer_kernels())")
+        if layer_loop == "scan" and kernels is not None:
+            raise ValueError("layer_loop='scan' reads the stacked weights; kernels are for 'switch' and 'unroll'")
         inv = self.inv_freq[...]
         graphdef, state = nnx.split(self.layers)
         kvs = []
@@ -590,7 +601,7 @@ class Decoder(nnx.Module):
                 for i in range(first, first + n):
                     # a one-layer run under "switch" reads that layer's arrays directly (a static slice
                     # of the stacked weights would be copied too)
-                    products = None if kernels is None else (lambda name, x, i=i: _product_with(x, kernels[name], i=i))
+                    products = _layer_products(kernels, i)
                     x, out = getattr(self.layer(i), kind)(x, caches, i, batch, inv, *extra, products=products)
                     if kind == "decode":
                         caches = out
@@ -661,7 +672,8 @@ class Decoder(nnx.Module):
         False and calls `LayerCaches.commit` itself, only when some do.
         layer_loop: "unroll" (default: GPUs read each layer's weights in place), "scan" (compiles
         faster; XLA copies each layer's weights) or "switch" (a scan reading the per-layer arrays
-        `kernels=layer_kernels()` in place: XLA's CPU backend).
+        `kernels=layer_kernels()` in place: XLA's CPU backend). Under "unroll", kernels may replace
+        some layers' matrices: {name: one array or None per layer} (None: the layer's own).
         tp: as in `prefill`.
         """
         if impl not in IMPLS:

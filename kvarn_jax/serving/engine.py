@@ -181,7 +181,9 @@ class CachePool:
         self.max_blocks_per_seq = max_blocks_per_seq
         make = lambda: runner.new_caches(cfg, num_blocks=num_blocks, block_size=block_size,  # noqa: E731
                                          max_seqs=max_seqs, calibration=calibration)
-        _check_fits(jax.eval_shape(make), cfg, num_blocks, max_seqs, runner.tp, prefill)
+        abstract = jax.eval_shape(make)
+        runner.decode_kernels(abstract.layer_schemes)  # the rotated o_proj copies first: they take memory too
+        _check_fits(abstract, cfg, num_blocks, max_seqs, runner.tp, prefill)
         self.caches = make()
         self.layer_schemes = self.caches.layer_schemes
         self.last_tokens = runner.new_tokens(max_seqs)

@@ -5,7 +5,7 @@ one that stores tokens and quantizes blocks.
 compiled function of (weights, caches, last tokens, packed metadata): the model (all layers: decode
 as a Python loop over the layers on GPUs and TPUs, a `lax.scan` on CPUs whose products read per-layer
 arrays through a `lax.switch`, `decode_loop` - there the o_proj arrays of layers with a KVarN cache
-hold the Hadamard rotation, `_decode_kernels`; prefill as a scan), the logits of the rows that need
+hold the Hadamard rotation, `decode_kernels`; prefill as a scan), the logits of the rows that need
 them, sampling, and the sampled tokens stored into `last_tokens` - a per-sequence-slot device array
 from which the next decode step reads its input tokens, so a step never waits for the host to learn
 the previous step's tokens. The caches and
@@ -195,23 +195,38 @@ class ModelRunner:
             _COMPILED[key] = exe
         return exe
 
-    def _decode_kernels(self, caches: LayerCaches) -> tuple:
-        """(per-layer matrices, whether their o_proj holds the rotation) a decode step of these caches
-        reads. Under the "switch" loop, whose per-layer matrices are already a copy of the layers'
-        own, the o_proj matrices of the layers with a rotated (KVarN) cache are swapped for ones that
-        hold the rotation (`hadamard.rotate_rows`; made once per set of such layers): their attention
-        output is then not unrotated, one matrix product and its clip fewer per layer and step. The
-        other loops read the weights in place, where the same would take a second copy of every
-        o_proj (1 GiB for Llama-3-8B in bf16)."""
-        rotated = tuple(c.rotated for c in caches.layer_schemes)
-        if self._kernels is None or not any(rotated):
+    def decode_kernels(self, layer_schemes) -> tuple:
+        """(per-layer matrices, whether their o_proj holds the rotation) a decode step of caches with
+        these per-layer schemes reads. The o_proj matrices of the layers with a rotated (KVarN) cache
+        are replaced by ones that hold the rotation (`hadamard.rotate_rows`; made once per set of
+        such layers): their attention output is then not unrotated, one matrix product and its clip
+        fewer per layer and step. Under "switch" they replace those of the per-layer copy the loop
+        reads anyway; under "unroll" they are a copy of those layers' o_proj next to the weights
+        (`rotated_bytes`: 1 GiB for Llama-3-8B in bf16), read instead of the originals, so a step
+        reads as many bytes. "scan" (CPUs under tensor parallelism) unrotates."""
+        rotated = tuple(c.rotated for c in layer_schemes)
+        if self.decode_loop == "scan" or not any(rotated):
             return self._kernels, False
         kernels = self._rotated_kernels.get(rotated)
         if kernels is None:
             d = self.config.head_dim
-            kernels = self._rotated_kernels[rotated] = {**self._kernels, "attn.o_proj": tuple(
-                rotate_rows(a, d) if r else a for a, r in zip(self._kernels["attn.o_proj"], rotated))}
+            if self._kernels is not None:
+                kernels = {**self._kernels, "attn.o_proj": tuple(
+                    rotate_rows(a, d) if r else a for a, r in zip(self._kernels["attn.o_proj"], rotated))}
+            else:
+                o = self._weights["layers"]["attn"]["o_proj"]["kernel"][...]
+                place = (lambda a: a) if self.tp is None else functools.partial(  # a layer's slice, placed as o
+                    jax.device_put, device=self._named(P(*o.sharding.spec[1:])))
+                kernels = {"attn.o_proj": tuple(place(rotate_rows(o[i], d)) if r else None
+                                                for i, r in enumerate(rotated))}
+            self._rotated_kernels[rotated] = kernels
         return kernels, True
+
+    def rotated_bytes(self) -> int:
+        """Bytes of the rotated o_proj matrices held next to the weights (`decode_kernels`)."""
+        own = {id(a) for a in self._kernels["attn.o_proj"]} if self._kernels is not None else set()
+        return sum(a.nbytes for k in self._rotated_kernels.values() for a in k["attn.o_proj"]
+                   if a is not None and id(a) not in own)
 
     def _decode_fn(self, weights, caches, last_tokens, meta, fmeta, kernels, *, sampled: bool, past_sink: bool,
                    rotated_o_proj: bool):
@@ -272,7 +287,7 @@ class ModelRunner:
         last_tokens[seq_id]. caches and last_tokens are donated. A step whose rows all lie past the
         caches' sinks (padding rows, slot -1, store nothing) runs an executable without the sinks'
         writes (`DecodeBatch.past_sink`)."""
-        kernels, rotated = self._decode_kernels(caches)
+        kernels, rotated = self.decode_kernels(caches.layer_schemes)
         args = (self._weights, caches, last_tokens, meta, fmeta, kernels)
         sampled = bool((fmeta[:, 0] > 0).any())
         past_sink = self._past_sink(caches, meta)
@@ -335,7 +350,7 @@ class ModelRunner:
         """Compile (not run) the decode step of `batch` rows (with and without the sinks' writes) and the
         commits of up to `batch` blocks."""
         meta = np.zeros((batch, len(DECODE_COLS) + table_width), np.int32)
-        kernels, rotated = self._decode_kernels(caches)
+        kernels, rotated = self.decode_kernels(caches.layer_schemes)
         for past_sink in (False, True) if caches.sink_len else (False,):
             fn = functools.partial(self._decode_fn, sampled=False, past_sink=past_sink, rotated_o_proj=rotated)
             self._executable("decode", fn,
