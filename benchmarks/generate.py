@@ -92,21 +92,18 @@ def profile_decode_steps(engine: Engine, prompts, steps: int) -> dict:
     kernels by total time."""
     import tempfile
 
-    ids = [engine.add_request(p, SamplingParams(max_new_tokens=steps + 2 * engine.decode_steps + 4, ignore_eos=True))
-           for p in prompts]
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=steps + 4, ignore_eos=True)) for p in prompts]
     pool = engine.pool()
     while not all(s.computed == len(s.prompt) and s.scheduled >= 1 for s in pool.running) or engine.waiting:
         engine.step()
     engine.step()
     folder = tempfile.mkdtemp(prefix="kvarn_profile_")
-    n0 = engine.stats.decode_steps
     t0 = time.perf_counter()
     with jax.profiler.trace(folder):
-        for _ in range(-(-steps // engine.decode_steps)):  # engine steps of up to decode_steps model steps
+        for _ in range(steps):
             engine.step()
         engine._drain()
     wall = time.perf_counter() - t0
-    steps = engine.stats.decode_steps - n0
     engine.run()
     for i in ids:
         engine.pop_result(i)
@@ -162,14 +159,12 @@ def run_one(model, scheme: str, prompts, args):
         # take no page)
         engine = Engine(model, kv_cache_dtype=scheme, block_size=args.block_size, max_seqs=b, max_model_len=max_len,
                         prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch or b, impl=args.impl,
-                        decode_loop=args.decode_loop, decode_steps=args.decode_steps,
-                        tensor_parallel=args.tensor_parallel)
+                        decode_loop=args.decode_loop, tensor_parallel=args.tensor_parallel)
     except ValueError as e:  # e.g. the pool does not fit on the device: refused at engine start
         row["refused"] = str(e)
         return row
     # warm-up: one prefill chunk per prompt compiles the timed run's prefill and decode shapes
-    engine.generate([p[:args.prefill_chunk] for p in prompts],
-                    SamplingParams(max_new_tokens=engine.decode_steps + 2, ignore_eos=True))
+    engine.generate([p[:args.prefill_chunk] for p in prompts], SamplingParams(max_new_tokens=2, ignore_eos=True))
     c0 = engine.runner.stats.compiles
     runs = []  # (decode ms/step, stats, wall s) of each timed generation; the fastest decode is the row's
     for _ in range(args.repeats):
@@ -178,7 +173,7 @@ def run_one(model, scheme: str, prompts, args):
         results = engine.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True))
         wall = time.perf_counter() - t0
         assert all(len(r.output_ids) == new for r in results)
-        runs.append((1000 * engine.stats.decode_s / max(1, engine.stats.decode_steps), engine.stats, wall))
+        runs.append((1000 * engine.stats.decode_s / max(1, engine.stats.decode_calls), engine.stats, wall))
     _, st, wall = min(runs, key=lambda r: r[0])
     mem = engine.memory_report()
     # the decode steps read contexts prompt+1 .. prompt+new-1 (the first token comes from prefill)
@@ -187,17 +182,17 @@ def run_one(model, scheme: str, prompts, args):
                                     head_dim=cfg.head_dim, dtype=model.dtype) for c in ctxs])
     # sequences per decode-only step: the batch, unless --prefill-batch lets sequences join (and finish)
     # a group at a time, when the decode-only steps hold fewer; the floor reads what the steps held
-    seqs = st.decode_tokens / max(1, st.decode_steps)
+    seqs = st.decode_tokens / max(1, st.decode_calls)
     # per device under tensor parallelism: each reads its share of the split weights and of the cache
     floor_bytes = (weight_bytes_read(model) + seqs * cfg.num_layers * kv) / args.tensor_parallel
-    ms = 1000 * st.decode_s / max(1, st.decode_steps)
+    ms = 1000 * st.decode_s / max(1, st.decode_calls)
     floor_ms = 1000 * floor_bytes / args.bandwidth if args.bandwidth else None
     row.update({
         "prefill_tokens_per_s": st.prefill_tokens / st.prefill_s, "decode_tokens_per_s": st.decode_tokens / st.decode_s,
         "decode_ms_per_step": ms, "floor_ms_per_step": floor_ms, "floor_share": floor_ms / ms if floor_ms else None,
         "kv_bytes_per_step": seqs * cfg.num_layers * kv, "decode_seqs_per_step": seqs,
         "prefill_s": st.prefill_s, "decode_s": st.decode_s,
-        "wall_s": wall, "decode_steps": st.decode_steps, "decode_calls": st.decode_calls, "decode_ms_per_step_runs": [r[0] for r in runs], "commit_calls": st.commit_calls,
+        "wall_s": wall, "decode_steps": st.decode_calls, "decode_ms_per_step_runs": [r[0] for r in runs], "commit_calls": st.commit_calls,
         # tokens decoded in steps that also prefilled (with --prefill-batch below the batch): not in the
         # decode rate, whose time excludes those steps
         "mixed_decode_tokens": st.mixed_decode_tokens,
@@ -237,8 +232,6 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations (auto: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--impl", default="auto", choices=["auto", "pallas", "reference"], help="decode attention")
-    p.add_argument("--decode-steps", type=int, default=None,
-                   help="decode steps per compiled call, at most (default: the engine's: 1 on CPU, 8 elsewhere)")
     p.add_argument("--decode-loop", default="auto", choices=["auto", "unroll", "scan", "switch"],
                    help="how a decode step runs the layers (auto: unroll on GPU/TPU, switch on CPU)")
     p.add_argument("--model", help="HF folder or .gguf")

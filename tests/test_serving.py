@@ -354,40 +354,6 @@ def test_decode_loop_does_not_change_results(tiny_model, rng):
     assert scan.runner.stats.compiles == n
 
 
-@pytest.mark.parametrize("scheme", ["kvarn_k4v2_g32", "fp16"])
-def test_decode_calls_of_several_steps_give_the_single_steps_tokens(tiny_model, rng, scheme):
-    """Engine(decode_steps=K): each call runs up to K steps, every row stopping at the step that fills
-    a block (quantized after the call) or at its limits; the tokens are those of one step a call -
-    greedy rows, a sampled row (seeded: each step's key is the same), a row whose stop token comes
-    mid-call (its later tokens dropped) and rows ending at max_new_tokens and max_model_len - in
-    fewer calls, with the same block commits."""
-    prompts = _prompts(rng, [20, 35, 50, 7])
-    greedy = SamplingParams(max_new_tokens=30, ignore_eos=True)
-    single = Engine(tiny_model, kv_cache_dtype=scheme, decode_steps=1, **KW)
-    probe = single.generate([prompts[3]], greedy)[0].output_ids
-    stop = probe[5]  # the 6th token: a stop token two steps into a 4-step call
-    params = [SamplingParams(max_new_tokens=30, ignore_eos=True),
-              SamplingParams(max_new_tokens=17, temperature=0.8, top_p=0.9, seed=int(rng.integers(1 << 30)),
-                             ignore_eos=True),
-              SamplingParams(max_new_tokens=80, ignore_eos=True),  # stops at max_model_len (96)
-              SamplingParams(max_new_tokens=30, stop_token_ids=[stop])]
-    single = Engine(tiny_model, kv_cache_dtype=scheme, decode_steps=1, **KW)
-    want = single.generate(prompts, params)
-    multi = Engine(tiny_model, kv_cache_dtype=scheme, decode_steps=4, **KW)
-    got = multi.generate(prompts, params)
-    assert [r.output_ids for r in got] == [r.output_ids for r in want]
-    assert [r.finish_reason for r in got] == [r.finish_reason for r in want] == ["length", "length", "length", "stop"]
-    assert len(got[2].output_ids) == 96 - 50 and got[3].output_ids[-1] == stop
-    def decoded(e):  # tokens of decode calls, beside a prefill or not
-        return e.stats.decode_tokens + e.stats.mixed_decode_tokens
-    assert decoded(multi) == decoded(single) == sum(len(r.output_ids) - 1 for r in want)
-    assert multi.stats.decode_calls < single.stats.decode_calls / 2
-    assert multi.stats.commit_calls == single.stats.commit_calls
-    assert multi.stats.commit_calls > 0 or scheme == "fp16"
-    with pytest.raises(ValueError, match="decode_steps"):
-        Engine(tiny_model, decode_steps=0, **KW)
-
-
 def test_switch_layer_loop_gives_the_scans_bits():
     """layer_loop="switch" (each product picks its layer's own array) computes what the scan over
     stacked weights computes, bit for bit, in decode and prefill, over runs of mixed schemes (three

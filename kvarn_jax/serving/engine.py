@@ -55,10 +55,6 @@ from .runner import DECODE_COLS, PREFILL_COLS, ModelRunner
 from .sampling import SamplingParams
 
 
-# decode steps per call on GPUs and TPUs (`Engine(decode_steps=...)`)
-DECODE_STEPS = 8
-
-
 def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -129,10 +125,9 @@ class EngineStats:
     tokens (the device works through the steps back to back), less compilation, which `compile_s` of
     the runner counts. A step that ran a prefill call counts as prefill time; decode_tokens and
     decode_calls count the tokens (not those computed for a sequence already stopped, see `Engine`)
-    and calls of the steps that only decoded, whose time is decode_s, and decode_steps the model
-    steps those calls ran (`Engine(decode_steps=...)`: up to that many a call); mixed_decode_tokens
-    the tokens decode calls generated in steps that also prefilled (their time is in prefill_s);
-    commit_calls the calls that quantized completed blocks."""
+    and calls of the steps that only decoded, whose time is decode_s; mixed_decode_tokens the tokens
+    decode calls generated in steps that also prefilled (their time is in prefill_s); commit_calls
+    the calls that quantized completed blocks."""
 
     prefill_tokens: int = 0
     prefill_s: float = 0.0
@@ -140,7 +135,6 @@ class EngineStats:
     decode_tokens: int = 0
     decode_s: float = 0.0
     decode_calls: int = 0
-    decode_steps: int = 0
     mixed_decode_tokens: int = 0
     commit_calls: int = 0
     steps: int = 0
@@ -289,12 +283,6 @@ class Engine:
     calibration: a `kvarn_jax.Calibration` of all layers, for static schemes.
     decode_loop: how the decode step runs the layers (`ModelRunner`): "auto", "unroll", "scan" or
         "switch" (auto: "switch" on CPUs, "scan" there under tensor parallelism, "unroll" elsewhere).
-    decode_steps: decode steps per compiled call, at most (default: 1 on CPUs, `DECODE_STEPS`
-        elsewhere, where a call's host cost is as long as a small model's step). A call of K steps
-        stops each row early where needed: at the step that fills a block (quantized after the
-        call), at its max_new_tokens or max_model_len; a row that samples a stop token mid-call
-        has its later tokens dropped. A pool whose rows can all take at most K/2 steps runs single
-        steps. New requests wait at most one call for their prefill.
     tensor_parallel: split attention heads, KV-cache heads and MLP units over this many devices (the
       first ones of `jax.devices()`), or `mesh`: a `jax.sharding.Mesh` with a "tp" axis to split over.
       Each step is still one compiled call, over the mesh.
@@ -308,8 +296,7 @@ class Engine:
     def __init__(self, model: Decoder, *, kv_cache_dtype="kvarn_k4v2_g128", block_size: int = 128,
                  max_seqs: int = 8, max_model_len: int | None = None, num_blocks: int | None = None,
                  prefill_chunk: int = 512, prefill_batch: int = 8, impl: str = "auto", calibration=None,
-                 decode_loop: str = "auto", decode_steps: int | None = None, tensor_parallel: int = 1, mesh=None,
-                 debug: bool = False):
+                 decode_loop: str = "auto", tensor_parallel: int = 1, mesh=None, debug: bool = False):
         for name, val in (("block_size", block_size), ("max_seqs", max_seqs), ("prefill_chunk", prefill_chunk),
                           ("prefill_batch", prefill_batch)):
             if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
@@ -330,11 +317,6 @@ class Engine:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         self._num_blocks = num_blocks
         self.prefill_chunk, self.prefill_batch = prefill_chunk, prefill_batch
-        if decode_steps is None:
-            decode_steps = 1 if jax.default_backend() == "cpu" else DECODE_STEPS
-        if not isinstance(decode_steps, int) or isinstance(decode_steps, bool) or decode_steps <= 0:
-            raise ValueError(f"decode_steps must be a positive int, got {decode_steps!r}")
-        self.decode_steps = decode_steps
         # (bytes, the settings that give them) of one prefill call, checked beside each pool
         self._prefill_need = (prefill_workspace(self.config, model.dtype, prefill_batch=prefill_batch,
                                                 prefill_chunk=prefill_chunk,
@@ -465,7 +447,7 @@ class Engine:
         pool = self.pool(kv_cache_dtype)
         sizes = decode_batches or [1 << i for i in range(_pow2(self.max_seqs).bit_length())]
         for b in sorted({_pow2(b) for b in sizes}):
-            self.runner.precompile_decode(pool.caches, pool.last_tokens, b, self.max_blocks_per_seq, self.decode_steps)
+            self.runner.precompile_decode(pool.caches, pool.last_tokens, b, self.max_blocks_per_seq)
 
     # ------------------------------------------------------------------ requests
     def blocks_needed(self, prompt_len: int, max_new_tokens: int) -> int:
@@ -624,44 +606,24 @@ class Engine:
                 pool.caches = self.runner.store(pool.caches, kp[j], vp[j], store[j], commits[j])
         self.stats.prefill_tokens += sum(takes)
         self.stats.prefill_calls += 1
-        return [(pool, todo, tok, "prefill", [int(f) for f in finishing])]
-
-    def _steps_left(self, pool: CachePool, seq: _Seq) -> int:
-        """Decode steps `seq` can take in one call: up to its token limits, and up to the step that
-        fills a block to be quantized (its commit follows the call)."""
-        pos = len(seq.prompt) + seq.scheduled - 1
-        n = min(seq.params.max_new_tokens - seq.scheduled, self.max_model_len - pos - 1)
-        if pool.quantized and seq.blocks[pos // self.block_size] != NO_PAGE:
-            n = min(n, self.block_size - pos % self.block_size)
-        return n
+        return [(pool, todo, tok, "prefill", finishing)]
 
     def _decode(self, pool: CachePool, todo: list) -> list:
         b = _pow2(len(todo))
         rows = todo + [None] * (b - len(todo))
         meta, fmeta = self._meta(rows, len(DECODE_COLS))
-        runs = [min(self._steps_left(pool, s), self.decode_steps) for s in todo]
-        k = self.decode_steps if 2 * max(runs) > self.decode_steps else 1
-        runs = [min(n, k) for n in runs]
-        if k > 1:  # a step's metadata per step; a row past its run stores and samples nothing
-            meta = np.repeat(meta[None], k, axis=0)
-        view = meta if k > 1 else meta[None]
-        view[:, :, DECODE_COLS.index("slots")] = -1
+        meta[:, DECODE_COLS.index("slots")] = -1
         bs = self.block_size
         commits = []
-        steps = np.arange(k)
-        for i, (s, n) in enumerate(zip(todo, runs)):
-            first = len(s.prompt) + s.scheduled - 1  # the last generated token is written first
-            pos = first + np.minimum(steps, n - 1)
-            blk = np.asarray(s.blocks, np.int32)[pos // bs] if k > 1 else s.blocks[first // bs]
-            slots = np.where(blk == NO_PAGE, NO_PAGE, blk * bs + pos % bs)
-            view[:, i, :len(DECODE_COLS)] = np.stack(
-                [pos, np.where(steps < n, slots, -1), np.full(k, s.slot),
-                 np.full(k, np.uint32(s.params.seed).view(np.int32)), s.scheduled + np.minimum(steps, n - 1)], axis=1)
-            last = first + n - 1
-            # its block is full after its last step and has a page to be quantized into
-            if pool.quantized and last % bs == bs - 1 and s.blocks[last // bs] != NO_PAGE:
-                commits.append((s.blocks[last // bs], s.slot, last - bs + 1))
-            s.scheduled += n
+        for i, s in enumerate(todo):
+            pos = len(s.prompt) + s.scheduled - 1  # the last generated token is written now
+            blk = s.blocks[pos // bs]  # one position: `_slots` without its array round trip
+            meta[i, :len(DECODE_COLS)] = (pos, NO_PAGE if blk == NO_PAGE else blk * bs + pos % bs, s.slot,
+                                          np.uint32(s.params.seed).view(np.int32), s.scheduled)
+            # its block is full after this step and has a page to be quantized into
+            if pool.quantized and pos % bs == bs - 1 and blk != NO_PAGE:
+                commits.append((blk, s.slot, pos - bs + 1))
+            s.scheduled += 1
         tok, pool.caches, pool.last_tokens = self.runner.decode(pool.caches, pool.last_tokens, meta, fmeta)
         # the tokens' copy to the host queued behind the step now, not when they are collected a
         # step later (H100, SmolLM2 32 x 2K: collecting 0.22-0.35 ms instead of 0.38-0.58 in
@@ -673,7 +635,7 @@ class Engine:
             blocks[len(commits):, 1:] = 0
             pool.caches = self.runner.commit(pool.caches, blocks)
             self.stats.commit_calls += 1
-        return [(pool, todo, tok, "decode", runs)]
+        return [(pool, todo, tok, "decode", [True] * len(todo))]
 
     def _generating(self, pool: CachePool) -> list:
         """Sequences whose next token can be computed now: prompt in the cache, a token sampled, not
@@ -686,8 +648,7 @@ class Engine:
         """Receive a step's sampled tokens (waits for the device) and account its time: the interval
         since the previous step's tokens arrived (or since this step's dispatch, after idling), less
         the compilation done in it (compiling happens on the host while dispatching)."""
-        # [steps, 2, rows]: per step, the tokens and the non-finite flags
-        arrived = [np.asarray(entry[2]).reshape((-1,) + entry[2].shape[-2:]) for entry in launched]
+        arrived = [np.asarray(entry[2]) for entry in launched]  # [2, rows]: tokens, non-finite flags
         now, compiled = time.perf_counter(), self.runner.stats.compile_s
         start, start_compiled = ((dispatched_at, compiled_at) if self._last_arrival is None
                                  else self._last_arrival)
@@ -697,27 +658,22 @@ class Engine:
             self.stats.prefill_s += dt
         else:
             self.stats.decode_s += dt
-        for (pool, rows, _, call, takes), out in zip(launched, arrived):
-            if call == "decode" and kind == "decode":
-                self.stats.decode_calls += 1
-                self.stats.decode_steps += out.shape[0]
-            for i, (seq, take) in enumerate(zip(rows, takes)):
-                # a prefill row takes its token where its prompt ended; a decode row its run's tokens,
-                # up to a stop token or a non-finite write
-                for t, b in out[:max(take, 1), :, i]:
-                    if seq.finished:
-                        break
-                    if b:
-                        where = "its prompt" if call == "prefill" else f"output token {len(seq.output)}"
-                        self._finish(pool, seq, "error", f"the model produced a NaN or Inf key or value while "
-                                     f"processing {where}; it was stored as zeros (no other request is affected) "
-                                     "and the request stopped")
-                    elif take:
-                        self._accept(pool, seq, int(t))
-                        if call == "decode" and kind == "decode":
-                            self.stats.decode_tokens += 1
-                        elif call == "decode":
-                            self.stats.mixed_decode_tokens += 1
+        for (pool, rows, _, call, takes), (toks, bad) in zip(launched, arrived):
+            self.stats.decode_calls += call == "decode" and kind == "decode"
+            for seq, t, b, take in zip(rows, toks, bad, takes):
+                if seq.finished:
+                    continue
+                if b:
+                    where = "its prompt" if call == "prefill" else f"output token {len(seq.output)}"
+                    self._finish(pool, seq, "error", f"the model produced a NaN or Inf key or value while "
+                                 f"processing {where}; it was stored as zeros (no other request is affected) "
+                                 "and the request stopped")
+                elif take:
+                    self._accept(pool, seq, int(t))
+                    if call == "decode" and kind == "decode":
+                        self.stats.decode_tokens += 1
+                    elif call == "decode":
+                        self.stats.mixed_decode_tokens += 1
 
     def _drain(self) -> None:
         if self._inflight:

@@ -245,16 +245,6 @@ class ModelRunner:
         last_tokens = last_tokens.at[jnp.where(live, seq, last_tokens.shape[0])].set(tok, mode="drop")
         return _with_flags(tok, live & (_nonfinite(caches, seq) > before)), caches, last_tokens
 
-    def _decode_steps_fn(self, weights, caches, last_tokens, meta, fmeta, kernels, **static):
-        """`_decode_fn` for each of K consecutive steps (meta [K, B, ...]: one step's metadata each) in
-        one call: a scan whose step reads the tokens the previous step stored in `last_tokens`.
-        Returns the steps' [K, 2, B] token/flag arrays."""
-        def step(carry, m):
-            out, caches, last = self._decode_fn(weights, *carry, m, fmeta, kernels, **static)
-            return (caches, last), out
-        (caches, last_tokens), out = jax.lax.scan(step, (caches, last_tokens), meta)
-        return out, caches, last_tokens
-
     def _prefill_fn(self, weights, caches, last_tokens, tokens, slots, meta, fmeta, *, sampled: bool):
         model = nnx.merge(self._graphdef, weights)
         cols = {n: meta[:, i] for i, n in enumerate(PREFILL_COLS)}
@@ -296,22 +286,16 @@ class ModelRunner:
         table; fmeta: float32 [B, 2] temperature and top_p. The input token of each row is
         last_tokens[seq_id]. caches and last_tokens are donated. A step whose rows all lie past the
         caches' sinks (padding rows, slot -1, store nothing) runs an executable without the sinks'
-        writes (`DecodeBatch.past_sink`).
-
-        meta int32 [K, B, 5 + W]: K steps in one call (one executable per K), each step's row i
-        reading the token step - 1 sampled for it; returns int32 [K, 2, B]. A row with slot -1 in a
-        step sits that step out (stores nothing, samples nothing the next step reads)."""
+        writes (`DecodeBatch.past_sink`)."""
         kernels, rotated = self.decode_kernels(caches.layer_schemes)
         args = (self._weights, caches, last_tokens, meta, fmeta, kernels)
         sampled = bool((fmeta[:, 0] > 0).any())
         past_sink = self._past_sink(caches, meta)
-        fn = functools.partial(self._decode_fn if meta.ndim == 2 else self._decode_steps_fn, sampled=sampled,
-                               past_sink=past_sink, rotated_o_proj=rotated)
+        fn = functools.partial(self._decode_fn, sampled=sampled, past_sink=past_sink, rotated_o_proj=rotated)
         return self._executable("decode", fn, args, donate=(1, 2), static=(sampled, past_sink, rotated))(*args)
 
     @staticmethod
     def _past_sink(caches: LayerCaches, meta: np.ndarray) -> bool:
-        meta = meta.reshape(-1, meta.shape[-1])  # every step's rows
         live = meta[:, DECODE_COLS.index("slots")] != -1
         return caches.sink_len > 0 and bool((meta[live, DECODE_COLS.index("positions")] >= caches.sink_len).all())
 
@@ -362,19 +346,16 @@ class ModelRunner:
         meta[:, 1:] = 0
         return caches, z, z, meta, blocks
 
-    def precompile_decode(self, caches: LayerCaches, last_tokens, batch: int, table_width: int,
-                          steps: int = 1) -> None:
-        """Compile (not run) the decode step of `batch` rows (with and without the sinks' writes; and
-        of `steps` steps a call, if more than one) and the commits of up to `batch` blocks."""
+    def precompile_decode(self, caches: LayerCaches, last_tokens, batch: int, table_width: int) -> None:
+        """Compile (not run) the decode step of `batch` rows (with and without the sinks' writes) and the
+        commits of up to `batch` blocks."""
+        meta = np.zeros((batch, len(DECODE_COLS) + table_width), np.int32)
         kernels, rotated = self.decode_kernels(caches.layer_schemes)
-        for k in sorted({1, steps}):
-            meta = np.zeros(((k,) if k > 1 else ()) + (batch, len(DECODE_COLS) + table_width), np.int32)
-            for past_sink in (False, True) if caches.sink_len else (False,):
-                fn = functools.partial(self._decode_fn if k == 1 else self._decode_steps_fn, sampled=False,
-                                       past_sink=past_sink, rotated_o_proj=rotated)
-                self._executable("decode", fn,
-                                 (self._weights, caches, last_tokens, meta, np.zeros((batch, 2), np.float32), kernels),
-                                 donate=(1, 2), static=(False, past_sink, rotated))
+        for past_sink in (False, True) if caches.sink_len else (False,):
+            fn = functools.partial(self._decode_fn, sampled=False, past_sink=past_sink, rotated_o_proj=rotated)
+            self._executable("decode", fn,
+                             (self._weights, caches, last_tokens, meta, np.zeros((batch, 2), np.float32), kernels),
+                             donate=(1, 2), static=(False, past_sink, rotated))
         m = 1
         while m <= batch:
             self._executable("store", self._store_fn, self._commit_args(caches, np.zeros((m, 3), np.int32)), donate=(0,),
