@@ -314,6 +314,11 @@ def main() -> int:
         res["rows"][scheme] = row
         apply("base")
         runner._COMPILED = shared
+        # the pool's buffers dropped here, whatever still refers to the engine (on an H100 the next
+        # scheme's pool was refused for the memory this one held)
+        for p in engine.pools.values():
+            p.caches = p.last_tokens = None
+        engine.pools.clear()
         del engine, pool
         gc.collect()
         if args.json:
