@@ -109,6 +109,22 @@ def test_sharded_engine_gives_the_tokens_of_one_device(model, rng, scheme):
         assert rep["devices"] == tp and rep["per_device_bytes"] * tp == rep["total_bytes"] == one.memory_report()["total_bytes"]
 
 
+def test_sharded_unrolled_decode_reads_a_split_rotated_o_proj(model, rng):
+    """The unrolled decode loop (GPUs, with or without a mesh) multiplies KVarN layers' rotated attention
+    output by a rotated copy of o_proj (`ModelRunner.decode_kernels`); over a mesh the copy is split
+    over the devices as o_proj is, and the tokens are those of one device. Releasing the pool frees it."""
+    prompts = [rng.integers(4, CFG.vocab_size, n).tolist() for n in (40, 75, 20)]
+    one, tokens = _run(model, "kvarn_k4v2_g32", prompts, 1, decode_loop="unroll")
+    eng, got = _run(model, "kvarn_k4v2_g32", prompts, 2, decode_loop="unroll")
+    assert got == tokens
+    (copy,) = eng.runner._rotated_kernels.values()
+    assert all(a.sharding.spec[0] == "tp" for a in copy["attn.o_proj"])
+    o_bytes = model.layers.attn.o_proj.kernel[...].nbytes
+    assert eng.runner.rotated_bytes() == one.runner.rotated_bytes() == o_bytes
+    eng.release_pool("kvarn_k4v2_g32")
+    assert eng.runner.rotated_bytes() == 0
+
+
 def test_sharded_decode_logits_match_one_device(model, rng):
     """One decode step through the model with and without a mesh: logits within float32 rounding
     (the sharded projections sum partial products across devices in another order)."""

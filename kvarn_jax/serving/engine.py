@@ -425,6 +425,7 @@ class Engine:
         self._drain()
         del self.pools[cfg]
         self._unexplained_drops.pop(cfg, None)
+        self.runner.drop_rotations(p.layer_schemes for p in self.pools.values())
 
     def memory_report(self, kv_cache_dtype=None) -> dict:
         """`kvarn_jax.memory_report` of a pool, summed over layers (creates the pool if needed); its

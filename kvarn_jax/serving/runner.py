@@ -4,8 +4,9 @@ one that stores tokens and quantizes blocks.
 `ModelRunner` splits a `Decoder` into its graph and weights once. Each step is one call of one
 compiled function of (weights, caches, last tokens, packed metadata): the model (all layers: decode
 as a Python loop over the layers on GPUs and TPUs, a `lax.scan` on CPUs whose products read per-layer
-arrays through a `lax.switch`, `decode_loop` - there the o_proj arrays of layers with a KVarN cache
-hold the Hadamard rotation, `decode_kernels`; prefill as a scan), the logits of the rows that need
+arrays through a `lax.switch`, `decode_loop`; either way layers with a KVarN cache multiply their
+still-rotated attention output by an o_proj that holds the Hadamard rotation, `decode_kernels`;
+prefill as a scan), the logits of the rows that need
 them, sampling, and the sampled tokens stored into `last_tokens` - a per-sequence-slot device array
 from which the next decode step reads its input tokens, so a step never waits for the host to learn
 the previous step's tokens. The caches and
@@ -221,6 +222,13 @@ class ModelRunner:
                                                 for i, r in enumerate(rotated))}
             self._rotated_kernels[rotated] = kernels
         return kernels, True
+
+    def drop_rotations(self, keep) -> None:
+        """Free the rotated o_proj matrices that no caches with per-layer schemes in `keep` (an iterable of
+        `layer_schemes`) read."""
+        kept = {tuple(c.rotated for c in schemes) for schemes in keep}
+        for rotated in set(self._rotated_kernels) - kept:
+            del self._rotated_kernels[rotated]
 
     def rotated_bytes(self) -> int:
         """Bytes of the rotated o_proj matrices held next to the weights (`decode_kernels`)."""
