@@ -450,6 +450,23 @@ def test_a_pool_larger_than_the_device_is_refused_at_start(tiny_model, monkeypat
     Engine(tiny_model, kv_cache_dtype="fp16", **{**KW, "num_blocks": 4, "prefill_batch": 1})
 
 
+def test_a_refused_pool_leaves_no_rotated_o_proj_copy(tiny_model, monkeypatch):
+    """The unrolled loop's rotated o_proj copy is made before a KVarN pool's memory check (it takes
+    memory too); when the pool is refused, the copy goes with it, and the engine's other pools work on."""
+    eng = Engine(tiny_model, kv_cache_dtype="fp16", decode_loop="unroll", **KW)
+
+    class Device:
+        def memory_stats(self):
+            return {"bytes_limit": 2 ** 10, "bytes_in_use": 0}
+    with monkeypatch.context() as m:
+        m.setattr(jax, "devices", lambda *a: [Device()])
+        with pytest.raises(ValueError, match="kvarn_k4v2_g32 KV cache pool needs"):
+            eng.pool("kvarn_k4v2_g32")
+    assert eng.runner.rotated_bytes() == 0 and list(eng.pools) == [eng.pool().cfg]
+    eng.pool("kvarn_k4v2_g32")
+    assert eng.runner.rotated_bytes() == tiny_model.layers.attn.o_proj.kernel[...].nbytes
+
+
 def test_a_prefill_that_cannot_fit_next_to_the_pool_is_refused_at_start(tiny_model, monkeypatch):
     """A pool that fits but leaves less than one prefill call's buffers is refused at start, naming
     prefill_batch and prefill_chunk, instead of running out of memory in the middle of a request;

@@ -414,9 +414,14 @@ class Engine:
 
     def _pool(self, cfg) -> CachePool:
         if cfg not in self.pools:
-            self.pools[cfg] = CachePool(self.runner, cfg, num_blocks=self._pool_blocks(cfg), block_size=self.block_size,
-                                        max_seqs=self.max_seqs, max_blocks_per_seq=self.max_blocks_per_seq,
-                                        calibration=self.calibration, prefill=self._prefill_need)
+            try:
+                self.pools[cfg] = CachePool(self.runner, cfg, num_blocks=self._pool_blocks(cfg),
+                                            block_size=self.block_size, max_seqs=self.max_seqs,
+                                            max_blocks_per_seq=self.max_blocks_per_seq, calibration=self.calibration,
+                                            prefill=self._prefill_need)
+            except Exception:  # a refused pool leaves no rotated o_proj copy behind
+                self.runner.drop_rotations(p.layer_schemes for p in self.pools.values())
+                raise
         return self.pools[cfg]
 
     def release_pool(self, kv_cache_dtype) -> None:
