@@ -87,7 +87,7 @@ class _StableBuffers:
 def _decode_wrapped(wrap):
     """`ModelRunner._executable` whose decode executables are called through `wrap(exe)` (a function
     of the call's arguments); the runner's own decode is unchanged."""
-    original = _ORIGINAL[4]
+    original = _ORIGINAL[3]  # ModelRunner._executable
 
     def executable(self, kind, fn, args, *a, **k):
         exe = original(self, kind, fn, args, *a, **k)
