@@ -154,7 +154,7 @@ class _Seq:
     scheduled: int = 0  # generated tokens dispatched (their values may still be on the device)
     finished: bool = False
     table: "np.ndarray | None" = None  # blocks as the packed metadata's block-table row (int32)
-    seed32: int = 0  # the seed as the int32 bit pattern the packed metadata carries
+    seed32: int = dataclasses.field(init=False, default=0)  # the seed's int32 bit pattern (packed metadata)
 
     def __post_init__(self):
         self.seed32 = int(np.uint32(self.params.seed).view(np.int32))
