@@ -63,8 +63,10 @@ from kvarn_jax.serving import runner  # noqa: E402
 from generate import device_kernels  # noqa: E402
 
 WARM = 2
-_ORIGINAL = (hadamard._signs_product, launch.default_num_splits, entry.launch_table,
-             runner.ModelRunner._executable, launch.default_merge, runner.ModelRunner.decode_kernels)
+# (owner, attribute) a variant may replace -> its original, put back before every variant
+_ORIGINAL = {(owner, name): getattr(owner, name) for owner, name in (
+    (hadamard, "_signs_product"), (launch, "default_num_splits"), (entry, "launch_table"),
+    (runner.ModelRunner, "_executable"), (launch, "default_merge"), (runner.ModelRunner, "decode_kernels"))}
 
 
 class _StableBuffers:
@@ -87,7 +89,7 @@ class _StableBuffers:
 def _decode_wrapped(wrap):
     """`ModelRunner._executable` whose decode executables are called through `wrap(exe)` (a function
     of the call's arguments); the runner's own decode is unchanged."""
-    original = _ORIGINAL[3]  # ModelRunner._executable
+    original = _ORIGINAL[runner.ModelRunner, "_executable"]
 
     def executable(self, kind, fn, args, *a, **k):
         exe = original(self, kind, fn, args, *a, **k)
@@ -117,8 +119,8 @@ def _serial(exe):
 
 def apply(variant: str) -> None:
     """Put the module functions a variant changes in place (every other variant's undone)."""
-    (hadamard._signs_product, launch.default_num_splits, entry.launch_table,
-     runner.ModelRunner._executable, launch.default_merge, runner.ModelRunner.decode_kernels) = _ORIGINAL
+    for (owner, name), fn in _ORIGINAL.items():
+        setattr(owner, name, fn)
     if variant == "base":
         return
     if variant == "f32rot":
@@ -130,7 +132,7 @@ def apply(variant: str) -> None:
         n = int(variant[6:])
         launch.default_num_splits = lambda *a, **k: n
     elif variant == "capped3":
-        table = _ORIGINAL[2]
+        table = _ORIGINAL[entry, "launch_table"]
         entry.launch_table = lambda device=None: dataclasses.replace(table(device), tiled_wide=(2, 128))
         launch.default_num_splits = lambda *a, **k: 3
     elif variant == "stablemeta":

@@ -1063,8 +1063,8 @@ def _fold_altered() -> None:
 
 
 def fuses_completions(bound: BoundCache) -> bool:
-    """Whether a decode-only step on the CPU that completes blocks of this quantized cache runs as one
-    fused computation too (`_decode_step_served`): when every page field lies in the layer's buffer,
+    """Whether a decode-only step on the CPU that completes blocks of this quantized cache stays on the
+    fused path too (`_decode_step_served`): when every page field lies in the layer's buffer,
     so that one indexed copy stores the completed blocks' bytes (`BoundCache.page_columns`). Else
     such a step writes with `write` (the staged path) - a property of the layout, fixed at bind."""
     return not bound.cfg.is_passthrough and bound.page_columns is not None
@@ -1072,8 +1072,9 @@ def fuses_completions(bound: BoundCache) -> bool:
 
 def _decode_step_served(bound, query, key, value, plan, scale, out, pooled=None):
     """A decode-only step on the CPU: the write and the attention in one XLA computation
-    (`_decode_served` with q_heads) - blocks the step completes quantized in it too
-    (`fuses_completions`); torch then stores the rows, the completed pages and the output. q, k and v
+    (`_decode_served` with q_heads), which also returns the ring blocks the step fills; those are
+    quantized right after by `_completed_fields`, the executable `write` uses (`fuses_completions`);
+    torch then stores the rows, the completed pages and the output. q, k and v
     cross into JAX in one buffer imported once (`_qkv`), the rows, pages and output come back as one
     array. pooled: `hp_pool.InPlace` - the sink and ring rows are read from and the new rows stored
     into the pool's blocks directly (no staging)."""
@@ -1291,8 +1292,8 @@ def forward(bound: BoundCache, query: torch.Tensor, key: torch.Tensor, value: to
     calls). On the CPU a decode-only step runs both in one XLA computation (`_decode_step_served`):
     vLLM's CPU worker pins its threads to every core, and each torch op it then runs costs a wake-up
     of all of them - one JAX call instead of a dozen small ops. The blocks such a step completes are
-    quantized in it (`fuses_completions`) by the same quantizer, in the same batch sizes, as `write`
-    quantizes them, so a block's fields do not depend on which step completed it. pooled
+    quantized right after it (`fuses_completions`) by the executable and in the batch sizes `write`
+    uses, so a block's fields do not depend on which step completed it. pooled
     (`hp_pool.HpPool.in_place`, a fused step only): the sink and tail rows live in the pool's blocks
     and are used there."""
     if impl not in IMPLS:

@@ -548,12 +548,10 @@ def commit_blocks(cache: PagedKVCache, block_ids: jnp.ndarray, seq_ids: jnp.ndar
     ok &= ~skip
     c_m = jnp.where(ok, blk, nb)
     s_m = jnp.clip(seq, 0, ns - 1)
-    pages, fields = {}, {}
-    for s in schemes.SIDES:
-        buf = hp_storage.exclude_sink(cache.cfg, _ring_blocks(cache, s, s_m, start).transpose(0, 2, 1, 3), start)
-        fields[s] = pages_from_fields(cache.cfg, s, _quantize_blocks(cache, s, _page_input(cache, buf), quantizer))
-        pages[s] = {name: cache.pages[s][name].at[c_m].set(f.astype(cache.pages[s][name].dtype), mode="drop")
-                    for name, f in fields[s].items()}
+    fields = quantized_fields(cache, {s: hp_storage.exclude_sink(
+        cache.cfg, _ring_blocks(cache, s, s_m, start).transpose(0, 2, 1, 3), start) for s in schemes.SIDES}, quantizer)
+    pages = {s: {name: cache.pages[s][name].at[c_m].set(f.astype(cache.pages[s][name].dtype), mode="drop")
+                 for name, f in fields[s].items()} for s in schemes.SIDES}
     dropped = jnp.sum(~ok & ~skip & (blk != -1) & (blk != NO_PAGE), dtype=jnp.int32) * bs
     dropped += jnp.sum(ok & saturated_blocks(cache, fields), dtype=jnp.int32) * bs
     return dataclasses.replace(cache, pages=pages, dropped_tokens=cache.dropped_tokens + dropped)
