@@ -266,11 +266,14 @@ def test_writes_and_attention_match_the_library(scheme, split, rng):
     assert c["write_tokens"] >= sum(lens) and c["write_calls"] > 0 and c["decode_rows"] > 0
 
 
-@pytest.mark.parametrize("scheme, dtype, model_dtype", [("kvarn_k4v2_g32", "float16", np.float16),
-                                                       ("int4", "bfloat16", np.float32), ("fp16", "float32", np.float32)])
-def test_bad_values_are_stored_by_the_librarys_rule_and_counted(scheme, dtype, model_dtype, rng):
+@pytest.mark.parametrize("scheme, dtype, model_dtype, impl", [("kvarn_k4v2_g32", "float16", np.float16, "auto"),
+                                                             ("kvarn_k4v2_g32", "float16", np.float16, "reference"),
+                                                             ("int4", "bfloat16", np.float32, "auto"),
+                                                             ("fp16", "float32", np.float32, "auto")])
+def test_bad_values_are_stored_by_the_librarys_rule_and_counted(scheme, dtype, model_dtype, impl, rng):
     """NaN/Inf tokens and values beyond the cache's range, in a prefill (blocks completed and
-    quantized) and in decode steps (on the CPU: the fused write + attention): the cache holds what
+    quantized) and in decode steps (on the CPU: the fused write + attention; impl "reference": the
+    GPUs' fused step on the library's decode, `_decode_step_library`): the cache holds what
     the library's write stores (`kvarn_jax.storage`: such a token as zeros, values saturated; a NaN
     never spreads to its tile), `altered_tokens` counts what the library counts, outputs stay finite."""
     bound, _ = _bind(scheme, rng, dtype=dtype)
@@ -293,7 +296,7 @@ def test_bad_values_are_stored_by_the_librarys_rule_and_counted(scheme, dtype, m
                        jnp.asarray(seq, jnp.int32), jnp.asarray(pos, jnp.int32))
         with torch.inference_mode():  # as vLLM runs its model
             outs.append(torch_ops.forward(bound, torch.from_numpy(queries[sl]), torch.from_numpy(k[sl]),
-                                          torch.from_numpy(v[sl]), plan).float().numpy())
+                                          torch.from_numpy(v[sl]), plan, impl=impl).float().numpy())
         done[0] += n
     leaves, lib = _leaves(bound.cache), _leaves(oracle)
     for key in bound.views:
@@ -360,6 +363,44 @@ def test_the_fused_decode_step_equals_write_then_attend(scheme):
                 np.testing.assert_allclose(caches[0][key], caches[1][key], rtol=1e-6, atol=1e-5, err_msg=key)
 
 
+@pytest.mark.parametrize("scheme, impl", [("kvarn_k4v2_g32", "reference"), ("kvarn_k4v2_g32", "pallas"),
+                                          ("fp16", "reference")])
+def test_the_library_decode_step_equals_write_then_attend(scheme, impl, monkeypatch):
+    """Where decode rows run the library's decode (GPUs; here impl "reference", or the GPU kernel
+    interpreted), a decode-only step completing no block is one JAX call (`_decode_step_library`:
+    the rows as stored, and attention over the cached tokens plus each row's new one): the same
+    outputs and cache as `write` then `attend`. Steps that complete blocks keep the split path."""
+    lens = [70, 33, 64]
+    fused = []
+    real = torch_ops._decode_step_library
+    monkeypatch.setattr(torch_ops, "_decode_step_library", lambda *a, **k: fused.append(a[4].completing) or real(*a, **k))
+    caches, outs = [], []
+    for split in (False, True):
+        rng = np.random.default_rng(7)
+        bound, _ = _bind(scheme, rng)
+        seqs, queries = _sequences(rng, lens)
+        tables = allocate_tables(rng, lens, 32, 12)
+        steps = [[(0, 60), (1, 20), (2, 40)]] + [[(0, 1), (1, 1), (2, 1)]] * 6  # 63 -> 64: blocks complete
+        got, _, _ = _serve(bound, None, seqs, queries, tables, steps, impl=impl, split=split)
+        caches.append(_leaves(bound.cache))
+        outs.append(got)
+    if scheme == "fp16":  # nothing to quantize: every decode step fused
+        assert len(fused) == 6
+    else:  # the step completing blocks split: `write` quantizes them
+        assert len(fused) == 5 and not any(fused)
+    # the kernel reads a cached token through fp16 products, the merged new one in fp32 (its tolerance
+    # against the reference, test_paged_decode_kernel)
+    tol = 4e-3 if impl == "pallas" else 1e-5
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(a, b, rtol=0, atol=tol * np.abs(b).max())
+    for key in caches[0]:
+        if key.startswith(("pages", "sink", "tail")):
+            if key.startswith("pages") or not kj.parse(scheme).rotated:
+                np.testing.assert_array_equal(caches[0][key], caches[1][key], err_msg=key)
+            else:  # XLA's rotation (fused) and torch's (split) may round the last fp32 bit differently
+                np.testing.assert_allclose(caches[0][key], caches[1][key], rtol=1e-6, atol=1e-5, err_msg=key)
+
+
 def test_outputs_do_not_depend_on_the_chunking_or_the_batch(rng):
     """The same sequence prefilled in other chunks, next to other sequences or alone: its outputs
     agree to float rounding (a block read quantized instead of exact would move them by ~1e-2), and
@@ -390,14 +431,16 @@ def test_outputs_do_not_depend_on_the_chunking_or_the_batch(rng):
 def test_gpu_path_reads_nothing_back(scheme, rng):
     """As on a GPU: no host-side index checks, and every read of device data back to the host refused
     (`no_read_back`) - writes and attention stay asynchronous; outputs as on the checked path."""
-    bound, _ = _bind(scheme, rng, hp_in_buffer=scheme == "fp16")
     lens = [70, 33, 5, 96]
     seqs, queries = _sequences(rng, lens)
     tables = allocate_tables(rng, lens, 32, 12)
     steps = _steps(rng, lens, 40)
-    got, want, _ = _serve(bound, _snapshot(bound), seqs, queries, tables, steps, gpu_like=True, split=True)
-    for i in range(len(lens)):
-        np.testing.assert_allclose(got[i], want[i], rtol=2e-4, atol=2e-4)
+    for split in (True, False):  # write + attend; forward (decode-only steps: `_decode_step_library`)
+        bound, _ = _bind(scheme, np.random.default_rng(3), hp_in_buffer=scheme == "fp16")
+        got, want, _ = _serve(bound, _snapshot(bound), seqs, queries, tables, steps, impl="reference", gpu_like=True,
+                              split=split)
+        for i in range(len(lens)):
+            np.testing.assert_allclose(got[i], want[i], rtol=2e-4, atol=2e-4)
     with no_read_back(), pytest.raises(AssertionError, match="read back"):  # the guard can fail
         torch.tensor([1]).item()
 

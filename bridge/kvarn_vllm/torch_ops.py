@@ -1005,14 +1005,37 @@ def _qkv(query, key, value, nd: int, bb: int):
     w = hq + 2 * hk
     buf, arr = _imported(("qkv", str(query.device), bb, w, d, query.dtype),
                          lambda: (torch.zeros((bb, w, d), dtype=query.dtype, device=query.device),) * 2)
-    size = query.element_size()
-    adjacent = key.data_ptr() == query.data_ptr() + hq * d * size and value.data_ptr() == key.data_ptr() + hk * d * size
-    if adjacent and key.dtype == query.dtype == value.dtype and \
-            all(x.stride() == (w * d, d, 1) for x in (query, key, value)):
-        buf[:nd].copy_(query.as_strided((nd, w, d), (w * d, d, 1)))
+    joined = _side_by_side(query, key, value, nd)
+    if joined is not None:
+        buf[:nd].copy_(joined)
     else:
         torch.cat((query[:nd], key[:nd], value[:nd]), 1, out=buf[:nd])
     return arr
+
+
+def _side_by_side(query, key, value, nd: int):
+    """The first nd rows of q, k and v as one [nd, Hq + 2 * Hk, D] view when they are adjacent column
+    ranges of one tensor (vLLM's qkv projection output, split), else None."""
+    hq, hk, d = query.shape[1], key.shape[1], query.shape[2]
+    w, size = hq + 2 * hk, query.element_size()
+    adjacent = key.data_ptr() == query.data_ptr() + hq * d * size and value.data_ptr() == key.data_ptr() + hk * d * size
+    if adjacent and key.dtype == query.dtype == value.dtype and \
+            all(x.stride() == (w * d, d, 1) for x in (query, key, value)):
+        return query.as_strided((nd, w, d), (w * d, d, 1))
+    return None
+
+
+def _qkv_fenced(query, key, value, nd: int, bb: int):
+    """q, k and v of the decode rows side by side, [bb, Hq + 2 * Hk, D], imported into JAX for this
+    call only: the import is the fence (JAX's stream waits for torch's work, module docstring), which
+    a buffer imported once would not be. Zero-copy when they are adjacent columns of one tensor and
+    the rows need no padding; else one concatenation (padding rows zero). Returns (tensor, array)."""
+    joined = _side_by_side(query, key, value, nd) if nd == bb else None
+    if joined is None:
+        hq, hk, d = query.shape[1], key.shape[1], query.shape[2]
+        joined = query.new_zeros((bb, hq + 2 * hk, d))
+        torch.cat((query[:nd], key[:nd], value[:nd]), 1, out=joined[:nd])
+    return joined, _to_jax(joined)
 
 
 def _hp_rows(bound: BoundCache, pooled):
@@ -1120,6 +1143,69 @@ def _decode_step_served(bound, query, key, value, plan, scale, out, pooled=None)
     target.index_copy_(0, dst, flat if src is None else flat.index_select(0, src))
     out[:nd].copy_(o[:nd])
     return held
+
+
+def fuses_library_step(bound: BoundCache, plan: StepPlan, which: str) -> bool:
+    """Whether a decode-only step whose rows run the library's decode (`decode_impl` "auto",
+    "pallas" or "reference": GPUs) writes and attends in one JAX call (`_decode_step_library`):
+    when it completes no block of a quantized cache (those go through `write`, which quantizes them)
+    and the decode is not the TPU kernel's (which takes no `new_kv`)."""
+    if which == "served" or (plan.completing and not bound.cfg.is_passthrough):
+        return False
+    return not (jax.default_backend() == "tpu" and which != "reference")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "impl", "passthrough", "slots", "q_heads"))
+def _decode_library_step(qkv, cache, idx, altered_total, *, scale, impl, passthrough, slots, q_heads):
+    """A decode-only step's write and attention in one XLA computation: each row's new token as the
+    cache stores it (`storage_values`) and `kvarn_jax.paged_decode_attention` over its cached tokens
+    and that token (`new_kv`). qkv [B, Hq + 2 * Hk, D]; idx [B, cols + 3]: block table, cached tokens,
+    slots, live (1) or padding (0). Returns (the rows [2, B, Hk, D] and the output [B, Hq, D] as one
+    uint8 array, `_unpacked_step`; altered_total plus this step's per-slot counts)."""
+    hk = cache.num_kv_heads
+    q, k, v = qkv[:, :q_heads], qkv[:, q_heads:q_heads + hk], qkv[:, q_heads + hk:]
+    k_s, v_s, nonfinite, saturated = storage_values(cache.cfg, k, v, cache.value_dtype)
+    cols = idx.shape[1] - 3
+    counts = _slot_counts(slots, idx[:, cols + 1], idx[:, cols + 2] > 0, nonfinite, saturated)
+    o = kvarn_jax.paged_decode_attention(q, cache, idx[:, :cols], idx[:, cols], scale,
+                                         seq_ids=None if passthrough else idx[:, cols + 1], impl=impl,
+                                         check_values=False, new_kv=(k_s, v_s))
+    return _packed_step(jnp.stack((k_s, v_s)), o), altered_total + counts
+
+
+def _decode_step_library(bound, query, key, value, plan, scale, out, impl):
+    """A decode-only step on the library's decode (`fuses_library_step`): one JAX call computes the
+    rows as the cache stores them and attends over the cached tokens plus each row's new one, torch
+    then stores the rows (one indexed copy) and the output. Per layer: one import (q, k and v, the
+    fence), one call, one export, two copies - against `write` and `attend`'s two calls, their
+    imports and a dozen torch ops for the rows."""
+    nd = plan.num_decodes
+    bb = bucket(nd, 1)
+    lay = bound.layout
+    hk, d = lay.num_kv_heads, lay.head_dim
+    cols = _used_columns(plan.max_decode_len, lay.block_size, plan.block_table.shape[1])
+
+    def make():
+        idx = torch.zeros((bb, cols + 3), dtype=torch.int32, device=plan.device)
+        idx[:nd, :cols] = plan.block_table[:nd, :cols]
+        idx[:nd, cols] = plan.to_device(plan.seq_len[:nd] - 1, torch.int32)   # the new token is not cached yet
+        idx[:nd, cols + 1] = plan.to_device(plan.seq_id[:nd], torch.int32)
+        idx[:nd, cols + 2] = 1
+        return idx, _to_jax(idx)
+    idx, idx_j = plan.cached(("decode_step_idx", bb, cols), make)
+    qkv, qkv_j = _qkv_fenced(query, key, value, nd, bb)
+    dev, slots = bound.buffer.device, lay.max_seqs
+    packed_j, total = _decode_library_step(qkv_j, bound.cache, idx_j, _pending_altered(dev, slots), scale=scale,
+                                           impl=impl, passthrough=bound.cfg.is_passthrough, slots=slots,
+                                           q_heads=query.shape[1])
+    _set_pending_altered(dev, slots, total)
+    packed = _to_torch(packed_j)
+    rows, o = _unpacked_step(packed, (2, bb, hk, d), bound.rows.dtype, (bb, query.shape[1], d), query.dtype)
+    dst, src = _row_destinations(plan, bound, bb)
+    flat = rows.reshape(-1, d)
+    bound.rows.index_copy_(0, dst, flat if src is None else flat.index_select(0, src))
+    out[:nd].copy_(o[:nd])
+    return qkv, qkv_j, packed_j, packed
 
 
 def _prefill_mask(plan: StepPlan, r: int, passthrough: bool, device, dtype) -> torch.Tensor:
@@ -1299,10 +1385,14 @@ def forward(bound: BoundCache, query: torch.Tensor, key: torch.Tensor, value: to
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
     n, nd = plan.num_tokens, plan.num_decodes
+    which = decode_impl(impl)
+    decode_only = bool(nd) and nd == plan.num_rows
     staged_write = plan.completing and not bound.cfg.is_passthrough and not fuses_completions(bound)
-    if not (nd == plan.num_rows and nd and decode_impl(impl) == "served" and not staged_write):
-        if pooled is not None:
-            raise ValueError("pooled is for decode-only steps of the CPU's served decode")
+    served = decode_only and which == "served" and not staged_write
+    library = decode_only and fuses_library_step(bound, plan, which)
+    if pooled is not None and not served:
+        raise ValueError("pooled is for decode-only steps of the CPU's served decode")
+    if not (served or library):
         written = write(bound, key, value, plan)
         return attend(bound, query, plan, written=written, scale=scale, impl=impl, out=out)
     t0 = time.perf_counter()
@@ -1316,7 +1406,8 @@ def forward(bound: BoundCache, query: torch.Tensor, key: torch.Tensor, value: to
         raise ValueError(f"out must be {tuple(query.shape)} like query, got {tuple(out.shape)}")
     sm = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     bound.held_write = ()
-    bound.held_attend = tuple(_decode_step_served(bound, query, key, value, plan, sm, out, pooled))
+    bound.held_attend = tuple(_decode_step_served(bound, query, key, value, plan, sm, out, pooled) if served else
+                              _decode_step_library(bound, query, key, value, plan, sm, out, which))
     dt = time.perf_counter() - t0
     count(write_calls=1, write_tokens=n, blocks_quantized=0 if bound.cfg.is_passthrough else plan.completing,
           decode_calls=1, decode_rows=nd, attend_s=dt)

@@ -38,7 +38,7 @@ def decode_impl(cfg: KVQuantConfig, block_size: int, head_dim: int, impl: str = 
 def paged_decode_attention(q, cache, block_tables, seq_lens, scale: float | None = None, *, seq_ids=None,
                            window: int | None = None, impl: str = "auto", interpret: bool | None = None,
                            num_splits: int | None = None, kernel: str | None = None, check_values: bool = True,
-                           rotated_output: bool = False):
+                           rotated_output: bool = False, new_kv=None):
     """Decode attention of one query token per sequence over a `PagedKVCache`.
 
     Same arguments and result as `paged_decode_attention_reference` (q [B, Hq, D] -> [B, Hq, D] in
@@ -65,32 +65,44 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, scale: float | None
         model-frame output times H, head by head), not unrotated: for a caller whose next product's
         matrix holds the rotation (`hadamard.rotate_rows`), which saves a product and its clip per
         call. Other caches ignore it.
+      new_kv: (k, v) [B, Hk, D], one more token per row that is not in the cache yet: the token at
+        position seq_lens[b], as the cache will store it (`storage.storage_values`: the stored frame,
+        the cache's value dtype). Each row attends to its seq_lens cached tokens and this one, as a
+        write of the token followed by a decode with seq_lens + 1 would - so a caller that can only
+        write the cache after the call (the vLLM bridge: torch owns the memory) needs one call per
+        layer. The GPU kernel merges the token as one more split; the TPU kernel does not take it
+        (ValueError). Not with window.
     `impl="pallas"` raises ValueError if the kernel cannot take the cache (e.g. a block size that is
     not a power of two); nothing falls back silently.
     """
     check_impl(impl)
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {list(KERNELS)} or None, got {kernel!r}")
-    check_decode_args(q, cache, block_tables, seq_lens, seq_ids, window, values=bool(check_values))
+    check_decode_args(q, cache, block_tables, seq_lens, seq_ids, window, values=bool(check_values), new_kv=new_kv)
+    new_kv = None if new_kv is None else tuple(new_kv)
     backend = jax.default_backend()
     impl, kernel, why = decode_impl(cache.cfg, cache.block_size, cache.head_dim, impl, kernel, backend)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if impl == "reference":
-        return attend(q, cache, block_tables, seq_lens, sm_scale, seq_ids, window, False, bool(rotated_output))
+        return attend(q, cache, block_tables, seq_lens, sm_scale, seq_ids, window, False, bool(rotated_output), new_kv)
     if why is not None:
         raise ValueError(f"impl='pallas' cannot run this cache on the {kernel} kernel: {why}; "
                          "use impl='reference' or 'auto'")
     if kernel == "tpu" and num_splits is not None:
         raise ValueError("num_splits applies to the GPU kernel only (the TPU kernel walks a sequence in one program)")
+    if kernel == "tpu" and new_kv is not None:
+        raise ValueError("new_kv is taken by the GPU kernel and the reference, not by kernel='tpu' (it finishes each "
+                         "row's softmax in one program); write the token first, or use impl='reference'")
     interpret = backend == "cpu" if interpret is None else bool(interpret)
     require_compiled_backend(interpret, f"paged_decode_attention(impl='pallas', kernel={kernel!r})", kernel)
     return _pallas(q, cache, block_tables, seq_lens, seq_ids, scale=sm_scale, window=window,
-                   interpret=interpret, num_splits=num_splits, kernel=kernel, rotated_output=bool(rotated_output))
+                   interpret=interpret, num_splits=num_splits, kernel=kernel, rotated_output=bool(rotated_output),
+                   new_kv=new_kv)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "interpret", "num_splits", "kernel", "rotated_output"))
 def _pallas(q, cache, block_tables, seq_lens, seq_ids, *, scale, window, interpret, num_splits, kernel,
-            rotated_output=False):
+            rotated_output=False, new_kv=None):
     # rotate once before and un-rotate once after: the kernels work in the stored frame
     # (the bounds skip a per-row overflow test: queries beyond QUANT_MAX are clipped to it, and the
     # output is a weighted mean of stored values, which are far below SAFE_ABS)
@@ -107,7 +119,8 @@ def _pallas(q, cache, block_tables, seq_lens, seq_ids, *, scale, window, interpr
     else:  # seq_ids None: the GPU kernel reads sequence b's sink and tail from row b
         o = paged_decode_pallas.paged_decode_pallas(qr, cache, block_tables, seq_lens, seq_ids, scale=scale,
                                                     window=window, interpret=interpret,
-                                                    launch=paged_decode_pallas.Launch(num_splits=num_splits))
+                                                    launch=paged_decode_pallas.Launch(num_splits=num_splits),
+                                                    new_kv=new_kv)
     if cache.cfg.rotated and not rotated_output:
         o = unrotate(o, max_abs=SAFE_ABS, one_token=one_token)
     return saturate(o, q.dtype)

@@ -25,7 +25,7 @@ from ..schemes.arith import saturate
 from ..validation import check_array, check_finite
 
 
-def check_decode_args(q, cache, block_tables, seq_lens, seq_ids, window, values: bool = True):
+def check_decode_args(q, cache, block_tables, seq_lens, seq_ids, window, values: bool = True, new_kv=None):
     """The decode entries' argument checks (ValueError naming the argument); values=False checks
     shapes and dtypes only, reading nothing back from the device."""
     check_array(q, "q", ndim=3, floating=True)
@@ -40,6 +40,15 @@ def check_decode_args(q, cache, block_tables, seq_lens, seq_ids, window, values:
     check_read_args(cache, block_tables, seq_lens, seq_ids, batch=nbt, values=values)
     if window is not None and (not isinstance(window, int) or window <= 0):
         raise ValueError(f"window must be a positive int (attend to the last `window` tokens) or None, got {window!r}")
+    if new_kv is not None:
+        if not (isinstance(new_kv, (tuple, list)) and len(new_kv) == 2):
+            raise ValueError(f"new_kv must be a (k, v) pair of [B, Hk, D] arrays or None, got {type(new_kv).__name__}")
+        for name, x in zip(("new_kv[0] (k)", "new_kv[1] (v)"), new_kv):
+            check_array(x, name, ndim=3, floating=True)
+            if tuple(x.shape) != (nbt, cache.num_kv_heads, d):
+                raise ValueError(f"{name} must be [B, Hk, D] = {(nbt, cache.num_kv_heads, d)}, got {tuple(x.shape)}")
+        if window is not None:
+            raise ValueError("new_kv cannot be combined with window")
     if values:
         check_finite(q, "q")
 
@@ -47,7 +56,8 @@ def check_decode_args(q, cache, block_tables, seq_lens, seq_ids, window, values:
 def paged_decode_attention_reference(q: jnp.ndarray, cache: PagedKVCache, block_tables: jnp.ndarray,
                                      seq_lens: jnp.ndarray, scale: float | None = None, *,
                                      seq_ids: jnp.ndarray | None = None, window: int | None = None,
-                                     rotated_io: bool = False, rotated_output: bool = False) -> jnp.ndarray:
+                                     rotated_io: bool = False, rotated_output: bool = False,
+                                     new_kv=None) -> jnp.ndarray:
     """One query token per sequence against its cached tokens.
 
     q: [B, Hq, D] (Hq a multiple of the cache's Hk; query head h uses kv head h // (Hq // Hk)).
@@ -56,21 +66,29 @@ def paged_decode_attention_reference(q: jnp.ndarray, cache: PagedKVCache, block_
     (default 1/sqrt(D)); window: attend only to the last `window` tokens.
     rotated_io: q is already rotated and the output is returned rotated (kernels' convention).
     rotated_output: only the output is returned rotated (`paged_decode_attention`'s argument).
+    new_kv: (k, v) [B, Hk, D] of one more token per row, not in the cache: the token at position
+    seq_lens[b], as the cache would store it (`storage.storage_values`: the stored frame, rounded to
+    the cache's value dtype). Each row attends to its seq_lens cached tokens and this one - what a
+    write of the token followed by a decode with seq_lens + 1 computes. Not with window.
     Returns [B, Hq, D] in q.dtype.
     """
-    check_decode_args(q, cache, block_tables, seq_lens, seq_ids, window)
-    return attend(q, cache, block_tables, seq_lens, scale, seq_ids, window, rotated_io, rotated_output)
+    check_decode_args(q, cache, block_tables, seq_lens, seq_ids, window, new_kv=new_kv)
+    return attend(q, cache, block_tables, seq_lens, scale, seq_ids, window, rotated_io, rotated_output,
+                  None if new_kv is None else tuple(new_kv))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "rotated_io", "rotated_output"))
-def attend(q, cache, block_tables, seq_lens, scale, seq_ids, window, rotated_io, rotated_output=False):
+def attend(q, cache, block_tables, seq_lens, scale, seq_ids, window, rotated_io, rotated_output=False,
+           new_kv=None):
     """`paged_decode_attention_reference` without the argument checks (callers check first).
 
     A sequence's tokens come from three parts, each attended where it is stored (one softmax over
     all): its pages (blocks `paged_from // block_size` up to the query's own block), its sink, and
     the ring's block that holds the query's own block. Passthrough caches have pages only. Pages of
     KVarN caches are attended on their codes (`schemes.kvarn.key_scores` / `value_sums`), other
-    schemes' are dequantized. Every part is a fixed-shape product: no dense copy of the context."""
+    schemes' are dequantized. Every part is a fixed-shape product: no dense copy of the context.
+    new_kv: one more token per row after its cached ones (`paged_decode_attention_reference`), a
+    fourth part."""
     nbt, hq, d = q.shape
     hk, bs = cache.num_kv_heads, cache.block_size
     g = hq // hk
@@ -87,7 +105,8 @@ def attend(q, cache, block_tables, seq_lens, scale, seq_ids, window, rotated_io,
         ok = pos < lens[:, None]
         return ok if window is None else ok & (pos >= lens[:, None] - window)
 
-    own = jnp.maximum((lens - 1) // bs, 0)   # the query's own block: read from the ring, not a page
+    # the query's own block (its token's: with new_kv the one after the cached ones): read from the ring
+    own = lens // bs if new_kv is not None else jnp.maximum((lens - 1) // bs, 0)
     j0 = cache.paged_from // bs
     m = jnp.full((nbt, hk, g), -jnp.inf)
     kvarn_codes = cache.cfg.method == "kvarn"
@@ -130,6 +149,11 @@ def attend(q, cache, block_tables, seq_lens, scale, seq_ids, window, rotated_io,
             sp = jnp.where(ok_part[:, None, None, :], sp, -jnp.inf)
             near.append((sp, kv[1]))
             m = jnp.maximum(m, sp.max(-1))
+    if new_kv is not None:  # seen by every row
+        kn, vn = (x.astype(jnp.float32) for x in new_kv)                     # [B, Hk, D], stored frame
+        sp = jnp.einsum("bhgd,bhd->bhg", qg, kn, precision="highest")[..., None] * scale
+        near.append((sp, vn[:, :, None, :]))
+        m = jnp.maximum(m, sp[..., 0])
     m = jnp.where(jnp.isfinite(m), m, 0.0)                                   # rows that see nothing
     denom = jnp.zeros((nbt, hk, g))
     o = jnp.zeros((nbt, hk, g, d))

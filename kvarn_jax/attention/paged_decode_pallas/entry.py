@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -12,7 +13,7 @@ from ... import triton_options
 from ...config import KVQuantConfig
 from ...validation import is_power_of_two
 from . import merge as split_merge
-from .kernel import decode_kernel
+from .kernel import LOG2E, NEG, decode_kernel
 from .launch import CallShape, Launch, resolve_launch
 from .launch_table import LaunchTable, launch_table
 from .layout import LayoutPlan, group_rows
@@ -31,7 +32,8 @@ def supports(cfg: KVQuantConfig, block_size: int, head_dim: int) -> str | None:
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "interpret", "launch", "table"))
 def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale: float, window: int | None,
-                        interpret: bool = False, launch: Launch = Launch(), table: LaunchTable | None = None):
+                        interpret: bool = False, launch: Launch = Launch(), table: LaunchTable | None = None,
+                        new_kv=None):
     """q_rot [B, Hq, D] in the stored frame -> output [B, Hq, D] fp32 in the stored frame.
 
     seq_ids: [B] rows of the high-precision sink and tail buffers, or None for row b of sequence b
@@ -39,6 +41,10 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     launch: layout and launch options; what it leaves open the rules decide (`resolve_launch`) from
     `table` (default: this device's `launch_table()`). Every launch gives the same results up to fp32
     rounding; the defaults are the fastest measured (docs/kernels.md).
+    new_kv: (k, v) [B, Hk, D] in the stored frame, one more token per row after its seq_lens cached
+    ones (`paged_decode_attention`): merged with the kernel's splits as one more split
+    (`_with_new_token`), so a launch that would finish its output in the kernel (merge="kernel")
+    leaves partials to XLA's merge instead.
     """
     table = table or launch_table()
     cfg = cache.cfg
@@ -47,6 +53,8 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     shape = CallShape(batch=nbt, q_heads=hq, kv_heads=hk, head_dim=d, block_size=cache.block_size,
                       max_blocks=block_tables.shape[1], interpret=interpret, wide=cache.dtype != "float16")
     run = resolve_launch(cfg, shape, launch, table)
+    if new_kv is not None and run.merge == "kernel":
+        run = resolve_launch(cfg, shape, dataclasses.replace(launch, merge="xla"), table)
     tokens_major = run.orient == "tokens"
     t_tok, splits = run.chunk or cfg.tile_tokens, run.num_splits  # tokens per step: a chunk or a tile
     grp = hq // hk
@@ -114,7 +122,8 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
         block_size=cache.block_size, tail_len=max(cache.tail_len, 1), tiles_per_block=tiles_per_block,
         num_splits=splits, sm_scale=scale, window=window, tokens_major=tokens_major, parts=run.parts,
         steps=run.steps, hp_chunk=hp_chunk, ids_ahead=run.num_stages >= 3, ids_group=table.ids_group, gp=gp,
-        q_rows=q_rows, written=written, normalize=normalize, sink_len=cache.sink_len, hp_int8=hp_int8)
+        q_rows=q_rows, written=written, normalize=normalize, sink_len=cache.sink_len, hp_int8=hp_int8,
+        new_token=new_kv is not None)
     vp = plan.vp
     acc_shape = (d // vp, written) if tokens_major else (written, d // vp)
     # the Pallas merge loads all splits at once: a power-of-two axis (the padding is never written)
@@ -140,6 +149,13 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     if normalize:
         return outs.reshape(nbt, hq, d)
     acc, m, l = outs  # noqa: E741
+    if new_kv is not None:
+        acc, m, l = _with_new_token(acc[:, :, :splits], m[:, :, :splits], l[:, :, :splits], q_rot, new_kv,  # noqa: E741
+                                    scale=scale, grp=grp, written=written, vp=vp, tokens_major=tokens_major)
+        splits += 1
+        if run.merge == "pallas":  # its split axis padded to a power of two again (the padding is masked)
+            pad = split_merge.padded_splits(splits) - splits
+            acc, m, l = (jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3)) for x in (acc, m, l))  # noqa: E741
     # merge the splits (flash-decoding), then re-interleave the value planes: channel vp*i + n
     heads_axis = -1 if tokens_major else -2
     if run.merge == "pallas":
@@ -150,3 +166,25 @@ def paged_decode_pallas(q_rot, cache, block_tables, seq_lens, seq_ids, *, scale:
     acc = acc[..., :grp] if tokens_major else acc[..., :grp, :]
     o = split_merge.merge_splits_reference(acc, m[..., :grp], l[..., :grp], splits, heads_axis)
     return o.reshape(nbt, hq, d)
+
+
+def _with_new_token(acc, m, l, q_rot, new_kv, *, scale: float, grp: int, written: int, vp: int,  # noqa: E741
+                    tokens_major: bool):
+    """The kernel's partials (acc, m, l over S splits) with one more split holding the token new_kv
+    (stored frame): its base-2 logit as that split's max, a sum of 1 and its value as the partial
+    output, in the value planes' layout. Heads past the group (`written` > grp) get max NEG, sum 0."""
+    nbt, hq, d = q_rot.shape
+    hk = hq // grp
+    k, v = (x.astype(jnp.float32) for x in new_kv)
+    qs = q_rot.astype(jnp.float32).reshape(nbt, hk, grp, d) * (scale * LOG2E)    # the kernel's scaled query
+    s = jnp.einsum("bhgd,bhd->bhg", qs, k, precision=jax.lax.Precision.HIGHEST)
+    pad = ((0, 0), (0, 0), (0, written - grp))
+    m_new = jnp.pad(s, pad, constant_values=NEG)[:, :, None]                      # [B, Hk, 1, W]
+    l_new = jnp.pad(jnp.ones_like(s), pad)[:, :, None]
+    planes = v.reshape(nbt, hk, d // vp, vp).transpose(0, 1, 3, 2)               # [B, Hk, vp, D/vp]
+    if tokens_major:                                                             # [.., vp, D/vp, W]
+        a = jnp.broadcast_to(planes[..., None], planes.shape + (written,))
+    else:                                                                        # [.., vp, W, D/vp]
+        a = jnp.broadcast_to(planes[:, :, :, None, :], (nbt, hk, vp, written, d // vp))
+    return (jnp.concatenate([acc, a[:, :, None]], axis=2), jnp.concatenate([m, m_new], axis=2),
+            jnp.concatenate([l, l_new], axis=2))

@@ -26,7 +26,7 @@ def masked_load(ref, **kw):
 
 def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size, tail_len, tiles_per_block,
                   num_splits, sm_scale, window, tokens_major, parts, steps, hp_chunk, ids_ahead, ids_group, gp,
-                  q_rows, written, normalize, sink_len=0, hp_int8=False):
+                  q_rows, written, normalize, sink_len=0, hp_int8=False, new_token=False):
     """One program: sequence `program_id(0)`, kv head `program_id(1)`, split `program_id(2)`.
 
     refs: the query (its group's rows padded to Gp, or the sequence's [Hq, D] when `q_rows` says how
@@ -35,7 +35,9 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
     parameters, the sink and tail (`has_hp`) and with `hp_int8` their scales and zero points (sink
     k, sink v, tail k, tail v; scale then zero each); then the outputs: the final output
     (`normalize`), or the partial output, max and sum of this split. sink_len: tokens of the sink
-    buffer; shorter than a block, the rest of the first block is read from its page.
+    buffer; shorter than a block, the rest of the first block is read from its page. new_token: the
+    query's token is not cached yet (`paged_decode_attention(new_kv=...)`, merged by the caller): it
+    sits at position `length`, so its own block - read from the ring, not a page - is `length // bs`.
     """
     d, vp, t_tok = plan.d, plan.vp, plan.t
     # tokens_major: scores [T, Gp] and accumulator [D/vp, Gp] (the matrix unit's N is the head
@@ -119,8 +121,9 @@ def decode_kernel(*refs, plan, names, static_names, has_hp, has_sid, block_size,
         return m_new, l_new, tuple(per_head(alpha) * a + c for a, c in zip(acc, contrib))
 
     # ---- quantized tiles (for passthrough: every tile)
-    # blocks read from pages: full, not a whole-block sink, and not the query's own block (position length - 1)
-    n_full = jnp.maximum(length - 1, 0) // bs if has_hp else length // bs
+    # blocks read from pages: full, not a whole-block sink, and not the query's own block (position
+    # length - 1, or length for a token not cached yet)
+    n_full = (length if new_token else jnp.maximum(length - 1, 0)) // bs if has_hp else length // bs
     if has_hp:
         t_begin, t_end = (0 if partial_sink else tpb), n_full * tpb
     else:
