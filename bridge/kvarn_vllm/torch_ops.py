@@ -15,6 +15,11 @@ that tensor (no copy; checked by data pointer). A step is described once by a `p
   indexed copy each, to destinations the plan computed once for the step. XLA cannot write into a
   buffer it imported from torch, hence the split. Other steps (a decode step completing no block,
   passthrough caches) compute the rows with torch.
+- `forward(bound, query, key, value, plan)` (what vLLM's impl calls): `write` then `attend`, except
+  for a decode-only step, which is one XLA computation that computes the rows and attends - on the
+  CPU `_decode_served`, elsewhere `_decode_step_library`: `kvarn_jax.paged_decode_attention` over
+  the cached tokens with each row's new token passed as `new_kv` (a step completing blocks of a
+  quantized cache there still writes first: `write` quantizes them). torch stores the rows after.
 - `attend(bound, query, plan, written=...)` attends every row with the semantics of
   `kvarn_jax.attention.prefill`: each query sees the sink and its own block in high precision and
   the full blocks before its own block quantized - the decode rule, so the result of a query does
@@ -39,7 +44,9 @@ cache imports a torch tensor made in the same step (the fence), and torch's writ
 follow its import of JAX's results. Each bound cache keeps its last call's exchanged arrays alive
 until its next call, so that neither allocator reuses a buffer the other's stream may still read.
 On the CPU, where JAX runs the computations on the calling thread, the fused decode step passes
-q, k and v through a buffer imported once (`_qkv`): an import costs more than the copy.
+q, k and v through a buffer imported once (`_qkv`): an import costs more than the copy. On a GPU the
+fused step imports them per call (`_qkv_fenced`: the import is its fence), without a copy when they
+are adjacent columns of vLLM's qkv projection output.
 """
 
 from __future__ import annotations
