@@ -266,6 +266,22 @@ def test_writes_and_attention_match_the_library(scheme, split, rng):
     assert c["write_tokens"] >= sum(lens) and c["write_calls"] > 0 and c["decode_rows"] > 0
 
 
+@pytest.mark.parametrize("scheme", ["kvarn_k4v2_g32", "int8_g16", "fp16"])
+def test_prefill_rows_off_the_cpu_op_match_the_library(scheme, rng, monkeypatch):
+    """Prefill rows as GPUs run them (`_prefill_rows`: SDPA calls, lower-right causal per own block;
+    the CPU's quantized caches take vLLM's op instead, turned off here): chunks starting inside a
+    block, spanning several, completing some, one token long; against the library's reference."""
+    monkeypatch.setattr(torch_ops, "_prefill_by_rule_op", lambda bound: False)
+    bound, _ = _bind(scheme, rng)
+    lens = [100, 45, 70]
+    seqs, queries = _sequences(rng, lens)
+    tables = allocate_tables(rng, lens, 32, 12)
+    steps = [[(0, 17), (1, 45)], [(0, 50), (2, 1)], [(0, 33), (2, 69)]]
+    got, want, _ = _serve(bound, _snapshot(bound), seqs, queries, tables, steps, impl="reference")
+    for i in range(len(lens)):
+        np.testing.assert_allclose(got[i], want[i], rtol=2e-4, atol=2e-4, err_msg=f"{scheme} sequence {i}")
+
+
 @pytest.mark.parametrize("scheme, dtype, model_dtype, impl", [("kvarn_k4v2_g32", "float16", np.float16, "auto"),
                                                              ("kvarn_k4v2_g32", "float16", np.float16, "reference"),
                                                              ("int4", "bfloat16", np.float32, "auto"),

@@ -27,7 +27,8 @@ that tensor (no copy; checked by data pointer). A step is described once by a `p
   (`_prefill_rule`): one XLA call dequantizes the blocks the step's rows read and rotates the
   queries, and vLLM's own CPU attention op computes the rule in one call, each query block a
   request over the blocks before it and its own block's high-precision rows, masked causally.
-  Elsewhere one masked SDPA per prefill row. Decode rows: on the CPU one XLA computation per layer
+  Elsewhere fused SDPA calls (flash where torch has it), lower-right causal per block the chunk
+  touches: the rule is causal within a query's own block (`_prefill_rows`). Decode rows: on the CPU one XLA computation per layer
   (`_decode_served`, with a decode-only step's write; KVarN pages attended on their codes with the
   scales folded in; with `pooled` the sink and tail rows read from and written to the pool's
   blocks in place), else `kvarn_jax.paged_decode_attention` with impl "pallas" (NVIDIA GPUs: the
@@ -62,6 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 import kvarn_jax
 from kvarn_jax import schemes
@@ -1215,61 +1217,47 @@ def _decode_step_library(bound, query, key, value, plan, scale, out, impl):
     return qkv, qkv_j, packed_j, packed
 
 
-def _prefill_mask(plan: StepPlan, r: int, passthrough: bool, device, dtype) -> torch.Tensor:
-    """Row r's additive mask [q_len, keys]: keys are its served blocks (all of them for passthrough
-    caches, else those before its last block), then - quantized caches - its own blocks' high-
-    precision rows from the start of the chunk's first block. A query sees the blocks before its own
-    block and its own block up to itself."""
-    bs = plan.block_size
-    ctx, ql = int(plan.context[r]), int(plan.q_len[r])
-    last = (int(plan.seq_len[r]) - 1) // bs
-    qpos = ctx + np.arange(ql)
-    if passthrough:
-        ok = np.arange((last + 1) * bs)[None, :] <= qpos[:, None]
-    else:
-        own = np.arange(ctx // bs * bs, ctx + ql)
-        ok = np.concatenate([np.arange(last * bs)[None, :] // bs < qpos[:, None] // bs,
-                             (own[None, :] // bs == qpos[:, None] // bs) & (own[None, :] <= qpos[:, None])], 1)
-    mask = torch.from_numpy(np.where(ok, 0.0, -np.inf).astype(np.float32)).to(dtype)
-    return mask if device.type == "cpu" else mask.pin_memory().to(device, non_blocking=True)
+def _causal_rows(q, k, v, scale):
+    """q [nq, Hq, D] over keys k, v [Hk, K, D] (K >= nq), query t seeing the keys up to K - nq + t
+    (lower-right causal: the last query sees every key), in one SDPA call with GQA: a causal bias,
+    which torch runs with its flash kernel where it can, never a materialized mask."""
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
+                                       attn_mask=causal_lower_right(q.shape[0], k.shape[1]), scale=scale,
+                                       enable_gqa=True)
+    return o[0].transpose(0, 1)
 
 
 def _prefill_rows(bound, query, plan, k, v, offsets, written, scale, out):
-    """Prefill rows, one fused SDPA call per row over its keys: its served blocks (`_served_blocks`),
-    for quantized caches followed by its own blocks' high-precision rows (the chunk's first block
-    from before the write, then the chunk's new rows), with the semantics' mask (`_prefill_mask`).
-    A row's result depends only on its own keys, never on the batch it is in."""
-    lay = bound.layout
-    hk, bs, d = lay.num_kv_heads, lay.block_size, lay.head_dim
-    hq = query.shape[1]
-    g = hq // hk
+    """Prefill rows over their served blocks (`_served_blocks`), for quantized caches with their own
+    blocks' high-precision rows (the chunk's first block from before the write, then the chunk's new
+    rows). The decode rule is causal per own block: a query in block j sees blocks 0 .. j-1 as
+    served and block j's rows up to itself, so the queries of block j attend to those blocks
+    followed by block j's rows, lower-right causal (`_causal_rows`): one fused call per block the
+    chunk touches (passthrough caches: one per row over its stored tokens). A row's result depends
+    only on its own keys, never on the batch it is in."""
+    bs = bound.layout.block_size
     passthrough = bound.cfg.is_passthrough
     cdt = bound.compute_dtype
     for r in range(plan.num_decodes, plan.num_rows):
-        a, ql = int(plan.q_start[r]), int(plan.q_len[r])
+        a, ql, ctx = int(plan.q_start[r]), int(plan.q_len[r]), int(plan.context[r])
         if ql == 0:
             continue
         q = query[a:a + ql]
         q = (_rotate(bound, q, None) if bound.cfg.rotated else q).to(cdt)
         ks, vs = k[:, int(offsets[r]) * bs:int(offsets[r + 1]) * bs], v[:, int(offsets[r]) * bs:int(offsets[r + 1]) * bs]
-        if not passthrough:
-            before = written.before.get(r)
-            ks, vs = ([x, *([] if before is None else [before[i].to(cdt)]),
-                       written.rows[i, a:a + ql].transpose(0, 1).to(cdt)] for i, x in enumerate((ks, vs)))
-            ks, vs = torch.cat(ks, 1), torch.cat(vs, 1)
-        mask = plan.cached(("prefill_mask", r, passthrough, cdt),
-                           lambda: _prefill_mask(plan, r, passthrough, query.device, cdt))
-        if g > 1 and ql > 2 * hk * d * (g - 1) // g:
-            # long chunks: each query head gets its kv head's keys (a copy the size of the keys)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], ks.repeat_interleave(g, 0)[None],
-                                               vs.repeat_interleave(g, 0)[None], attn_mask=mask[None, None],
-                                               scale=scale)[0].transpose(0, 1)
+        if passthrough:  # every block stored exactly: causal over the stored tokens
+            o = _causal_rows(q, ks[:, :ctx + ql], vs[:, :ctx + ql], scale)
         else:
-            # short chunks: the query heads of kv head h side by side, [Hk, G * ql, D], the mask repeated
-            qf = q.view(ql, hk, g, d).permute(1, 2, 0, 3).reshape(hk, g * ql, d)
-            mg = plan.cached(("prefill_mask_g", r, passthrough, g, cdt), lambda: mask.repeat(g, 1))
-            o = F.scaled_dot_product_attention(qf[None], ks[None], vs[None], attn_mask=mg[None, None], scale=scale)[0]
-            o = o.view(hk, g, ql, d).permute(2, 0, 1, 3).reshape(ql, hq, d)
+            before = written.before.get(r)
+            own_k, own_v = (torch.cat([*([] if before is None else [before[i].to(cdt)]),
+                                       written.rows[i, a:a + ql].transpose(0, 1).to(cdt)], 1) for i in (0, 1))
+            c0 = ctx // bs * bs   # own rows start at the chunk's first block
+            o = q.new_empty(q.shape)
+            for j in range(ctx // bs, (ctx + ql - 1) // bs + 1):
+                qs, qe = max(ctx, j * bs), min(ctx + ql, (j + 1) * bs)
+                kj = torch.cat((ks[:, :j * bs], own_k[:, j * bs - c0:qe - c0]), 1)
+                vj = torch.cat((vs[:, :j * bs], own_v[:, j * bs - c0:qe - c0]), 1)
+                o[qs - ctx:qe - ctx] = _causal_rows(q[qs - ctx:qe - ctx], kj, vj, scale)
         if bound.cfg.rotated:
             o = _rotate(bound, o)
         out[a:a + ql].copy_(o)
@@ -1277,7 +1265,7 @@ def _prefill_rows(bound, query, plan, k, v, offsets, written, scale, out):
 
 def _prefill_by_rule_op(bound: BoundCache) -> bool:
     """Whether prefill rows take vLLM's CPU attention op (`_prefill_rule`): quantized caches on the
-    CPU. (Elsewhere one masked SDPA per prefill row, `_prefill_rows`.)"""
+    CPU. (Elsewhere fused SDPA calls, causal per own block: `_prefill_rows`.)"""
     return not bound.cfg.is_passthrough and bound.buffer.device.type == "cpu"
 
 
