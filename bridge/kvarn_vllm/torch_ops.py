@@ -1157,35 +1157,45 @@ def _decode_step_served(bound, query, key, value, plan, scale, out, pooled=None)
 def fuses_library_step(bound: BoundCache, plan: StepPlan, which: str) -> bool:
     """Whether a decode-only step whose rows run the library's decode (`decode_impl` "auto",
     "pallas" or "reference": GPUs) writes and attends in one JAX call (`_decode_step_library`):
-    when it completes no block of a quantized cache (those go through `write`, which quantizes them)
-    and the decode is not the TPU kernel's (which takes no `new_kv`)."""
-    if which == "served" or (plan.completing and not bound.cfg.is_passthrough):
+    unless the decode is the TPU kernel's (which takes no `new_kv`), or the step completes blocks of
+    a quantized cache whose pages cannot be stored with one byte copy (`fuses_completions`; those
+    steps write with `write`)."""
+    if which == "served" or (plan.completing and not bound.cfg.is_passthrough and not fuses_completions(bound)):
         return False
     return not (jax.default_backend() == "tpu" and which != "reference")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "impl", "passthrough", "slots", "q_heads"))
-def _decode_library_step(qkv, cache, idx, altered_total, *, scale, impl, passthrough, slots, q_heads):
+@functools.partial(jax.jit, static_argnames=("scale", "impl", "passthrough", "slots", "q_heads", "completes"))
+def _decode_library_step(qkv, cache, idx, altered_total, *, scale, impl, passthrough, slots, q_heads, completes=0):
     """A decode-only step's write and attention in one XLA computation: each row's new token as the
     cache stores it (`storage_values`) and `kvarn_jax.paged_decode_attention` over its cached tokens
-    and that token (`new_kv`). qkv [B, Hq + 2 * Hk, D]; idx [B, cols + 3]: block table, cached tokens,
-    slots, live (1) or padding (0). Returns (the rows [2, B, Hk, D] and the output [B, Hq, D] as one
-    uint8 array, `_unpacked_step`; altered_total plus this step's per-slot counts)."""
+    and that token (`new_kv`). qkv [B, Hq + 2 * Hk, D]; idx [B, cols + 5]: block table, cached tokens,
+    slots, live (1) or padding (0), the token's cache slot and position. Returns (the rows [2, B,
+    Hk, D] and the output [B, Hq, D] as one uint8 array, `_unpacked_step`; altered_total plus this
+    step's per-slot counts; with completes (a `completion_sizes` size) the blocks the step fills,
+    as `write`'s own computation finds them (`completed_block_values`), else None)."""
     hk = cache.num_kv_heads
     q, k, v = qkv[:, :q_heads], qkv[:, q_heads:q_heads + hk], qkv[:, q_heads + hk:]
     k_s, v_s, nonfinite, saturated = storage_values(cache.cfg, k, v, cache.value_dtype)
-    cols = idx.shape[1] - 3
-    counts = _slot_counts(slots, idx[:, cols + 1], idx[:, cols + 2] > 0, nonfinite, saturated)
+    cols = idx.shape[1] - 5
+    live = idx[:, cols + 2] > 0
+    counts = _slot_counts(slots, idx[:, cols + 1], live, nonfinite, saturated)
+    completed = None
+    if completes:
+        p = write_plan(cache, k_s, v_s, jnp.where(live, idx[:, cols + 3], -1), idx[:, cols + 1], idx[:, cols + 4])
+        completed = completed_block_values(cache, p._replace(xs={"k": k_s, "v": v_s}), completes)
     o = kvarn_jax.paged_decode_attention(q, cache, idx[:, :cols], idx[:, cols], scale,
                                          seq_ids=None if passthrough else idx[:, cols + 1], impl=impl,
                                          check_values=False, new_kv=(k_s, v_s))
-    return _packed_step(jnp.stack((k_s, v_s)), o), altered_total + counts
+    return _packed_step(jnp.stack((k_s, v_s)), o), altered_total + counts, completed
 
 
 def _decode_step_library(bound, query, key, value, plan, scale, out, impl):
     """A decode-only step on the library's decode (`fuses_library_step`): one JAX call computes the
     rows as the cache stores them and attends over the cached tokens plus each row's new one, torch
-    then stores the rows (one indexed copy) and the output. Per layer: one import (q, k and v, the
+    then stores the rows (one indexed copy) and the output. The ring blocks the step fills come back
+    from that call too and are quantized by `_completed_fields` (the executable every write calls:
+    the same page bits), stored with one indexed byte copy before the rows. Per layer: one import (q, k and v, the
     fence), one call, one export, two copies - against `write` and `attend`'s two calls, their
     imports and a dozen torch ops for the rows."""
     nd = plan.num_decodes
@@ -1195,26 +1205,39 @@ def _decode_step_library(bound, query, key, value, plan, scale, out, impl):
     cols = _used_columns(plan.max_decode_len, lay.block_size, plan.block_table.shape[1])
 
     def make():
-        idx = torch.zeros((bb, cols + 3), dtype=torch.int32, device=plan.device)
+        idx = torch.zeros((bb, cols + 5), dtype=torch.int32, device=plan.device)
         idx[:nd, :cols] = plan.block_table[:nd, :cols]
         idx[:nd, cols] = plan.to_device(plan.seq_len[:nd] - 1, torch.int32)   # the new token is not cached yet
         idx[:nd, cols + 1] = plan.to_device(plan.seq_id[:nd], torch.int32)
         idx[:nd, cols + 2] = 1
+        idx[:nd, cols + 3] = plan.slot_mapping[:nd]
+        idx[:nd, cols + 4] = plan.to_device(plan.positions[:nd], torch.int32)
         return idx, _to_jax(idx)
     idx, idx_j = plan.cached(("decode_step_idx", bb, cols), make)
+    c = 0 if bound.cfg.is_passthrough else plan.completing
+    size = next(m for m in completion_sizes(bound.cache, bucket(plan.num_tokens)) if m >= c) if c else 0
     qkv, qkv_j = _qkv_fenced(query, key, value, nd, bb)
     dev, slots = bound.buffer.device, lay.max_seqs
-    packed_j, total = _decode_library_step(qkv_j, bound.cache, idx_j, _pending_altered(dev, slots), scale=scale,
-                                           impl=impl, passthrough=bound.cfg.is_passthrough, slots=slots,
-                                           q_heads=query.shape[1])
+    packed_j, total, values = _decode_library_step(
+        qkv_j, bound.cache, idx_j, _pending_altered(dev, slots), scale=scale, impl=impl,
+        passthrough=bound.cfg.is_passthrough, slots=slots, q_heads=query.shape[1], completes=size)
     _set_pending_altered(dev, slots, total)
+    held = [qkv, qkv_j, packed_j]
+    if size:  # the filled blocks quantized by the executable every write calls, stored before the rows
+        pages_j, bad = _completed_fields(bound.cache, values[2], values[0], values[1],
+                                         quantizer=auto_quantizer(bound.cache), pack=True)
+        base, mult, key_ = bound.page_columns
+        pdst = plan.cached(("page_bytes", key_), lambda: _page_byte_destinations(plan, base, mult))
+        pages = _to_torch(pages_j).reshape(-1)
+        bound.buffer.index_copy_(0, pdst, pages[:pdst.shape[0]])
+        held += [values, pages_j, pages, _count_saturated_blocks(bound, bad)]
     packed = _to_torch(packed_j)
     rows, o = _unpacked_step(packed, (2, bb, hk, d), bound.rows.dtype, (bb, query.shape[1], d), query.dtype)
     dst, src = _row_destinations(plan, bound, bb)
     flat = rows.reshape(-1, d)
     bound.rows.index_copy_(0, dst, flat if src is None else flat.index_select(0, src))
     out[:nd].copy_(o[:nd])
-    return qkv, qkv_j, packed_j, packed
+    return held + [packed]
 
 
 def _causal_rows(q, k, v, scale):
