@@ -17,7 +17,8 @@ write (in place: pointers checked again), then time
   write: the step's write of B new tokens, completing no block (most steps) or one per sequence;
   layer: `torch_ops.forward`, what vLLM's impl calls for one attention layer of a decode step (a
           step completing no block: one JAX call that writes and attends, q, k and v views of one
-          tensor as vLLM's qkv projection leaves them); layer split: write, then decode;
+          tensor as vLLM's qkv projection leaves them), and one completing a block per sequence (the
+          same call returns the filled blocks, then quantized); layer split: write, then decode;
   torch SDPA fp16: `scaled_dot_product_attention` of the same queries over dense fp16 K/V [B, Hk, L, D];
   chunked prefill (`prefill_profile`): one sequence prefilled chunk by chunk, per chunk the bridge's
           write and attention against torch's causal SDPA over the same keys.
@@ -161,6 +162,7 @@ def run_scheme(scheme, a, device, dtype):
     full_len = (seq_len // bs) * bs
     plan_full = _plan(lay, tables, np.full(b, full_len), device) if full_len >= 2 * bs else None
     write_full = (lambda: torch_ops.write(bound, k1, v1, plan_full)) if plan_full is not None else None
+    layer_full = (lambda: torch_ops.forward(bound, q, k1, v1, plan_full, impl=a.impl, out=out)) if plan_full else None
 
     t0 = time.perf_counter()
     layer()  # first layer of a step: the plan's per-step tensors are made and imported here
@@ -198,7 +200,8 @@ def run_scheme(scheme, a, device, dtype):
 
     res = {"plan_build_ms": plan_ms, "first_layer_of_step_ms": first_layer_ms}
     timed = (("decode_bridge", bridge), ("decode_direct", direct), ("write_step", write_plain),
-             ("write_step_completing", write_full), ("layer", layer), ("layer_split", layer_split),
+             ("write_step_completing", write_full), ("layer", layer), ("layer_completing", layer_full),
+             ("layer_split", layer_split),
              ("sdpa_fp16", sdpa))
     for name, fn in timed:
         if fn is None:
@@ -272,7 +275,8 @@ def _prefill_pass(bound, a, device, table, q, k, v):
 
 COLUMNS = (("kernel", "kernel"), ("decode_direct", "JAX direct"), ("decode_bridge", "bridge decode"),
            ("write_step", "write, no block done"), ("write_step_completing", "write, B blocks done"),
-           ("layer", "layer (forward)"), ("layer_split", "layer: write, then decode"),
+           ("layer", "layer (forward)"), ("layer_completing", "layer, B blocks done"),
+           ("layer_split", "layer: write, then decode"),
            ("sdpa_fp16", "torch SDPA fp16"))
 
 
