@@ -18,8 +18,9 @@ that tensor (no copy; checked by data pointer). A step is described once by a `p
 - `forward(bound, query, key, value, plan)` (what vLLM's impl calls): `write` then `attend`, except
   for a decode-only step, which is one XLA computation that computes the rows and attends - on the
   CPU `_decode_served`, elsewhere `_decode_step_library`: `kvarn_jax.paged_decode_attention` over
-  the cached tokens with each row's new token passed as `new_kv` (a step completing blocks of a
-  quantized cache there still writes first: `write` quantizes them). torch stores the rows after.
+  the cached tokens with each row's new token passed as `new_kv`; the ring blocks the step fills
+  come back from it and are quantized by the executable every write calls. torch stores the rows
+  after.
 - `attend(bound, query, plan, written=...)` attends every row with the semantics of
   `kvarn_jax.attention.prefill`: each query sees the sink and its own block in high precision and
   the full blocks before its own block quantized - the decode rule, so the result of a query does
@@ -27,8 +28,8 @@ that tensor (no copy; checked by data pointer). A step is described once by a `p
   (`_prefill_rule`): one XLA call dequantizes the blocks the step's rows read and rotates the
   queries, and vLLM's own CPU attention op computes the rule in one call, each query block a
   request over the blocks before it and its own block's high-precision rows, masked causally.
-  Elsewhere fused SDPA calls (flash where torch has it), lower-right causal per block the chunk
-  touches: the rule is causal within a query's own block (`_prefill_rows`). Decode rows: on the CPU one XLA computation per layer
+  Elsewhere fused SDPA calls, lower-right causal per block the chunk touches: the rule is causal
+  within a query's own block (`_prefill_rows`). Decode rows: on the CPU one XLA computation per layer
   (`_decode_served`, with a decode-only step's write; KVarN pages attended on their codes with the
   scales folded in; with `pooled` the sink and tail rows read from and written to the pool's
   blocks in place), else `kvarn_jax.paged_decode_attention` with impl "pallas" (NVIDIA GPUs: the
@@ -1195,7 +1196,7 @@ def _decode_step_library(bound, query, key, value, plan, scale, out, impl):
     rows as the cache stores them and attends over the cached tokens plus each row's new one, torch
     then stores the rows (one indexed copy) and the output. The ring blocks the step fills come back
     from that call too and are quantized by `_completed_fields` (the executable every write calls:
-    the same page bits), stored with one indexed byte copy before the rows. Per layer: one import (q, k and v, the
+    the same page bits), stored with one indexed byte copy. Per layer: one import (q, k and v, the
     fence), one call, one export, two copies - against `write` and `attend`'s two calls, their
     imports and a dozen torch ops for the rows."""
     nd = plan.num_decodes
@@ -1242,8 +1243,9 @@ def _decode_step_library(bound, query, key, value, plan, scale, out, impl):
 
 def _causal_rows(q, k, v, scale):
     """q [nq, Hq, D] over keys k, v [Hk, K, D] (K >= nq), query t seeing the keys up to K - nq + t
-    (lower-right causal: the last query sees every key), in one SDPA call with GQA: a causal bias,
-    which torch runs with its flash kernel where it can, never a materialized mask."""
+    (lower-right causal: the last query sees every key), in one SDPA call with GQA. The mask is a
+    causal bias, which torch runs with its flash kernel where the inputs allow (16-bit, supported
+    head sizes) and materializes otherwise."""
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
                                        attn_mask=causal_lower_right(q.shape[0], k.shape[1]), scale=scale,
                                        enable_gqa=True)
