@@ -33,6 +33,7 @@
 #             GPU of more than 100 GiB, else 64 x 12K): fp16 must be refused at start, kvarn served
 #             (its own command: up to 9 minutes)
 #   bridge    bridge_overhead.py: the vLLM bridge's per-layer costs against JAX direct and torch SDPA
+#   bridge_host  tools/bridge_host_profile.py: the bridge's fused decode layer's host time by part
 #   accuracy  tools/decode_accuracy.py: every scheme's kernel against the reference at full context
 # Each section writes its JSON and log into OUT_DIR and prints its summary lines; a section cut by its
 # time limit says so (exit status 124 in the log line) and the next one runs.
@@ -148,6 +149,9 @@ for s in $sections; do
         run bridge 200 python benchmarks/bridge_overhead.py --schemes kvarn_k4v2_g128,int8,fp16 \
             --json "$out/bridge.json"
         tail -20 "$out/bridge.log" ;;
+    bridge_host)
+        run bridge_host 200 python benchmarks/tools/bridge_host_profile.py
+        grep -vE "^ *$" "$out/bridge_host.log" | head -80 ;;
     accuracy)
         run accuracy 300 python benchmarks/tools/decode_accuracy.py --shapes 1x131072,32x32768,8x16384,128x4096 \
             --json "$out/accuracy.json" --md "$out/accuracy.md"
