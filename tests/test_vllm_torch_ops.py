@@ -353,66 +353,63 @@ def test_a_decode_step_without_completed_blocks_runs_no_jax(rng, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------- attention
-@pytest.mark.parametrize("scheme", ["kvarn_k4v2_g32", "fp16"])
-def test_the_fused_decode_step_equals_write_then_attend(scheme):
-    """On the CPU a decode-only step runs write and attention in one XLA computation; the split path
-    with the library's decode (impl="reference") leaves the same cache and gives the same rows -
-    decode steps that complete blocks included."""
+def _fused_and_split(scheme, fused_impl, split_impl, decodes):
+    """The same prefill and `decodes` one-token steps of three sequences (blocks complete at the
+    fourth), through `forward` with fused_impl and through `write` then `attend` with split_impl:
+    ([caches' leaves], [outputs per sequence]) for the two."""
     lens = [70, 33, 64]
     caches, outs = [], []
-    for split in (False, True):
+    for split, impl in ((False, fused_impl), (True, split_impl)):
         rng = np.random.default_rng(7)
         bound, _ = _bind(scheme, rng)
         seqs, queries = _sequences(rng, lens)
         tables = allocate_tables(rng, lens, 32, 12)
-        steps = [[(0, 60), (1, 20), (2, 40)]] + [[(0, 1), (1, 1), (2, 1)]] * 10  # 63 -> 64: blocks complete
-        got, _, _ = _serve(bound, None, seqs, queries, tables, steps, impl="reference" if split else "auto", split=split)
+        steps = [[(0, 60), (1, 20), (2, 40)]] + [[(0, 1), (1, 1), (2, 1)]] * decodes  # 63 -> 64: blocks complete
+        got, _, _ = _serve(bound, None, seqs, queries, tables, steps, impl=impl, split=split)
         caches.append(_leaves(bound.cache))
         outs.append(got)
-    for a, b in zip(*outs):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    return caches, outs
+
+
+def _assert_same_cache(scheme, caches):
     for key in caches[0]:
         if key.startswith(("pages", "sink", "tail")):
             if key.startswith("pages") or not kj.parse(scheme).rotated:
                 np.testing.assert_array_equal(caches[0][key], caches[1][key], err_msg=key)
             else:  # XLA's rotation (fused) and torch's (split) may round the last fp32 bit differently
                 np.testing.assert_allclose(caches[0][key], caches[1][key], rtol=1e-6, atol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("scheme", ["kvarn_k4v2_g32", "fp16"])
+def test_the_fused_decode_step_equals_write_then_attend(scheme):
+    """On the CPU a decode-only step runs write and attention in one XLA computation; the split path
+    with the library's decode (impl="reference") leaves the same cache and gives the same rows -
+    decode steps that complete blocks included."""
+    caches, outs = _fused_and_split(scheme, "auto", "reference", 10)
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    _assert_same_cache(scheme, caches)
 
 
 @pytest.mark.parametrize("scheme, impl", [("kvarn_k4v2_g32", "reference"), ("kvarn_k4v2_g32", "pallas"),
                                           ("fp16", "reference")])
 def test_the_library_decode_step_equals_write_then_attend(scheme, impl, monkeypatch):
     """Where decode rows run the library's decode (GPUs; here impl "reference", or the GPU kernel
-    interpreted), a decode-only step completing no block is one JAX call (`_decode_step_library`:
-    the rows as stored, and attention over the cached tokens plus each row's new one): the same
-    outputs and cache as `write` then `attend`, the step that completes blocks included (its blocks
-    come back from the call and are quantized by the write's own executable: the same page bits)."""
-    lens = [70, 33, 64]
+    interpreted), a decode-only step is one JAX call (`_decode_step_library`: the rows as stored,
+    and attention over the cached tokens plus each row's new one): the same outputs and cache as
+    `write` then `attend`, the step that completes blocks included (its blocks come back from the
+    call and are quantized by the write's own executable: the same page bits)."""
     fused = []
     real = torch_ops._decode_step_library
     monkeypatch.setattr(torch_ops, "_decode_step_library", lambda *a, **k: fused.append(a[4].completing) or real(*a, **k))
-    caches, outs = [], []
-    for split in (False, True):
-        rng = np.random.default_rng(7)
-        bound, _ = _bind(scheme, rng)
-        seqs, queries = _sequences(rng, lens)
-        tables = allocate_tables(rng, lens, 32, 12)
-        steps = [[(0, 60), (1, 20), (2, 40)]] + [[(0, 1), (1, 1), (2, 1)]] * 6  # 63 -> 64: blocks complete
-        got, _, _ = _serve(bound, None, seqs, queries, tables, steps, impl=impl, split=split)
-        caches.append(_leaves(bound.cache))
-        outs.append(got)
+    caches, outs = _fused_and_split(scheme, impl, impl, 6)
     assert len(fused) == 6 and fused[3] > 0  # every decode step fused; the fourth completes blocks
     # the kernel reads a cached token through fp16 products, the merged new one in fp32 (its tolerance
     # against the reference, test_paged_decode_kernel)
     tol = 4e-3 if impl == "pallas" else 1e-5
     for a, b in zip(*outs):
         np.testing.assert_allclose(a, b, rtol=0, atol=tol * np.abs(b).max())
-    for key in caches[0]:
-        if key.startswith(("pages", "sink", "tail")):
-            if key.startswith("pages") or not kj.parse(scheme).rotated:
-                np.testing.assert_array_equal(caches[0][key], caches[1][key], err_msg=key)
-            else:  # XLA's rotation (fused) and torch's (split) may round the last fp32 bit differently
-                np.testing.assert_allclose(caches[0][key], caches[1][key], rtol=1e-6, atol=1e-5, err_msg=key)
+    _assert_same_cache(scheme, caches)
 
 
 def test_outputs_do_not_depend_on_the_chunking_or_the_batch(rng):

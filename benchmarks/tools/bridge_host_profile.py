@@ -17,9 +17,7 @@ import cProfile
 import io
 import os
 import pstats
-import statistics
 import sys
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU
 
@@ -28,42 +26,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bridge_overhead import _plan  # noqa: E402
+from bridge_overhead import _pipelined, _plan, _sync, _time  # noqa: E402
 from kvarn_vllm import torch_ops as T  # noqa: E402
 from kvarn_vllm.layout import PageLayout  # noqa: E402
 from kvarn_vllm.plan import StepPlan  # noqa: E402
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def host_ms(fn, device, n=40):
-    for _ in range(3):
-        fn()
-    _sync(device)
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t) * 1e3)
-        _sync(device)
-    return statistics.median(ts)
-
-
-def pipelined_ms(fn, device, n=32):
-    for _ in range(3):
-        fn()
-    _sync(device)
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        _sync(device)
-        best = min(best, (time.perf_counter() - t) * 1e3 / n)
-    return best
 
 
 def bound_layer(scheme, a, device, dtype):
@@ -133,7 +99,7 @@ def profile_scheme(scheme, a, device, dtype):
     }
     print(f"== {scheme} (B={b}, L={a.seq_len + 1}, impl {impl}): host ms per call (median), pipelined ms per call")
     for name, fn in parts.items():
-        print(f"  {name:24s} {host_ms(fn, device):8.3f} {pipelined_ms(fn, device):8.3f}")
+        print(f"  {name:24s} {_time(fn, device, 3, 40, host_only=True):8.3f} {_pipelined(fn, device, 3, 32):8.3f}")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(100):
