@@ -1258,7 +1258,8 @@ def _prefill_rows(bound, query, plan, k, v, offsets, written, scale, out):
     rows). The decode rule is causal per own block: a query in block j sees blocks 0 .. j-1 as
     served and block j's rows up to itself, so the queries of block j attend to those blocks
     followed by block j's rows, lower-right causal (`_causal_rows`): one fused call per block the
-    chunk touches (passthrough caches: one per row over its stored tokens). A row's result depends
+    chunk touches, over one copy of the row's keys (passthrough caches: one call per row over its
+    stored tokens). A row's result depends
     only on its own keys, never on the batch it is in."""
     bs = bound.layout.block_size
     passthrough = bound.cfg.is_passthrough
@@ -1276,13 +1277,16 @@ def _prefill_rows(bound, query, plan, k, v, offsets, written, scale, out):
             before = written.before.get(r)
             own_k, own_v = (torch.cat([*([] if before is None else [before[i].to(cdt)]),
                                        written.rows[i, a:a + ql].transpose(0, 1).to(cdt)], 1) for i in (0, 1))
-            c0 = ctx // bs * bs   # own rows start at the chunk's first block
+            c0, last = ctx // bs * bs, (ctx + ql - 1) // bs   # own rows start at the chunk's first block
+            # the last block's keys: every served block, then its own rows; walking the blocks
+            # backwards, block j's rows then overwrite page j, which only later blocks read
+            kb, vb = (torch.cat((x[:, :last * bs], own[:, last * bs - c0:]), 1) for x, own in ((ks, own_k), (vs, own_v)))
             o = q.new_empty(q.shape)
-            for j in range(ctx // bs, (ctx + ql - 1) // bs + 1):
+            for j in range(last, ctx // bs - 1, -1):
                 qs, qe = max(ctx, j * bs), min(ctx + ql, (j + 1) * bs)
-                kj = torch.cat((ks[:, :j * bs], own_k[:, j * bs - c0:qe - c0]), 1)
-                vj = torch.cat((vs[:, :j * bs], own_v[:, j * bs - c0:qe - c0]), 1)
-                o[qs - ctx:qe - ctx] = _causal_rows(q[qs - ctx:qe - ctx], kj, vj, scale)
+                if j < last:
+                    kb[:, j * bs:qe], vb[:, j * bs:qe] = own_k[:, j * bs - c0:qe - c0], own_v[:, j * bs - c0:qe - c0]
+                o[qs - ctx:qe - ctx] = _causal_rows(q[qs - ctx:qe - ctx], kb[:, :qe], vb[:, :qe], scale)
         if bound.cfg.rotated:
             o = _rotate(bound, o)
         out[a:a + ql].copy_(o)
