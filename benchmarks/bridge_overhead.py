@@ -112,7 +112,10 @@ def _plan(lay, tables, lens, device):
                           seq_ids=np.arange(b), block_table=tables, slot_mapping=slots.to(torch.int32), num_decodes=b)
 
 
-def run_scheme(scheme, a, device, dtype):
+def filled_layer(scheme, a, device, dtype):
+    """One layer's cache as vLLM allocates it for the kvarn backend, bound, and filled through the
+    bridge's writes: every sequence, a.chunk tokens per write, up to a.seq_len. Returns (layout,
+    vLLM tensor, bound cache, block tables, the generator)."""
     bs, b, seq_len = a.block_size, a.batch, a.seq_len
     blocks_per_seq = -(-(seq_len + 1) // bs)
     num_blocks = b * blocks_per_seq + 1
@@ -121,7 +124,6 @@ def run_scheme(scheme, a, device, dtype):
     page = lay.vllm_page_bytes(-(-lay.hp_bytes // num_blocks))   # sink/tail inside the buffer
     kv = torch.zeros((num_blocks, 1, bs, page // bs), dtype=torch.uint8, device=device)
     bound = torch_ops.bind(kv, lay)
-    zero_copy = all(t == j for t, j in bound.pointers().values())
 
     g = torch.Generator(device=device).manual_seed(0)
     perm = torch.randperm(num_blocks - 1, generator=g, device=device) + 1
@@ -138,6 +140,13 @@ def run_scheme(scheme, a, device, dtype):
             v = torch.randn((n, a.kv_heads, a.head_dim), generator=g, device=device, dtype=dtype)
             torch_ops.write(bound, k, v, plan)
     _sync(device)
+    return lay, kv, bound, tables, g
+
+
+def run_scheme(scheme, a, device, dtype):
+    bs, b, seq_len = a.block_size, a.batch, a.seq_len
+    lay, kv, bound, tables, g = filled_layer(scheme, a, device, dtype)
+    zero_copy = all(t == j for t, j in bound.pointers().values())
     in_place = kv.data_ptr() == bound.buffer.data_ptr() and all(
         t == j for t, j in bound.pointers().values()) and bool(kv.any())
 

@@ -26,34 +26,15 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bridge_overhead import _pipelined, _plan, _sync, _time  # noqa: E402
+from bridge_overhead import _pipelined, _plan, _sync, _time, filled_layer  # noqa: E402
 from kvarn_vllm import torch_ops as T  # noqa: E402
-from kvarn_vllm.layout import PageLayout  # noqa: E402
-from kvarn_vllm.plan import StepPlan  # noqa: E402
 
 
 def bound_layer(scheme, a, device, dtype):
-    """A filled layer cache and a decode step's plan: one new token per row at position seq_len."""
-    bs, b = a.block_size, a.batch
-    bps = -(-(a.seq_len + 1) // bs)
-    nb = b * bps + 1
-    lay = PageLayout(scheme, block_size=bs, num_kv_heads=a.kv_heads, head_dim=a.head_dim,
-                     dtype=str(dtype).split(".")[-1], max_seqs=b)
-    kv = torch.zeros((nb, 1, bs, lay.vllm_page_bytes(-(-lay.hp_bytes // nb)) // bs), dtype=torch.uint8, device=device)
-    bound = T.bind(kv, lay)
-    g = torch.Generator(device=device).manual_seed(0)
-    tables = (torch.randperm(nb - 1, generator=g, device=device) + 1)[: b * bps].view(b, bps).to(torch.int32)
-    for p0 in range(0, a.seq_len, a.chunk):
-        n = min(a.chunk, a.seq_len - p0)
-        for s in range(b):
-            pos = torch.arange(p0, p0 + n, device=device, dtype=torch.int32)
-            plan = StepPlan.build(block_size=bs, max_seqs=b, query_start_loc=[0, n], seq_lens=[p0 + n], seq_ids=[s],
-                                  block_table=tables[s:s + 1], slot_mapping=tables[s, pos // bs] * bs + pos % bs,
-                                  num_decodes=0)
-            k = torch.randn((n, a.kv_heads, a.head_dim), generator=g, device=device, dtype=dtype)
-            T.write(bound, k, k, plan)
-    _sync(device)
-    return bound, _plan(lay, tables, np.full(b, a.seq_len + 1), device), g
+    """A filled layer cache (`bridge_overhead.filled_layer`) and a decode step's plan: one new token
+    per row at position seq_len."""
+    lay, _, bound, tables, g = filled_layer(scheme, a, device, dtype)
+    return bound, _plan(lay, tables, np.full(a.batch, a.seq_len + 1), device), g
 
 
 def profile_scheme(scheme, a, device, dtype):

@@ -1111,11 +1111,10 @@ def _decode_step_served(bound, query, key, value, plan, scale, out, pooled=None)
     cross into JAX in one buffer imported once (`_qkv`), the rows, pages and output come back as one
     array. pooled: `hp_pool.InPlace` - the sink and ring rows are read from and the new rows stored
     into the pool's blocks directly (no staging)."""
-    nd, c = plan.num_decodes, plan.completing
+    nd = plan.num_decodes
     e_j, i_j, b_j = _decode_inputs(bound, plan)
     bb = i_j.shape[1]
-    quantizes = bool(c) and not bound.cfg.is_passthrough
-    if quantizes and not fuses_completions(bound):
+    if _staged_write(bound, plan):
         raise ValueError("kvarn: this cache's decode steps that complete blocks write with `write` "
                          "(fuses_completions is False)")
     if pooled is not None and pooled.hp_src.shape[0] != bb:
@@ -1123,27 +1122,49 @@ def _decode_step_served(bound, query, key, value, plan, scale, out, pooled=None)
     qkv_j = _qkv(query, key, value, nd, bb)
     hp_j = None if pooled is None else _hp_rows(bound, pooled)
     dev, slots = bound.buffer.device, bound.layout.max_seqs
-    size = 0
-    if quantizes:  # the sizes `write` quantizes in, so that the pages are the same bits
-        size = next(m for m in completion_sizes(bound.cache, bucket(plan.num_tokens)) if m >= c)
+    size = _filled_block_size(bound, plan)
     packed_j, total, values = _decode_served(qkv_j, bound.cache, b_j, e_j, i_j, hp_j, _pending_altered(dev, slots),
                                              scale=scale, slots=slots, q_heads=query.shape[1], completes=size)
-    if quantizes:
-        blk_j, seq_j, blocks_j = values
-        pages_j, bad = _completed_fields(bound.cache, blocks_j, blk_j, seq_j, quantizer=auto_quantizer(bound.cache),
-                                         pack=True)
-        counted = _count_saturated_blocks(bound, bad)
     _set_pending_altered(dev, slots, total)
+    held = _store_filled_blocks(bound, plan, values) if size else []
+    return held + _store_step(bound, plan, packed_j, bb, query, out, pooled)
+
+
+def _staged_write(bound: BoundCache, plan: StepPlan) -> bool:
+    """Whether the step completes blocks of a quantized cache whose pages cannot be stored with one
+    byte copy (`fuses_completions`): such a step writes with `write` first, never fused."""
+    return bool(plan.completing) and not bound.cfg.is_passthrough and not fuses_completions(bound)
+
+
+def _filled_block_size(bound: BoundCache, plan: StepPlan) -> int:
+    """The size a fused decode step returns the ring blocks it fills in (0: none, or nothing to
+    quantize): the `completion_sizes` size `write` would quantize them in, so the pages are the same bits."""
+    c = 0 if bound.cfg.is_passthrough else plan.completing
+    return next(m for m in completion_sizes(bound.cache, bucket(plan.num_tokens)) if m >= c) if c else 0
+
+
+def _store_filled_blocks(bound: BoundCache, plan: StepPlan, values) -> list:
+    """A fused decode step's filled blocks (`values`: ids, slots, blocks) quantized by
+    `_completed_fields` (the executable every write calls) and their bytes stored with one indexed
+    copy (`BoundCache.page_columns`). Returns what to keep alive."""
+    blk_j, seq_j, blocks_j = values
+    pages_j, bad = _completed_fields(bound.cache, blocks_j, blk_j, seq_j, quantizer=auto_quantizer(bound.cache),
+                                     pack=True)
+    counted = _count_saturated_blocks(bound, bad)
+    base, mult, key_ = bound.page_columns
+    pdst = plan.cached(("page_bytes", key_), lambda: _page_byte_destinations(plan, base, mult))
+    pages = _to_torch(pages_j).reshape(-1)
+    bound.buffer.index_copy_(0, pdst, pages[:pdst.shape[0]])
+    return [values, pages_j, pages, counted]
+
+
+def _store_step(bound: BoundCache, plan: StepPlan, packed_j, bb: int, query, out, pooled=None) -> list:
+    """torch's part of a fused decode step (`_packed_step`'s array): the rows into the sink and ring
+    (with `pooled`, the pool's blocks) with one indexed copy, the output into `out`. Returns what to
+    keep alive."""
     packed = _to_torch(packed_j)
     hk, d = bound.layout.num_kv_heads, bound.layout.head_dim
     rows, o = _unpacked_step(packed, (2, bb, hk, d), bound.rows.dtype, (bb, query.shape[1], d), query.dtype)
-    held = [packed_j, packed]
-    if quantizes:
-        base, mult, key_ = bound.page_columns
-        pdst = plan.cached(("page_bytes", key_), lambda: _page_byte_destinations(plan, base, mult))
-        pages = _to_torch(pages_j).reshape(-1)
-        bound.buffer.index_copy_(0, pdst, pages[:pdst.shape[0]])
-        held += [values, pages_j, pages, counted]
     if pooled is None:
         dst, src = _row_destinations(plan, bound, bb)
         flat, target = rows.reshape(-1, d), bound.rows
@@ -1151,8 +1172,8 @@ def _decode_step_served(bound, query, key, value, plan, scale, out, pooled=None)
         dst, src = pooled.dst, pooled.src
         flat, target = rows.reshape(-1).view(torch.uint8).view(-1, pooled.unit), pooled.buffer_units
     target.index_copy_(0, dst, flat if src is None else flat.index_select(0, src))
-    out[:nd].copy_(o[:nd])
-    return held
+    out[:plan.num_decodes].copy_(o[:plan.num_decodes])
+    return [packed_j, packed]
 
 
 def fuses_library_step(bound: BoundCache, plan: StepPlan, which: str) -> bool:
@@ -1161,7 +1182,7 @@ def fuses_library_step(bound: BoundCache, plan: StepPlan, which: str) -> bool:
     unless the decode is the TPU kernel's (which takes no `new_kv`), or the step completes blocks of
     a quantized cache whose pages cannot be stored with one byte copy (`fuses_completions`; those
     steps write with `write`)."""
-    if which == "served" or (plan.completing and not bound.cfg.is_passthrough and not fuses_completions(bound)):
+    if which == "served" or _staged_write(bound, plan):
         return False
     return not (jax.default_backend() == "tpu" and which != "reference")
 
@@ -1202,7 +1223,6 @@ def _decode_step_library(bound, query, key, value, plan, scale, out, impl):
     nd = plan.num_decodes
     bb = bucket(nd, 1)
     lay = bound.layout
-    hk, d = lay.num_kv_heads, lay.head_dim
     cols = _used_columns(plan.max_decode_len, lay.block_size, plan.block_table.shape[1])
 
     def make():
@@ -1215,30 +1235,15 @@ def _decode_step_library(bound, query, key, value, plan, scale, out, impl):
         idx[:nd, cols + 4] = plan.to_device(plan.positions[:nd], torch.int32)
         return idx, _to_jax(idx)
     idx, idx_j = plan.cached(("decode_step_idx", bb, cols), make)
-    c = 0 if bound.cfg.is_passthrough else plan.completing
-    size = next(m for m in completion_sizes(bound.cache, bucket(plan.num_tokens)) if m >= c) if c else 0
+    size = _filled_block_size(bound, plan)
     qkv, qkv_j = _qkv_fenced(query, key, value, nd, bb)
     dev, slots = bound.buffer.device, lay.max_seqs
     packed_j, total, values = _decode_library_step(
         qkv_j, bound.cache, idx_j, _pending_altered(dev, slots), scale=scale, impl=impl,
         passthrough=bound.cfg.is_passthrough, slots=slots, q_heads=query.shape[1], completes=size)
     _set_pending_altered(dev, slots, total)
-    held = [qkv, qkv_j, packed_j]
-    if size:  # the filled blocks quantized by the executable every write calls, stored before the rows
-        pages_j, bad = _completed_fields(bound.cache, values[2], values[0], values[1],
-                                         quantizer=auto_quantizer(bound.cache), pack=True)
-        base, mult, key_ = bound.page_columns
-        pdst = plan.cached(("page_bytes", key_), lambda: _page_byte_destinations(plan, base, mult))
-        pages = _to_torch(pages_j).reshape(-1)
-        bound.buffer.index_copy_(0, pdst, pages[:pdst.shape[0]])
-        held += [values, pages_j, pages, _count_saturated_blocks(bound, bad)]
-    packed = _to_torch(packed_j)
-    rows, o = _unpacked_step(packed, (2, bb, hk, d), bound.rows.dtype, (bb, query.shape[1], d), query.dtype)
-    dst, src = _row_destinations(plan, bound, bb)
-    flat = rows.reshape(-1, d)
-    bound.rows.index_copy_(0, dst, flat if src is None else flat.index_select(0, src))
-    out[:nd].copy_(o[:nd])
-    return held + [packed]
+    held = [qkv, qkv_j] + (_store_filled_blocks(bound, plan, values) if size else [])
+    return held + _store_step(bound, plan, packed_j, bb, query, out)
 
 
 def _causal_rows(q, k, v, scale):
@@ -1411,8 +1416,7 @@ def forward(bound: BoundCache, query: torch.Tensor, key: torch.Tensor, value: to
     n, nd = plan.num_tokens, plan.num_decodes
     which = decode_impl(impl)
     decode_only = bool(nd) and nd == plan.num_rows
-    staged_write = plan.completing and not bound.cfg.is_passthrough and not fuses_completions(bound)
-    served = decode_only and which == "served" and not staged_write
+    served = decode_only and which == "served" and not _staged_write(bound, plan)
     library = decode_only and fuses_library_step(bound, plan, which)
     if pooled is not None and not served:
         raise ValueError("pooled is for decode-only steps of the CPU's served decode")
