@@ -18,6 +18,7 @@ import io
 import os
 import pstats
 import sys
+import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU
 
@@ -81,6 +82,9 @@ def profile_scheme(scheme, a, device, dtype):
     print(f"== {scheme} (B={b}, L={a.seq_len + 1}, impl {impl}): host ms per call (median), pipelined ms per call")
     for name, fn in parts.items():
         print(f"  {name:24s} {_time(fn, device, 3, 40, host_only=True):8.3f} {_pipelined(fn, device, 3, 32):8.3f}")
+    print("  in one call, each statement of the fused step (median host ms, each call waited for):")
+    for name, ms in in_context(bound, q, k, v, plan, impl, out, device).items():
+        print(f"    {name:30s} {ms:8.3f}")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(100):
@@ -90,6 +94,49 @@ def profile_scheme(scheme, a, device, dtype):
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
     print(s.getvalue())
+
+
+def in_context(bound, q, k, v, plan, impl, out, device, iters=40) -> dict:
+    """The host time of each statement of `torch_ops._decode_step_library` (a copy of its body with a
+    clock between statements; the forward's checks before it), median over calls each waited for:
+    what the parts above cost inside the layer rather than alone."""
+    b, hq, d = q.shape[0], q.shape[1], q.shape[2]
+    lay, dev = bound.layout, bound.buffer.device
+    times = {}
+    for it in range(iters + 3):
+        t = [time.perf_counter()]
+        T._check_plan(bound, plan), T._check_tokens(bound, k, "key", b, lay.num_kv_heads)
+        T._check_tokens(bound, v, "value", b, lay.num_kv_heads), T._check_tokens(bound, q, "query", b, None)
+        t.append(time.perf_counter())
+        bb = T.bucket(b, 1)
+        cols = T._used_columns(plan.max_decode_len, lay.block_size, plan.block_table.shape[1])
+        _, idx_j = plan.cache[("decode_step_idx", bb, cols)]
+        t.append(time.perf_counter())
+        size = T._filled_block_size(bound, plan)
+        t.append(time.perf_counter())
+        qkv, qkv_j = T._qkv_fenced(q, k, v, b, bb)
+        t.append(time.perf_counter())
+        pending = T._pending_altered(dev, lay.max_seqs)
+        t.append(time.perf_counter())
+        packed_j, total, _ = T._decode_library_step(
+            qkv_j, bound.cache, idx_j, pending, scale=1 / np.sqrt(d), impl=impl,
+            passthrough=bound.cfg.is_passthrough, slots=lay.max_seqs, q_heads=hq, completes=size)
+        t.append(time.perf_counter())
+        T._set_pending_altered(dev, lay.max_seqs, total)
+        t.append(time.perf_counter())
+        held = T._store_step(bound, plan, packed_j, bb, q, out)
+        t.append(time.perf_counter())
+        bound.held_attend = tuple([qkv, qkv_j] + held)
+        t.append(time.perf_counter())
+        jax.block_until_ready(packed_j)
+        _sync(device)
+        if it >= 3:
+            for i, name in enumerate(("checks", "plan lookups", "filled block size", "import q, k, v (fence)",
+                                      "pending total", "the jitted step's call", "set pending total",
+                                      "export, views, copies", "release the last call's arrays")):
+                times.setdefault(name, []).append((t[i + 1] - t[i]) * 1e3)
+            times.setdefault("all of it", []).append((t[-1] - t[0]) * 1e3)
+    return {name: float(np.median(v)) for name, v in times.items()}
 
 
 def main(argv=None):
