@@ -29,6 +29,7 @@ Variants (marked t: timing only, wrong outputs):
             addresses while the previous step runs is what its command-buffer update costs
   pallasmerge the decode kernel's splits merged by the Pallas merge kernel for every scheme (by
             default only KVarN with 2-bit values; the others merge in XLA fusions, ~4 kernels a layer)
+  concatrope RoPE as its two halves' results concatenated (the form before 2026-12-07)
   capped3   a bf16/fp32 cache's launch at batch x kv heads >= SMs capped at 128 registers in 3
             splits (the default is uncapped, in the splits rule's count: 2 at Llama-3-8B's 32 x 8K);
             faster alone (decode.py), slower in this step (benchmarks/results/2026-12-06_engine_gpu.md)
@@ -48,6 +49,7 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -57,6 +59,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from kvarn_jax import hadamard  # noqa: E402
 from kvarn_jax.attention.paged_decode_pallas import entry, launch  # noqa: E402
 from kvarn_jax.models import ARCHITECTURES  # noqa: E402
+from kvarn_jax.models import llama  # noqa: E402
 from kvarn_jax.models.llama import Decoder  # noqa: E402
 from kvarn_jax.serving import Engine, SamplingParams  # noqa: E402
 from kvarn_jax.serving import runner  # noqa: E402
@@ -66,7 +69,16 @@ WARM = 2
 # (owner, attribute) a variant may replace -> its original, put back before every variant
 _ORIGINAL = {(owner, name): getattr(owner, name) for owner, name in (
     (hadamard, "_signs_product"), (launch, "default_num_splits"), (entry, "launch_table"),
-    (runner.ModelRunner, "_executable"), (launch, "default_merge"), (runner.ModelRunner, "decode_kernels"))}
+    (runner.ModelRunner, "_executable"), (launch, "default_merge"), (runner.ModelRunner, "decode_kernels"),
+    (llama, "apply_rope"))}
+
+
+def _concat_rope(x, positions, inv_freq):
+    """RoPE as the two halves' results concatenated (the form before `llama.apply_rope`'s)."""
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq
+    cos, sin = jnp.cos(ang)[..., None, :], jnp.sin(ang)[..., None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 class _StableBuffers:
@@ -141,9 +153,11 @@ def apply(variant: str) -> None:
         runner.ModelRunner._executable = _decode_wrapped(_serial)
     elif variant == "pallasmerge":
         launch.default_merge = lambda cfg: "pallas"
+    elif variant == "concatrope":
+        llama.apply_rope = _concat_rope
     else:
         raise SystemExit(f"unknown variant {variant!r} (base, f32rot, nofold, splitsN, capped3, stablemeta, serial, "
-                         "pallasmerge)")
+                         "pallasmerge, concatrope)")
 
 
 def kernel_kinds(kernels: dict) -> list:

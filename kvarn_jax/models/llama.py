@@ -203,13 +203,19 @@ def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
     return inv
 
 
+_HALF_SIGNS = np.array([[-1.0], [1.0]], np.float32)
+
+
 def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: jnp.ndarray) -> jnp.ndarray:
-    """Rotate channel pairs (i, i + D/2) of x [..., H, D] by position * inv_freq (HF's rotate_half form)."""
-    ang = positions.astype(jnp.float32)[..., None] * inv_freq          # [..., D/2]
-    cos, sin = jnp.cos(ang)[..., None, :], jnp.sin(ang)[..., None, :]   # broadcast over heads
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    """Rotate channel pairs (i, i + D/2) of x [..., H, D] by position * inv_freq (HF's rotate_half form):
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), as the halves times cos plus the halves swapped
+    times (-sin, sin). Elementwise, with no concatenation of the halves, which XLA's GPU backend
+    emits as a kernel of its own per projection."""
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq                  # [..., D/2]
+    cos, sin = jnp.cos(ang)[..., None, None, :], jnp.sin(ang)[..., None, None, :]   # over heads and halves
+    halves = x.astype(jnp.float32).reshape(x.shape[:-1] + (2, x.shape[-1] // 2))
+    out = halves * cos + jnp.flip(halves, axis=-2) * (sin * _HALF_SIGNS)
+    return out.reshape(x.shape).astype(x.dtype)
 
 
 # ------------------------------------------------------------------------------------------ batches
