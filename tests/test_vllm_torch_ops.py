@@ -213,6 +213,21 @@ def test_layout_fields_match_the_cache_pytree(scheme, rng):
 
 
 # ------------------------------------------------------------------------------------- binding
+def test_imports_share_the_tensors_memory_and_take_jax_dtypes(rng):
+    """`torch_ops._to_jax` (every per-call import): the JAX array reads the tensor's memory (a later
+    torch write shows through), a strided view comes in as its values, and a 64-bit tensor as JAX's
+    32-bit type (x64 off), as `jax.dlpack.from_dlpack` gives them."""
+    t = torch.from_numpy(rng.standard_normal((6, 5)).astype(np.float32))
+    x = torch_ops._to_jax(t)
+    t[2, 3] = 7.0
+    assert float(x[2, 3]) == 7.0
+    np.testing.assert_array_equal(np.asarray(torch_ops._to_jax(t[:, 1:4])), t[:, 1:4].numpy())
+    for dt in (torch.bfloat16, torch.int32, torch.int64):
+        want = jax.dlpack.from_dlpack(t.to(dt).contiguous())
+        got = torch_ops._to_jax(t.to(dt))
+        assert got.dtype == want.dtype and np.array_equal(np.asarray(got), np.asarray(want)), dt
+
+
 def test_bind_is_zero_copy_and_rejects_bad_buffers(rng):
     bound, kv = _bind("kvarn_k4v2_g32", rng)
     ptrs = bound.pointers()
