@@ -105,8 +105,9 @@ def in_context(bound, q, k, v, plan, impl, out, device, iters=40) -> dict:
     times = {}
     for it in range(iters + 3):
         t = [time.perf_counter()]
-        T._check_plan(bound, plan), T._check_tokens(bound, k, "key", b, lay.num_kv_heads)
-        T._check_tokens(bound, v, "value", b, lay.num_kv_heads), T._check_tokens(bound, q, "query", b, None)
+        T._check_plan(bound, plan)
+        for x, name, heads in ((k, "key", lay.num_kv_heads), (v, "value", lay.num_kv_heads), (q, "query", None)):
+            T._check_tokens(bound, x, name, b, heads)
         t.append(time.perf_counter())
         bb = T.bucket(b, 1)
         cols = T._used_columns(plan.max_decode_len, lay.block_size, plan.block_table.shape[1])
