@@ -216,8 +216,9 @@ def test_layout_fields_match_the_cache_pytree(scheme, rng):
 def test_imports_share_the_tensors_memory_and_take_jax_dtypes(rng):
     """`torch_ops._to_jax` (every per-call import): the JAX array reads the tensor's memory (a later
     torch write shows through), a strided view comes in as its values, and a 64-bit tensor as JAX's
-    32-bit type (x64 off), as `jax.dlpack.from_dlpack` gives them."""
-    t = torch.from_numpy(rng.standard_normal((6, 5)).astype(np.float32))
+    32-bit type (x64 off), as `jax.dlpack.from_dlpack` gives them. (The tensor from torch's allocator:
+    JAX copies memory that is not aligned to its liking, as from_dlpack does, e.g. a NumPy array's.)"""
+    t = torch.empty((6, 5)).copy_(torch.from_numpy(rng.standard_normal((6, 5)).astype(np.float32)))
     x = torch_ops._to_jax(t)
     t[2, 3] = 7.0
     assert float(x[2, 3]) == 7.0
