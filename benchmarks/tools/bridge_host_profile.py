@@ -82,8 +82,8 @@ def profile_scheme(scheme, a, device, dtype):
     print(f"== {scheme} (B={b}, L={a.seq_len + 1}, impl {impl}): host ms per call (median), pipelined ms per call")
     for name, fn in parts.items():
         print(f"  {name:24s} {_time(fn, device, 3, 40, host_only=True):8.3f} {_pipelined(fn, device, 3, 32):8.3f}")
-    print("  in one call, each statement of the fused step (median host ms, each call waited for):")
-    for name, ms in in_context(bound, q, k, v, plan, impl, out, device).items():
+    print("  inside the layer, each part of the fused step (median host ms, each call waited for):")
+    for name, ms in in_context(forward, device).items():
         print(f"    {name:30s} {ms:8.3f}")
     prof = cProfile.Profile()
     prof.enable()
@@ -96,47 +96,44 @@ def profile_scheme(scheme, a, device, dtype):
     print(s.getvalue())
 
 
-def in_context(bound, q, k, v, plan, impl, out, device, iters=40) -> dict:
-    """The host time of each statement of `torch_ops._decode_step_library` (a copy of its body with a
-    clock between statements; the forward's checks before it), median over calls each waited for:
-    what the parts above cost inside the layer rather than alone."""
-    b, hq, d = q.shape[0], q.shape[1], q.shape[2]
-    lay, dev = bound.layout, bound.buffer.device
-    times = {}
-    for it in range(iters + 3):
-        t = [time.perf_counter()]
-        T._check_plan(bound, plan)
-        for x, name, heads in ((k, "key", lay.num_kv_heads), (v, "value", lay.num_kv_heads), (q, "query", None)):
-            T._check_tokens(bound, x, name, b, heads)
-        t.append(time.perf_counter())
-        bb = T.bucket(b, 1)
-        cols = T._used_columns(plan.max_decode_len, lay.block_size, plan.block_table.shape[1])
-        _, idx_j = plan.cache[("decode_step_idx", bb, cols)]
-        t.append(time.perf_counter())
-        size = T._filled_block_size(bound, plan)
-        t.append(time.perf_counter())
-        qkv, qkv_j = T._qkv_fenced(q, k, v, b, bb)
-        t.append(time.perf_counter())
-        pending = T._pending_altered(dev, lay.max_seqs)
-        t.append(time.perf_counter())
-        packed_j, total, _ = T._decode_library_step(
-            qkv_j, bound.cache, idx_j, pending, scale=1 / np.sqrt(d), impl=impl,
-            passthrough=bound.cfg.is_passthrough, slots=lay.max_seqs, q_heads=hq, completes=size)
-        t.append(time.perf_counter())
-        T._set_pending_altered(dev, lay.max_seqs, total)
-        t.append(time.perf_counter())
-        held = T._store_step(bound, plan, packed_j, bb, q, out)
-        t.append(time.perf_counter())
-        bound.held_attend = tuple([qkv, qkv_j] + held)
-        t.append(time.perf_counter())
-        jax.block_until_ready(packed_j)
-        _sync(device)
-        if it >= 3:
-            for i, name in enumerate(("checks", "plan lookups", "filled block size", "import q, k, v (fence)",
-                                      "pending total", "the jitted step's call", "set pending total",
-                                      "export, views, copies", "release the last call's arrays")):
-                times.setdefault(name, []).append((t[i + 1] - t[i]) * 1e3)
-            times.setdefault("all of it", []).append((t[-1] - t[0]) * 1e3)
+# what `forward`'s fused step calls, in its order; each timed inside the layer by `in_context`
+_STEP_PARTS = (("_check_plan", "checks"), ("_check_tokens", "checks"), ("_filled_block_size", "filled block size"),
+               ("_qkv_fenced", "import q, k, v (fence)"), ("_pending_altered", "pending total"),
+               ("_decode_library_step", "the jitted step's call"), ("_set_pending_altered", "set pending total"),
+               ("_store_step", "export, views, copies"))
+
+
+def in_context(forward, device, iters=40) -> dict:
+    """The host time of each function `torch_ops.forward`'s fused step calls (`_STEP_PARTS`, each
+    wrapped with a clock for the run; "the rest": forward's own lines - plan lookups, releasing the
+    last call's arrays), median over calls each waited for: what the parts above cost inside the
+    layer rather than alone."""
+    spent, times = {}, {}
+
+    def timed(fn, name):
+        def call(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
+        return call
+    saved = {attr: getattr(T, attr) for attr, _ in _STEP_PARTS}
+    for attr, name in _STEP_PARTS:
+        setattr(T, attr, timed(saved[attr], name))
+    try:
+        for it in range(iters + 3):
+            spent.clear()
+            t = time.perf_counter()
+            forward()
+            total = time.perf_counter() - t
+            _sync(device)
+            if it >= 3:
+                for name, s in {**spent, "the rest": total - sum(spent.values()), "all of it": total}.items():
+                    times.setdefault(name, []).append(s * 1e3)
+    finally:
+        for attr, fn in saved.items():
+            setattr(T, attr, fn)
     return {name: float(np.median(v)) for name, v in times.items()}
 
 

@@ -81,7 +81,6 @@ from .layout import PageLayout, allocate_hp, carve, to_jax
 from .plan import StepPlan, bucket
 
 IMPLS = ("auto", "pallas", "reference")
-_DL_CUDA, _DL_CPU = DLDeviceType.kDLCUDA, DLDeviceType.kDLCPU
 _DLPACK_KIND_ARG = jaxlib_extension_version >= 467  # the device type argument (jax.dlpack.from_dlpack's test)
 
 
@@ -316,19 +315,20 @@ def bind(kv_cache: torch.Tensor, layout: PageLayout, *, num_blocks: int | None =
 
 # ------------------------------------------------------------------------------------- helpers
 # per torch device: (the JAX device, JAX's stream for external ready events, torch's handle of that
-# stream, an event), made once (`_to_jax`)
+# stream, an event, the DLPack device type argument), made once (`_to_jax`)
 _FENCES: dict = {}
 
 
 def _fence(device: torch.device) -> tuple:
     if device.type != "cuda":
-        return jax.devices("cpu")[0], None, None, None
+        return jax.devices("cpu")[0], None, None, None, ((int(DLDeviceType.kDLCPU),) if _DLPACK_KIND_ARG else ())
     idx = device.index if device.index is not None else torch.cuda.current_device()
     jdev = next((x for x in jax.local_devices() if x.platform == "gpu" and x.local_hardware_id == idx), None)
     if jdev is None:
         raise RuntimeError(f"JAX has no GPU for torch's {device} (the CUDA build of jax is needed)")
     stream = jdev.get_stream_for_external_ready_events()
-    return jdev, stream, torch.cuda.ExternalStream(stream, device=idx), torch.cuda.Event()
+    return (jdev, stream, torch.cuda.ExternalStream(stream, device=idx), torch.cuda.Event(),
+            (int(DLDeviceType.kDLCUDA),) if _DLPACK_KIND_ARG else ())
 
 
 def _to_jax(t: torch.Tensor):
@@ -342,14 +342,12 @@ def _to_jax(t: torch.Tensor):
     f = _FENCES.get(t.device)
     if f is None:
         f = _FENCES[t.device] = _fence(t.device)
-    jdev, stream, torch_stream, event = f
+    jdev, stream, torch_stream, event, kind = f
     if torch_stream is not None:
         event.record(torch.cuda.current_stream(t.device))
         torch_stream.wait_event(event)
     capsule = t.__dlpack__(stream=-1 if torch_stream is not None else None)  # the wait is above
-    kind = int(_DL_CUDA if torch_stream is not None else _DL_CPU)
-    args = (capsule, jdev, stream, None) + ((kind,) if _DLPACK_KIND_ARG else ())
-    x = _jax_lib.dlpack_managed_tensor_to_buffer(*args)
+    x = _jax_lib.dlpack_managed_tensor_to_buffer(capsule, jdev, stream, None, *kind)
     want = jax.dtypes.canonicalize_dtype(x.dtype)  # 64-bit types with x64 off, as from_dlpack does
     return x if x.dtype == want else jnp.asarray(x, dtype=want)
 
