@@ -41,7 +41,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import bridge_overhead as bo  # noqa: E402
-import kvarn_jax  # noqa: E402
 from kvarn_vllm import torch_ops  # noqa: E402
 from timing import run_info  # noqa: E402
 
@@ -125,18 +124,7 @@ def main(argv=None) -> int:
     tj, lj = jnp.asarray(tables.cpu().numpy()[:, :cols]), jnp.asarray(lens, jnp.int32)
     sid = None if lay.cfg.is_passthrough else jnp.arange(b, dtype=jnp.int32)
 
-    @jax.jit
-    def kernel_loop(q0, cache, tj, lj, sid):  # as bridge_overhead.py: dependent calls, the cache an argument
-        def body(i, acc):
-            o = kvarn_jax.paged_decode_attention(q0 + (acc[0, 0, 0] * 0).astype(q0.dtype), cache, tj, lj,
-                                                 seq_ids=sid, impl=a.impl, check_values=False)
-            return o.astype(jnp.float32)
-        return jax.lax.fori_loop(0, ns.layers, body, jnp.zeros(q0.shape, jnp.float32))
-
-    kernel = lambda: kernel_loop(qj, bound0.cache, tj, lj, sid)  # noqa: E731
-    kernel()
-    bo._sync(device)
-    kernel_ms = bo._pipelined(kernel, device, 1, 1) / ns.layers
+    kernel_ms = bo.kernel_ms(qj, bound0.cache, tj, lj, sid, a.impl, ns.layers, device)
     first = next(iter(outputs.values()))
     same = {name: bool(np.array_equal(o, first)) for name, o in outputs.items()}
     info = {**run_info(), "torch": torch.__version__,
