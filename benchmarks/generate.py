@@ -49,6 +49,7 @@ import numpy as np
 import kvarn_jax as kj
 from flax import nnx
 from kvarn_jax.attention.paged_decode import decode_impl
+from kvarn_jax.impl import IMPLS
 from kvarn_jax.cache.memory import decode_read_bytes
 from kvarn_jax.models import ARCHITECTURES
 from kvarn_jax.models.llama import Decoder
@@ -231,7 +232,7 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-batch", type=int, help="sequences per prefill call (default: the whole batch)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations (auto: bfloat16 on GPU, float32 on CPU)")
-    p.add_argument("--impl", default="auto", choices=["auto", "pallas", "reference"], help="decode attention")
+    p.add_argument("--impl", default="auto", choices=list(IMPLS), help="decode attention")
     p.add_argument("--decode-loop", default="auto", choices=["auto", "unroll", "scan", "switch"],
                    help="how a decode step runs the layers (auto: unroll on GPU/TPU, switch on CPU)")
     p.add_argument("--model", help="HF folder or .gguf")

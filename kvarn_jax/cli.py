@@ -374,9 +374,10 @@ def _add_generate_parser(sub) -> None:
                    help="tokens per cache page (a multiple of the scheme's tile)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations (auto: bfloat16 on GPU, float32 on CPU)")
-    g.add_argument("--impl", default="auto", choices=["auto", "pallas", "reference"],
-                   help="decode attention: the Pallas kernel, the jnp reference, or auto (the kernel on NVIDIA GPUs "
-                        "and TPUs)")
+    g.add_argument("--impl", default="auto", choices=["auto", "pallas", "native", "reference"],
+                   help="decode attention: the Pallas kernel, the C++ CPU kernel for KVarN caches (built on first "
+                        "use), the jnp reference, or auto (the Pallas kernel on NVIDIA GPUs and TPUs, the C++ one on "
+                        "CPUs)")
     g.add_argument("--prefill-chunk", type=A.positive_int, metavar="TOKENS", default=512,
                    help="prompt tokens per sequence per prefill call")
     g.add_argument("--tensor-parallel", type=A.positive_int, metavar="DEVICES", default=1,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ from ..storage import QUANT_MAX
 from ..schemes.arith import saturate
 from ..impl import IMPLS, check_impl, resolve_impl  # noqa: F401  (IMPLS: the model and runner import it from here)
 from ..validation import require_compiled_backend
-from . import paged_decode_pallas, paged_decode_tpu
+from . import paged_decode_cpu, paged_decode_pallas, paged_decode_tpu
 from .reference import attend, check_decode_args
 
 KERNELS = ("gpu", "tpu")
@@ -25,14 +26,31 @@ def decode_impl(cfg: KVQuantConfig, block_size: int, head_dim: int, impl: str = 
                 backend: str | None = None) -> tuple[str, str, str | None]:
     """(implementation, kernel, why the kernel cannot take the cache or None) that
     `paged_decode_attention(impl=impl, kernel=kernel)` uses for a cache of this scheme and geometry
-    (`impl.resolve_impl`). kernel default: the platform's - "tpu" on TPUs, "gpu" elsewhere."""
+    (`impl.resolve_impl`). kernel default: the platform's - "tpu" on TPUs, "gpu" elsewhere. For
+    "native" (on CPUs, "auto" for KVarN caches) the reason is the CPU kernel's: that it does not
+    take the scheme, or cannot be built here (then "auto" runs the reference and warns once)."""
     check_impl(impl)
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {list(KERNELS)} or None, got {kernel!r}")
     backend = backend or jax.default_backend()
     kernel = kernel or ("tpu" if backend == "tpu" else "gpu")
     why = _SUPPORTS[kernel](cfg, block_size, head_dim)
-    return resolve_impl(impl, "decode", cfg, why, backend), kernel, why
+    native_why = "not asked"
+    if impl == "native" or (impl == "auto" and backend == "cpu"):
+        native_why = paged_decode_cpu.supports(cfg, block_size, head_dim)
+        if native_why is None:
+            native_why = paged_decode_cpu.available()
+            if native_why is not None and impl == "auto":
+                _warn_native_unavailable(native_why)
+        if impl == "native":
+            return "native", kernel, native_why
+    return resolve_impl(impl, "decode", cfg, why, backend, native_why), kernel, why
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_native_unavailable(why: str) -> None:
+    warnings.warn(f"decode attention over KVarN caches runs the jnp reference (slower) on this CPU: {why}",
+                  RuntimeWarning, stacklevel=3)
 
 
 def paged_decode_attention(q, cache, block_tables, seq_lens, scale: float | None = None, *, seq_ids=None,
@@ -43,8 +61,10 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, scale: float | None
 
     Same arguments and result as `paged_decode_attention_reference` (q [B, Hq, D] -> [B, Hq, D] in
     q.dtype), plus:
-      impl: "pallas" (a fused kernel), "reference" (pure jnp) or "auto": the platform's kernel on
-        NVIDIA GPUs and TPUs when it supports the cache, the reference elsewhere (CPU): `decode_impl`.
+      impl: "pallas" (a fused kernel), "native" (the C++ CPU kernel for KVarN caches, built on first
+        use with the machine's compiler: `paged_decode_cpu`), "reference" (pure jnp) or "auto": the
+        platform's Pallas kernel on NVIDIA GPUs and TPUs, the native one on CPUs, when it supports the
+        cache; the reference elsewhere: `decode_impl`.
       kernel: which Pallas kernel `impl="pallas"` runs: "gpu" (`paged_decode_pallas/`, Triton
         lowering) or "tpu" (`paged_decode_tpu.py`, Mosaic, scalar-prefetched block tables). Default:
         the platform's - "tpu" on TPUs, "gpu" elsewhere (on CPU both run only interpreted).
@@ -85,6 +105,13 @@ def paged_decode_attention(q, cache, block_tables, seq_lens, scale: float | None
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if impl == "reference":
         return attend(q, cache, block_tables, seq_lens, sm_scale, seq_ids, window, False, bool(rotated_output), new_kv)
+    if impl == "native":
+        if backend != "cpu":
+            raise ValueError(f"impl='native' is the CPU kernel; this is the {backend} backend (use 'auto')")
+        if why is not None:
+            raise ValueError(f"impl='native' cannot run this cache: {why}; use impl='reference' or 'auto'")
+        return _native(q, cache, block_tables, seq_lens, seq_ids, scale=sm_scale, window=window,
+                       rotated_output=bool(rotated_output), new_kv=new_kv)
     if why is not None:
         raise ValueError(f"impl='pallas' cannot run this cache on the {kernel} kernel: {why}; "
                          "use impl='reference' or 'auto'")
@@ -123,4 +150,16 @@ def _pallas(q, cache, block_tables, seq_lens, seq_ids, *, scale, window, interpr
                                                     new_kv=new_kv)
     if cache.cfg.rotated and not rotated_output:
         o = unrotate(o, max_abs=SAFE_ABS, one_token=one_token)
+    return saturate(o, q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "window", "rotated_output"))
+def _native(q, cache, block_tables, seq_lens, seq_ids, *, scale, window, rotated_output=False, new_kv=None):
+    # the reference's frame handling around the kernel (`reference.attend`): q rotated in fp32, the
+    # output unrotated unless asked for in the stored frame
+    qr = rotate(q.astype(jnp.float32), max_abs=QUANT_MAX)
+    o = paged_decode_cpu.paged_decode_cpu(qr, cache, block_tables, seq_lens, seq_ids, scale=scale, window=window,
+                                          new_kv=new_kv)
+    if not rotated_output:
+        o = unrotate(o, max_abs=SAFE_ABS)
     return saturate(o, q.dtype)

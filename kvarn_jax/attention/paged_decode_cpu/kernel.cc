@@ -1,0 +1,503 @@
+// Decode attention over a KVarN paged cache on the CPU: one query token per sequence, fp32, the
+// semantics of `attention/reference.py: attend` for rotated tiled caches (pages on their codes,
+// the sink, the ring's block holding the query's own block, an optional token not cached yet).
+// An XLA FFI handler (jax.ffi), built by `build.py`; docs/kernels.md ("The CPU kernel").
+//
+// Per (sequence, kv head): scores of every part into one buffer, one softmax, then the value
+// sums. A tile's key scores and value sums run on its codes, as `schemes/kvarn.py` key_scores and
+// value_sums do: a key is (c * scale_chan + zero_chan) * scale_tok, a value
+// (c * scale_tok + zero_tok) * scale_chan, so the channel (key) or token (value) scales fold into
+// the query or the probabilities and the codes are read once per tile, unpacked to floats a row
+// at a time.
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+float half_to_float(uint16_t h) {
+#ifdef __FLT16_MANT_DIG__
+  _Float16 v;  // the hardware conversion where there is one (x86 F16C, Arm)
+  std::memcpy(&v, &h, sizeof v);
+  return static_cast<float>(v);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalize
+      int e = -1;
+      do {
+        man <<= 1;
+        ++e;
+      } while (!(man & 0x400u));
+      bits = sign | (static_cast<uint32_t>(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+  } else if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// n values of a float buffer (f16, bf16 or f32) from element `offset`, widened to fp32.
+void load_floats(const ffi::AnyBuffer& buf, int64_t offset, int64_t n, float* out) {
+  switch (buf.element_type()) {
+    case ffi::DataType::F32:
+      std::memcpy(out, static_cast<const float*>(buf.untyped_data()) + offset, n * sizeof(float));
+      return;
+    case ffi::DataType::F16: {
+      const uint16_t* p = static_cast<const uint16_t*>(buf.untyped_data()) + offset;
+      int64_t i = 0;
+#if defined(__F16C__)
+      // 8 at a time: a scalar conversion merges into its register's upper lanes, which chains the
+      // loop's iterations (5x slower)
+      for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+#endif
+      for (; i < n; ++i) out[i] = half_to_float(p[i]);
+      return;
+    }
+    default: {  // BF16 (checked by the handler)
+      const uint16_t* p = static_cast<const uint16_t*>(buf.untyped_data()) + offset;
+      for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(p[i]);
+      return;
+    }
+  }
+}
+
+bool is_float(ffi::DataType t) {
+  return t == ffi::DataType::F32 || t == ffi::DataType::F16 || t == ffi::DataType::BF16;
+}
+
+// One high-precision store (sink or tail ring) of one side: float rows, or uint8 codes with a
+// scale and zero point per token.
+struct HpStore {
+  const ffi::AnyBuffer* rows;   // [S, Hk, n, D]
+  const ffi::AnyBuffer* scale;  // [S, Hk, n] (int8 only)
+  const ffi::AnyBuffer* zero;
+  int64_t n;
+  bool int8;
+
+  // row `i` of (sequence slot s, kv head h) as fp32 [D]
+  void load(int64_t s, int64_t h, int64_t hk, int64_t i, int64_t d, float* out) const {
+    const int64_t r = (s * hk + h) * n + i;
+    if (!int8) {
+      load_floats(*rows, r * d, d, out);
+      return;
+    }
+    float sc, z;
+    load_floats(*scale, r, 1, &sc);
+    load_floats(*zero, r, 1, &z);
+    const uint8_t* c = static_cast<const uint8_t*>(rows->untyped_data()) + r * d;
+    for (int64_t j = 0; j < d; ++j) out[j] = static_cast<float>(c[j]) * sc + z;
+  }
+};
+
+// a . b over n elements; N > 0: n is N, known at compile time. Vector lanes accumulate in a
+// fixed order and reduce by a fixed tree, so a call's result does not depend on its caller.
+template <int N>
+inline float dot(const float* a, const float* b, int64_t n = N) {
+  if (N > 0) n = N;
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n % 8 == 0) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+  }
+#endif
+  float acc[4] = {};
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4)
+    for (int l = 0; l < 4; ++l) acc[l] += a[i + l] * b[i + l];
+  for (; i < n; ++i) acc[0] += a[i] * b[i];
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
+// x[i] <- exp(x[i] - shift), in a loop the compiler vectorizes (libm's expf is a call per element):
+// 2^k * e^r with k = round((x - shift) / ln 2) and r reduced in two steps (ln 2 = hi + lo), e^r a
+// degree-6 Taylor polynomial (|r| <= ln 2 / 2: relative error below 2e-7). Arguments below -87
+// (and -inf: masked positions) give exactly 0.
+void exp_shifted(float* x, int64_t n, float shift) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i] - shift;
+    const float vc = v < -87.f ? -87.f : v;
+    const float k = (vc * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest
+    const float r = (vc - k * 0.693145751953125f) - k * 1.42860682030941723212e-6f;
+    float p = 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+    float two_k;
+    std::memcpy(&two_k, &bits, sizeof two_k);
+    x[i] = v < -87.f ? 0.f : p * two_k;
+  }
+}
+
+// codes of bit slot `shift` of n bytes, as floats
+void unpack_row(const uint8_t* bytes, int shift, uint8_t mask, int64_t n, float* out) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>((bytes[i] >> shift) & mask);
+}
+
+struct Tile {  // a page tile whose scores are in the buffer from `offset`
+  int64_t block, tile, offset;
+};
+
+// Everything one call reads, with its sizes: B rows, Hq / Hk query / kv heads (G = Hq / Hk per
+// group), head_dim D, N pages of R tiles of T tokens, M block-table columns, S sequence slots.
+struct Call {
+  const float* q;
+  const int32_t *tables, *lens, *seq_ids;
+  const uint8_t *k_codes, *v_codes;
+  const ffi::AnyBuffer *k_scale_chan, *k_zero_chan, *k_scale_tok, *v_scale_chan, *v_scale_tok, *v_zero_tok;
+  HpStore sink[2], tail[2];
+  const float *new_k, *new_v;
+  float* out;
+  float scale;
+  int64_t window, k_bits, v_bits, bs, paged_from;
+  bool has_new;
+  int64_t B, Hq, Hk, G, D, N, R, T, M, S, sink_len, tail_blocks;
+};
+
+// One (sequence, kv head) pair at a time, with its own scratch. KD, KT: D and T when known at
+// compile time (0: read from the call).
+template <int KD, int KT>
+struct Rows {
+  const Call& c;
+  const int64_t D, T, cap;  // cap: positions a row can score
+  std::vector<float> s, qs, qz, chan, zero, tok, tz, row, ps, acc, part, den;
+  std::vector<Tile> tiles;
+
+  explicit Rows(const Call& call)
+      : c(call), D(KD ? KD : call.D), T(KT ? KT : call.T), cap(call.M * call.bs + call.sink_len + call.bs + 1),
+        s(call.G * cap), qs(call.G * D), qz(call.G), chan(D), zero(D), tok(T), tz(T), row(std::max(D, T)),
+        ps(call.G * T), acc(call.G * D), part(call.G * D), den(call.G) {
+    tiles.reserve(call.M * call.R);
+  }
+
+  void pair(int64_t b, int64_t h) {
+  const int64_t G = c.G, Hk = c.Hk, Hq = c.Hq, bs = c.bs, M = c.M, R = c.R;
+  const int kper = static_cast<int>(8 / c.k_bits), vper = static_cast<int>(8 / c.v_bits);
+  const uint8_t kmask = static_cast<uint8_t>((1u << c.k_bits) - 1), vmask = static_cast<uint8_t>((1u << c.v_bits) - 1);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  {
+    const int64_t len = std::clamp<int64_t>(c.lens[b], 0, M * bs);
+    const int64_t sid = std::clamp<int64_t>(c.seq_ids[b], 0, c.S - 1);
+    const int64_t lo = c.window > 0 ? std::max<int64_t>(len - c.window, 0) : 0;  // positions [lo, len) are seen
+    const int64_t own = c.has_new ? len / bs : std::max<int64_t>((len - 1) / bs, 0);
+    const int64_t page_lo = std::max(lo, c.sink_len < bs ? c.sink_len : int64_t{0});
+    {
+      const float* qh = c.q + (b * Hq + h * G) * D;
+      int64_t n = 0;  // scores so far, per query head
+      tiles.clear();
+      // ---- pages: whole blocks before the query's own, tiles holding a seen position
+      for (int64_t j = c.paged_from / bs; j < std::min(own, M); ++j) {
+        const int64_t blk = std::clamp<int64_t>(c.tables[b * M + j], 0, c.N - 1);
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t p0 = j * bs + r * T;
+          if (p0 + T <= page_lo || p0 >= len) continue;
+          const int64_t t_idx = (blk * Hk + h) * R + r;
+          load_floats(*c.k_scale_chan, t_idx * D, D, chan.data());
+          load_floats(*c.k_zero_chan, t_idx * D, D, zero.data());
+          load_floats(*c.k_scale_tok, t_idx * T, T, tok.data());
+          for (int64_t g = 0; g < G; ++g) {
+            for (int64_t d = 0; d < D; ++d) qs[g * D + d] = qh[g * D + d] * chan[d];
+            qz[g] = dot<KD>(qh + g * D, zero.data(), D);
+          }
+          const uint8_t* codes = c.k_codes + t_idx * (T * c.k_bits / 8) * D;
+          for (int64_t mrow = 0; mrow < T / kper; ++mrow) {
+            for (int j2 = 0; j2 < kper; ++j2) {
+              unpack_row(codes + mrow * D, j2 * static_cast<int>(c.k_bits), kmask, D, row.data());
+              const int64_t t = mrow * kper + j2;
+              const int64_t pos = p0 + t;
+              const bool ok = pos >= page_lo && pos < len;
+              for (int64_t g = 0; g < G; ++g)
+                s[g * cap + n + t] = ok ? (dot<KD>(qs.data() + g * D, row.data(), D) + qz[g]) * tok[t] * c.scale
+                                        : neg_inf;
+            }
+          }
+          tiles.push_back({blk, r, n});
+          n += T;
+        }
+      }
+      // ---- the sink and the ring's block: rows scored one at a time
+      const int64_t sink_from = n;
+      for (int64_t i = 0; i < c.sink_len; ++i) {
+        const bool ok = i >= lo && i < len;
+        if (ok) c.sink[0].load(sid, h, Hk, i, D, row.data());
+        for (int64_t g = 0; g < G; ++g) s[g * cap + n] = ok ? dot<KD>(qh + g * D, row.data(), D) * c.scale : neg_inf;
+        ++n;
+      }
+      const int64_t tail_from = n, ring = (own % c.tail_blocks) * bs;
+      for (int64_t i = 0; i < bs; ++i) {
+        const int64_t pos = own * bs + i;
+        const bool ok = pos >= lo && pos < len && pos >= c.sink_len;
+        if (ok) c.tail[0].load(sid, h, Hk, ring + i, D, row.data());
+        for (int64_t g = 0; g < G; ++g) s[g * cap + n] = ok ? dot<KD>(qh + g * D, row.data(), D) * c.scale : neg_inf;
+        ++n;
+      }
+      const int64_t new_at = n;
+      if (c.has_new) {
+        const float* kn = c.new_k + (b * Hk + h) * D;
+        for (int64_t g = 0; g < G; ++g) s[g * cap + n] = dot<KD>(qh + g * D, kn, D) * c.scale;
+        ++n;
+      }
+      // ---- one softmax over all parts (a row that sees nothing gets 0)
+      for (int64_t g = 0; g < G; ++g) {
+        float mx = neg_inf;
+        float* sg = s.data() + g * cap;
+        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sg[i]);
+        if (!std::isfinite(mx)) mx = 0.f;
+        exp_shifted(sg, n, mx);
+        float sum = 0.f;
+        for (int64_t i = 0; i < n; ++i) sum += sg[i];
+        den[g] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      // ---- value sums of the page tiles, on their codes
+      for (const Tile& tl : tiles) {
+        const int64_t t_idx = (tl.block * Hk + h) * R + tl.tile;
+        load_floats(*c.v_scale_chan, t_idx * D, D, chan.data());
+        load_floats(*c.v_scale_tok, t_idx * T, T, tok.data());
+        load_floats(*c.v_zero_tok, t_idx * T, T, tz.data());
+        for (int64_t g = 0; g < G; ++g) {
+          const float* p = s.data() + g * cap + tl.offset;
+          for (int64_t t = 0; t < T; ++t) ps[g * T + t] = p[t] * tok[t];
+          qz[g] = dot<KT>(p, tz.data(), T);  // sum_t p[t] * zero_tok[t]
+        }
+        const uint8_t* codes = c.v_codes + t_idx * (D * c.v_bits / 8) * T;
+        for (int64_t mrow = 0; mrow < D / vper; ++mrow) {
+          for (int j2 = 0; j2 < vper; ++j2) {
+            unpack_row(codes + mrow * T, j2 * static_cast<int>(c.v_bits), vmask, T, row.data());
+            const int64_t d = mrow * vper + j2;
+            for (int64_t g = 0; g < G; ++g) part[g * D + d] = dot<KT>(ps.data() + g * T, row.data(), T);
+          }
+        }
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < D; ++d) acc[g * D + d] += (part[g * D + d] + qz[g]) * chan[d];
+      }
+      // ---- the sink's, ring's and new token's values
+      auto add_rows = [&](const HpStore& st, int64_t from, int64_t count, int64_t first_row) {
+        for (int64_t i = 0; i < count; ++i) {
+          bool any = false;
+          for (int64_t g = 0; g < G; ++g) any |= s[g * cap + from + i] > 0.f;
+          if (!any) continue;  // unseen rows are not read (they may hold anything)
+          st.load(sid, h, Hk, first_row + i, D, row.data());
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = s[g * cap + from + i];
+            for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p * row[d];
+          }
+        }
+      };
+      add_rows(c.sink[1], sink_from, c.sink_len, 0);
+      add_rows(c.tail[1], tail_from, bs, ring);
+      if (c.has_new) {
+        const float* vn = c.new_v + (b * Hk + h) * D;
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < D; ++d) acc[g * D + d] += s[g * cap + new_at] * vn[d];
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = den[g] > 0.f ? 1.f / den[g] : 1.f;
+        float* og = c.out + (b * Hq + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) og[d] = acc[g * D + d] * inv;
+      }
+    }
+  }
+}
+};
+
+// Pairs go to XLA's CPU threads when there is work enough: each thread (the caller's too) takes the
+// next pair until none is left, and the caller returns once every taken pair is done. A task the
+// pool starts late finds none and ends; the state it shares lives as long as it does.
+constexpr int64_t kTokensPerThread = 1024;  // cached tokens x kv heads per thread, at least (~50 us of work)
+
+template <int KD, int KT>
+void run(const Call& c, ffi::ThreadPool& pool, int64_t max_threads) {
+  const int64_t pairs = c.B * c.Hk;
+  int64_t tokens = 0;
+  for (int64_t b = 0; b < c.B; ++b) tokens += std::clamp<int64_t>(c.lens[b], 0, c.M * c.bs) * c.Hk;
+  int64_t threads = std::min({pool.num_threads() + 1, pairs, tokens / kTokensPerThread + 1});
+  if (max_threads > 0) threads = std::min(threads, max_threads);
+  if (threads <= 1) {
+    Rows<KD, KT> rows(c);
+    for (int64_t p = 0; p < pairs; ++p) rows.pair(p / c.Hk, p % c.Hk);
+    return;
+  }
+  struct Shared {
+    explicit Shared(const Call& call, int64_t n) : call(call), n(n) {}
+    const Call call;
+    const int64_t n;
+    std::atomic<int64_t> next{0}, done{0};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto shared = std::make_shared<Shared>(c, pairs);
+  auto work = [shared] {
+    Shared& sh = *shared;
+    std::unique_ptr<Rows<KD, KT>> rows;  // made once a pair is taken: a late task allocates nothing
+    for (int64_t p; (p = sh.next.fetch_add(1)) < sh.n;) {
+      if (!rows) rows = std::make_unique<Rows<KD, KT>>(sh.call);
+      rows->pair(p / sh.call.Hk, p % sh.call.Hk);
+      if (sh.done.fetch_add(1) + 1 == sh.n) {
+        std::lock_guard<std::mutex> lock(sh.mu);
+        sh.cv.notify_all();
+      }
+    }
+  };
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule(decltype(work)(work));  // a copy each: Schedule takes it by value
+  work();
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->cv.wait(lock, [&] { return shared->done.load() == shared->n; });
+}
+
+template <int KD>
+void run_d(const Call& c, ffi::ThreadPool& pool, int64_t max_threads) {
+  switch (c.T) {
+    case 32: return run<KD, 32>(c, pool, max_threads);
+    case 64: return run<KD, 64>(c, pool, max_threads);
+    case 128: return run<KD, 128>(c, pool, max_threads);
+    default: return run<KD, 0>(c, pool, max_threads);
+  }
+}
+
+ffi::Error Decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
+                  ffi::Buffer<ffi::S32> seq_ids, ffi::AnyBuffer k_codes, ffi::AnyBuffer k_scale_chan,
+                  ffi::AnyBuffer k_zero_chan, ffi::AnyBuffer k_scale_tok, ffi::AnyBuffer v_codes,
+                  ffi::AnyBuffer v_scale_chan, ffi::AnyBuffer v_scale_tok, ffi::AnyBuffer v_zero_tok,
+                  ffi::AnyBuffer sink_k, ffi::AnyBuffer sink_v, ffi::AnyBuffer tail_k, ffi::AnyBuffer tail_v,
+                  ffi::AnyBuffer sink_k_scale, ffi::AnyBuffer sink_k_zero, ffi::AnyBuffer sink_v_scale,
+                  ffi::AnyBuffer sink_v_zero, ffi::AnyBuffer tail_k_scale, ffi::AnyBuffer tail_k_zero,
+                  ffi::AnyBuffer tail_v_scale, ffi::AnyBuffer tail_v_zero, ffi::Buffer<ffi::F32> new_k,
+                  ffi::Buffer<ffi::F32> new_v, ffi::ResultBuffer<ffi::F32> out, float scale, int64_t window,
+                  int64_t k_bits, int64_t v_bits, int64_t block_size, int64_t paged_from, int64_t has_new,
+                  int64_t max_threads) {
+  const auto qd = q.dimensions();
+  const auto kd = k_codes.dimensions();
+  const auto vd = v_codes.dimensions();
+  const auto sd = sink_k.dimensions();
+  const auto td = tail_k.dimensions();
+  if (qd.size() != 3 || kd.size() != 5 || vd.size() != 5 || sd.size() != 4 || td.size() != 4 ||
+      tables.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("kvarn cpu decode: unexpected ranks");
+  Call c{};
+  c.B = qd[0], c.Hq = qd[1], c.D = qd[2];
+  c.N = kd[0], c.Hk = kd[1], c.R = kd[2];
+  c.T = vd[4];
+  c.M = tables.dimensions()[1];
+  c.S = sd[0], c.sink_len = sd[2];
+  const int64_t tail_len = td[2];
+  c.bs = block_size;
+  if (c.Hk <= 0 || c.Hq % c.Hk || c.T * c.R != c.bs || kd[3] * 8 != c.T * k_bits || kd[4] != c.D ||
+      vd[3] * 8 != c.D * v_bits || tail_len % c.bs || c.S <= 0 || !is_float(k_scale_chan.element_type()) ||
+      k_codes.element_type() != ffi::DataType::U8 || v_codes.element_type() != ffi::DataType::U8)
+    return ffi::Error::InvalidArgument("kvarn cpu decode: inconsistent shapes or dtypes");
+  c.G = c.Hq / c.Hk, c.tail_blocks = tail_len / c.bs;
+  const bool hp_int8 = sink_k.element_type() == ffi::DataType::U8;
+  c.sink[0] = {&sink_k, &sink_k_scale, &sink_k_zero, c.sink_len, hp_int8};
+  c.sink[1] = {&sink_v, &sink_v_scale, &sink_v_zero, c.sink_len, hp_int8};
+  c.tail[0] = {&tail_k, &tail_k_scale, &tail_k_zero, tail_len, hp_int8};
+  c.tail[1] = {&tail_v, &tail_v_scale, &tail_v_zero, tail_len, hp_int8};
+  c.q = q.typed_data();
+  c.tables = tables.typed_data(), c.lens = lens.typed_data(), c.seq_ids = seq_ids.typed_data();
+  c.k_codes = static_cast<const uint8_t*>(k_codes.untyped_data());
+  c.v_codes = static_cast<const uint8_t*>(v_codes.untyped_data());
+  c.k_scale_chan = &k_scale_chan, c.k_zero_chan = &k_zero_chan, c.k_scale_tok = &k_scale_tok;
+  c.v_scale_chan = &v_scale_chan, c.v_scale_tok = &v_scale_tok, c.v_zero_tok = &v_zero_tok;
+  c.new_k = new_k.typed_data(), c.new_v = new_v.typed_data();
+  c.out = out->typed_data();
+  c.scale = scale, c.window = window, c.k_bits = k_bits, c.v_bits = v_bits, c.paged_from = paged_from;
+  c.has_new = has_new != 0;
+  switch (c.D) {
+    case 64: run_d<64>(c, pool, max_threads); break;
+    case 128: run_d<128>(c, pool, max_threads); break;
+    case 256: run_d<256>(c, pool, max_threads); break;
+    default: run_d<0>(c, pool, max_threads);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvarnDecodeCpu, Decode,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()         // XLA's CPU threads
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [B, Hq, D], rotated
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block tables [B, M]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // lengths [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // sequence slots [B]
+                                  .Arg<ffi::AnyBuffer>()          // key codes [N, Hk, R, T*kb/8, D]
+                                  .Arg<ffi::AnyBuffer>()          // key scale_chan [N, Hk, R, D]
+                                  .Arg<ffi::AnyBuffer>()          // key zero_chan
+                                  .Arg<ffi::AnyBuffer>()          // key scale_tok [N, Hk, R, T]
+                                  .Arg<ffi::AnyBuffer>()          // value codes [N, Hk, R, D*vb/8, T]
+                                  .Arg<ffi::AnyBuffer>()          // value scale_chan
+                                  .Arg<ffi::AnyBuffer>()          // value scale_tok
+                                  .Arg<ffi::AnyBuffer>()          // value zero_tok
+                                  .Arg<ffi::AnyBuffer>()          // sink k [S, Hk, sink_len, D]
+                                  .Arg<ffi::AnyBuffer>()          // sink v
+                                  .Arg<ffi::AnyBuffer>()          // tail k [S, Hk, tail_len, D]
+                                  .Arg<ffi::AnyBuffer>()          // tail v
+                                  .Arg<ffi::AnyBuffer>()          // int8 sink/tail scales and zeros
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // new k [B, Hk, D] (or [1, 1, D])
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // new v
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [B, Hq, D], rotated frame
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("k_bits")
+                                  .Attr<int64_t>("v_bits")
+                                  .Attr<int64_t>("block_size")
+                                  .Attr<int64_t>("paged_from")
+                                  .Attr<int64_t>("has_new")
+                                  .Attr<int64_t>("max_threads"));  // 0: as the work and XLA's pool allow

@@ -1,0 +1,148 @@
+"""The C++ CPU decode kernel (`attention/paged_decode_cpu`, impl="native") against the reference.
+
+Both compute in fp32 from the same stored fields; only the order of the sums differs. Required:
+|native - reference| <= 2e-5 * max|reference| elementwise on fp32 outputs (measured ~1e-6), and for
+16-bit outputs one ulp of that dtype on top. Every output element is compared, and the output
+buffer is never pre-filled by the kernel's caller, so an element it failed to write cannot pass.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import kvarn_jax as kj
+from helpers import allocate_tables, random_kv, serve_writes
+from kvarn_jax.attention import paged_decode_cpu
+from kvarn_jax.attention.paged_decode import decode_impl
+from kvarn_jax.attention.paged_decode_cpu import build as native_build
+from kvarn_jax.impl import resolve_impl
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the native kernel is the CPU backend's")
+
+
+def make(cfg, lens, heads, dim, block_size, rng, dtype=jnp.float16, seq_ids=None, tail_blocks=1, spare=2):
+    nb = sum(-(-L // block_size) for L in lens) + spare
+    cache = kj.PagedKVCache.create(cfg, num_blocks=nb, block_size=block_size, num_kv_heads=heads, head_dim=dim,
+                                   max_seqs=max(seq_ids or [len(lens) - 1]) + 1, tail_blocks=tail_blocks,
+                                   dtype=dtype)
+    seqs = [random_kv(rng, L, heads, dim, dtype=np.float32, outliers=2) for L in lens]
+    tables = allocate_tables(rng, lens, block_size, nb)
+    cache = serve_writes(cache, tables, seqs, rng, seq_ids=seq_ids)
+    return cache, jnp.asarray(tables), jnp.asarray(lens, jnp.int32)
+
+
+def compare(q, cache, bt, sl, **kw):
+    ref = kj.paged_decode_attention(q, cache, bt, sl, impl="reference", **kw)
+    out = kj.paged_decode_attention(q, cache, bt, sl, impl="native", **kw)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    ref, out = np.asarray(ref, np.float32), np.asarray(out, np.float32)
+    assert np.isfinite(out).all()
+    tol = 2e-5 + (float(jnp.finfo(q.dtype).eps) if q.dtype != jnp.float32 else 0.0)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=tol * max(np.abs(ref).max(), 1e-6))
+    return out
+
+
+@settings(max_examples=15, deadline=None)
+@given(bits=st.sampled_from([(4, 2), (4, 4), (2, 4), (2, 2), (8, 8), (8, 2)]), group=st.sampled_from([32, 64, 128]),
+       suffix=st.sampled_from(["", "", "_hpint8", "_hpfp32", "_sink4", "_clip"]),
+       dtype=st.sampled_from([jnp.float16, jnp.bfloat16, jnp.float32]), dim=st.sampled_from([64, 128, 32]),
+       heads=st.sampled_from([1, 2]), ratio=st.sampled_from([1, 3, 4]), block_mult=st.sampled_from([1, 2]),
+       lens=st.lists(st.integers(0, 400), min_size=1, max_size=3), window=st.sampled_from([None, None, 45]),
+       seed=st.integers(0, 2 ** 16))
+def test_native_matches_reference(bits, group, suffix, dtype, dim, heads, ratio, block_mult, lens, window, seed):
+    """Every KVarN geometry the kernel takes (compile-time sizes, and the generic path: head_dim 32),
+    every metadata dtype, int8 / fp32 / short sinks, windows, empty rows."""
+    rng = np.random.default_rng(seed)
+    cfg = f"kvarn_k{bits[0]}v{bits[1]}_g{group}{suffix}"
+    cache, bt, sl = make(cfg, lens, heads, dim, group * block_mult, rng, dtype=dtype)
+    q = jnp.asarray(rng.standard_normal((len(lens), heads * ratio, dim)), dtype)
+    compare(q, cache, bt, sl, window=window)
+    compare(q, cache, bt, sl, rotated_output=True)
+
+
+def test_new_token_seq_ids_and_two_ring_blocks():
+    """new_kv (a token not cached yet), sequence slots other than the row index, a two-block ring."""
+    rng = np.random.default_rng(7)
+    lens = [1, 127, 128, 300]
+    cache, bt, sl = make("kvarn_k4v2_g64", lens, 2, 64, 64, rng, seq_ids=[5, 0, 3, 1], tail_blocks=2)
+    sid = jnp.asarray([5, 0, 3, 1], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((4, 8, 64)), jnp.float32)
+    compare(q, cache, bt, sl, seq_ids=sid)
+    kv = tuple(jnp.asarray(rng.standard_normal((4, 2, 64)), jnp.float32) for _ in range(2))
+    compare(q, cache, bt, sl, seq_ids=sid, new_kv=kv)
+
+
+def test_unread_pages_may_hold_anything():
+    """Pages and ring rows that no position reads are not read: NaN there changes nothing."""
+    rng = np.random.default_rng(11)
+    lens = [200, 90]
+    cache, bt, sl = make("kvarn_k4v2_g128", lens, 2, 64, 128, rng, spare=3)
+    q = jnp.asarray(rng.standard_normal((2, 6, 64)), jnp.float32)
+    want = compare(q, cache, bt, sl)
+    used = {int(bt[0, 1])}   # row 0's only page (block 0 is its sink, block 1 its ring's)
+    poison = {side: {n: (a.at[jnp.asarray(sorted(set(range(cache.num_blocks)) - used))].set(jnp.nan)
+                         if a.dtype != jnp.uint8 else a) for n, a in f.items()} for side, f in cache.pages.items()}
+    import dataclasses
+    bad = dataclasses.replace(cache, pages=poison)
+    got = kj.paged_decode_attention(q, bad, bt, sl, impl="native")
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_unchecked_out_of_range_indices_are_clamped():
+    """As every implementation: block ids and sequence slots clamped, lengths capped at the table."""
+    rng = np.random.default_rng(5)
+    cache, bt, sl = make("kvarn_k4v2_g64", [150, 70], 1, 64, 64, rng)
+    q = jnp.asarray(rng.standard_normal((2, 2, 64)), jnp.float32)
+    bt_bad = bt.at[0, 0].set(10 ** 6).at[1, 0].set(-7)
+    sl_bad = jnp.asarray([10 ** 6, 70], jnp.int32)
+    sid_bad = jnp.asarray([-3, 99], jnp.int32)
+    args = dict(seq_ids=sid_bad, check_values=False)
+    ref = kj.paged_decode_attention(q, cache, bt_bad, sl_bad, impl="reference", **args)
+    out = kj.paged_decode_attention(q, cache, bt_bad, sl_bad, impl="native", **args)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=0, atol=2e-5 * float(jnp.abs(ref).max()))
+
+
+def test_auto_runs_native_on_kvarn_caches_only():
+    assert decode_impl(kj.parse("kvarn_k4v2_g128"), 128, 128, backend="cpu")[0] == "native"
+    for scheme in ("int8", "kivi_k2v2_g32", "fp8", "fp16"):
+        assert decode_impl(kj.parse(scheme), 128, 128, backend="cpu")[0] == "reference"
+    assert decode_impl(kj.parse("kvarn_k4v2_g128"), 128, 128, backend="gpu")[0] == "pallas"
+
+
+def test_refusals_name_the_reason():
+    rng = np.random.default_rng(2)
+    cache, bt, sl = make("int8", [40], 1, 64, 64, rng)
+    with pytest.raises(ValueError, match="impl='native' cannot run this cache: the CPU kernel reads KVarN caches only"):
+        kj.paged_decode_attention(jnp.zeros((1, 1, 64)), cache, bt, sl, impl="native")
+    assert "reads KVarN caches only" in paged_decode_cpu.supports(kj.parse("kivi_k2v2_g32"), 64, 64)
+    with pytest.raises(ValueError, match="impl must be one of \\['auto', 'pallas', 'reference'\\], got 'native'"):
+        kj.write(cache, jnp.zeros((1, 1, 64)), jnp.zeros((1, 1, 64)), jnp.zeros((1,), jnp.int32), impl="native")
+    with pytest.raises(ValueError, match="impl='native' is a decode attention kernel; the write path has none"):
+        resolve_impl("native", "write", kj.parse("kvarn_k4v2_g128"), None)
+
+
+def test_no_compiler_is_a_clear_error(monkeypatch, tmp_path):
+    """Without a C++ compiler the build says so and how to go on; "auto" then runs the reference
+    and warns (never silently)."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert native_build.compiler() is None
+    with pytest.raises(native_build.NativeKernelUnavailable, match="needs a C\\+\\+17 compiler.*impl='reference'"):
+        native_build.library()
+    monkeypatch.setattr(paged_decode_cpu, "available", lambda: "no compiler here")
+    with pytest.warns(RuntimeWarning, match="runs the jnp reference .* no compiler here"):
+        assert decode_impl(kj.parse("kvarn_k4v4_g32"), 32, 64, backend="cpu")[0] == "reference"
+
+
+def test_library_is_cached_by_source(tmp_path, monkeypatch):
+    """A second build with the same source and compiler reuses the library file."""
+    monkeypatch.setenv("KVARN_JAX_CACHE", str(tmp_path))
+    assert native_build.library().parent == tmp_path / "cpu_kernel"
+    built = list((tmp_path / "cpu_kernel").glob("*.so"))
+    assert len(built) == 1
+    mtime = os.path.getmtime(built[0])
+    native_build.library()
+    assert list((tmp_path / "cpu_kernel").glob("*.so")) == built and os.path.getmtime(built[0]) == mtime
