@@ -64,6 +64,15 @@ def test_native_matches_reference(bits, group, suffix, dtype, dim, heads, ratio,
     compare(q, cache, bt, sl, rotated_output=True)
 
 
+@pytest.mark.parametrize("dim,ratio", [(256, 2), (64, 9), (128, 16)])
+def test_wide_heads_and_large_groups(dim, ratio):
+    """head_dim 256 (the widest compiled row), and GQA groups beyond the 8 query heads the staged
+    products hold (plain dots there)."""
+    rng = np.random.default_rng(dim + ratio)
+    cache, bt, sl = make("kvarn_k4v2_g64", [70, 200], 1, dim, 64, rng)
+    compare(jnp.asarray(rng.standard_normal((2, ratio, dim)), jnp.float32), cache, bt, sl)
+
+
 def test_new_token_seq_ids_and_two_ring_blocks():
     """new_kv (a token not cached yet), sequence slots other than the row index, a two-block ring."""
     rng = np.random.default_rng(7)

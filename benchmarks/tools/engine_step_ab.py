@@ -3,7 +3,7 @@ turn on one prefilled engine, so machine drift between processes does not enter 
 
     python benchmarks/tools/engine_step_ab.py --config llama3-8b --batch 32 --prompt-len 8192 \
         --run fp16:base --run kvarn_k4v2_g128:base,f32rot,nounrot,splits1 [--rounds 3] [--steps 8] \
-        [--profile] [--json out.json]
+        [--dtype bfloat16] [--profile] [--json out.json]
 
 Per `--run SCHEME:VARIANTS` one engine (random bf16 weights of the architecture) prefills `batch`
 random prompts once; each variant's decode executable is compiled once in an executable cache of its
@@ -30,6 +30,8 @@ Variants (marked t: timing only, wrong outputs):
   pallasmerge the decode kernel's splits merged by the Pallas merge kernel for every scheme (by
             default only KVarN with 2-bit values; the others merge in XLA fusions, ~4 kernels a layer)
   concatrope RoPE as its two halves' results concatenated (the form before 2026-12-07)
+  refattn   decode attention on the jnp reference where "auto" runs a kernel (on CPUs: the reference
+            instead of the C++ kernel for KVarN caches)
   capped3   a bf16/fp32 cache's launch at batch x kv heads >= SMs capped at 128 registers in 3
             splits (the default is uncapped, in the splits rule's count: 2 at Llama-3-8B's 32 x 8K);
             faster alone (decode.py), slower in this step (benchmarks/results/2026-12-06_engine_gpu.md)
@@ -57,6 +59,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # benchmarks/
 
 from kvarn_jax import hadamard  # noqa: E402
+from kvarn_jax.attention import paged_decode  # noqa: E402
 from kvarn_jax.attention.paged_decode_pallas import entry, launch  # noqa: E402
 from kvarn_jax.models import ARCHITECTURES  # noqa: E402
 from kvarn_jax.models import llama  # noqa: E402
@@ -70,7 +73,7 @@ WARM = 2
 _ORIGINAL = {(owner, name): getattr(owner, name) for owner, name in (
     (hadamard, "_signs_product"), (launch, "default_num_splits"), (entry, "launch_table"),
     (runner.ModelRunner, "_executable"), (launch, "default_merge"), (runner.ModelRunner, "decode_kernels"),
-    (llama, "apply_rope"))}
+    (llama, "apply_rope"), (paged_decode, "decode_impl"))}
 
 
 def _concat_rope(x, positions, inv_freq):
@@ -155,9 +158,13 @@ def apply(variant: str) -> None:
         launch.default_merge = lambda cfg: "pallas"
     elif variant == "concatrope":
         llama.apply_rope = _concat_rope
+    elif variant == "refattn":
+        chosen = _ORIGINAL[paged_decode, "decode_impl"]
+        paged_decode.decode_impl = lambda cfg, bs, hd, impl="auto", *a, **k: chosen(
+            cfg, bs, hd, "reference" if impl == "auto" else impl, *a, **k)
     else:
         raise SystemExit(f"unknown variant {variant!r} (base, f32rot, nofold, splitsN, capped3, stablemeta, serial, "
-                         "pallasmerge, concatrope)")
+                         "pallasmerge, concatrope, refattn)")
 
 
 def kernel_kinds(kernels: dict) -> list:
@@ -257,6 +264,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=8, help="timed steps per variant per round")
     p.add_argument("--profile", action="store_true", help="trace 3 steps per variant (GPU)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="random weights' dtype")
     p.add_argument("--json", default="")
     args = p.parse_args()
     plan = []
@@ -264,10 +272,10 @@ def main() -> int:
         scheme, _, variants = r.partition(":")
         plan.append((scheme, (variants or "base").split(",")))
     cfg = ARCHITECTURES[args.config]
-    model = Decoder(cfg, dtype="bfloat16", rngs=nnx.Rngs(0))
+    model = Decoder(cfg, dtype=args.dtype, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(10, cfg.vocab_size - 10, args.prompt_len).tolist() for _ in range(args.batch)]
-    res = {"device": jax.devices()[0].device_kind, "config": args.config, "batch": args.batch,
+    res = {"device": jax.devices()[0].device_kind, "config": args.config, "dtype": args.dtype, "batch": args.batch,
            "prompt_len": args.prompt_len, "rounds": args.rounds, "steps_per_block": args.steps, "rows": {}}
     for scheme, variants in plan:
         new = args.rounds * len(variants) * (WARM + args.steps) + len(variants) * (WARM + 4) + 8

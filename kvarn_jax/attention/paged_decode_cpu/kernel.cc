@@ -110,18 +110,20 @@ struct HpStore {
   int64_t n;
   bool int8;
 
-  // row `i` of (sequence slot s, kv head h) as fp32 [D]
-  void load(int64_t s, int64_t h, int64_t hk, int64_t i, int64_t d, float* out) const {
-    const int64_t r = (s * hk + h) * n + i;
+  // rows [i, i + count) of (sequence slot s, kv head h) as fp32 [count, D]
+  void load(int64_t s, int64_t h, int64_t hk, int64_t i, int64_t count, int64_t d, float* out) const {
+    const int64_t r0 = (s * hk + h) * n + i;
     if (!int8) {
-      load_floats(*rows, r * d, d, out);
+      load_floats(*rows, r0 * d, count * d, out);
       return;
     }
-    float sc, z;
-    load_floats(*scale, r, 1, &sc);
-    load_floats(*zero, r, 1, &z);
-    const uint8_t* c = static_cast<const uint8_t*>(rows->untyped_data()) + r * d;
-    for (int64_t j = 0; j < d; ++j) out[j] = static_cast<float>(c[j]) * sc + z;
+    for (int64_t r = r0; r < r0 + count; ++r, out += d) {
+      float sc, z;
+      load_floats(*scale, r, 1, &sc);
+      load_floats(*zero, r, 1, &z);
+      const uint8_t* c = static_cast<const uint8_t*>(rows->untyped_data()) + r * d;
+      for (int64_t j = 0; j < d; ++j) out[j] = static_cast<float>(c[j]) * sc + z;
+    }
   }
 };
 
@@ -154,6 +156,35 @@ inline float dot(const float* a, const float* b, int64_t n = N) {
   return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
+// out[d] += sum_i p[i] * rows[i][d] over `count` rows of L floats (L: compile-time length or 0 for
+// n): with L known the sums stay in registers across the rows
+template <int L>
+void weighted_rows(const float* p, const float* rows, int64_t count, int64_t n, float* out) {
+  if constexpr (L > 0) {
+    float a[L] = {};
+    for (int64_t i = 0; i < count; ++i)
+      for (int d = 0; d < L; ++d) a[d] += p[i] * rows[i * L + d];
+    for (int d = 0; d < L; ++d) out[d] += a[d];
+  } else {
+    for (int64_t i = 0; i < count; ++i)
+      for (int64_t d = 0; d < n; ++d) out[d] += p[i] * rows[i * n + d];
+  }
+}
+
+// the largest of n floats (-inf for none): 16 lanes, then a tree, so it vectorizes without
+// -ffast-math (no NaN reaches it: scores of finite inputs are finite or -inf)
+float max_of(const float* x, int64_t n) {
+  float m[16];
+  for (int l = 0; l < 16; ++l) m[l] = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) m[l] = m[l] > x[i + l] ? m[l] : x[i + l];
+  for (; i < n; ++i) m[0] = m[0] > x[i] ? m[0] : x[i];
+  for (int w = 8; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) m[l] = m[l] > m[l + w] ? m[l] : m[l + w];
+  return m[0];
+}
+
 // x[i] <- exp(x[i] - shift), in a loop the compiler vectorizes (libm's expf is a call per element):
 // 2^k * e^r with k = round((x - shift) / ln 2) and r reduced in two steps (ln 2 = hi + lo), e^r a
 // degree-6 Taylor polynomial (|r| <= ln 2 / 2: relative error below 2e-7). Arguments below -87
@@ -184,6 +215,124 @@ void unpack_row(const uint8_t* bytes, int shift, uint8_t mask, int64_t n, float*
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>((bytes[i] >> shift) & mask);
 }
 
+#if defined(__AVX512F__)
+constexpr int64_t kMaxGroup = 8;  // query heads per kv head the staged products hold (more: plain dots)
+
+// lane i of the result: the sum of v[i]'s 16 lanes (16 reductions for the shuffles of ~3)
+inline __m512 hsum16(const __m512* v) {
+  __m512 w[8], u[4], z[2];
+  for (int k = 0; k < 8; ++k)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k)  // per 128-bit lane: 4 vectors' sums over that lane
+    u[k] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int k = 0; k < 2; ++k)
+    z[k] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Dots of G vectors x[g] with many rows, 16 rows at a time: each row's G accumulators are staged
+// per g, and every 16 rows one `hsum16` per g writes out[g * stride + i .. i + 15].
+struct Staged {
+  __m512 stage[kMaxGroup][16];
+  int ns = 0;
+  int64_t at = 0;
+  void flush(int64_t G, int64_t stride, float* out) {
+    if (ns == 16) {
+      for (int64_t g = 0; g < G; ++g) _mm512_storeu_ps(out + g * stride + at, hsum16(stage[g]));
+    } else {
+      for (int64_t g = 0; g < G; ++g) {
+        for (int i = ns; i < 16; ++i) stage[g][i] = _mm512_setzero_ps();
+        float tail[16];
+        _mm512_storeu_ps(tail, hsum16(stage[g]));
+        std::memcpy(out + g * stride + at, tail, ns * sizeof(float));
+      }
+    }
+    at += ns;
+    ns = 0;
+  }
+};
+
+// out[g * stride + i] = x[g] . (codes of row i), for the rows packed `per` to a byte in `rows` byte
+// rows of L = 16 * C bytes (row i = byte row i / per, bit slot i % per); x: G vectors of L floats.
+// The codes are unpacked in registers.
+template <int C>
+void code_products(const uint8_t* codes, int64_t rows, int per, int bits, const float* x, int64_t G, int64_t stride,
+                   float* out) {
+  constexpr int L = 16 * C;
+  const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
+  Staged st;
+  for (int64_t m = 0; m < rows; ++m) {
+    __m512i raw[C];
+    for (int c = 0; c < C; ++c)
+      raw[c] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + m * L + c * 16)));
+    for (int j = 0; j < per; ++j) {
+      const __m128i shift = _mm_cvtsi32_si128(j * bits);
+      __m512 code[C];
+      for (int c = 0; c < C; ++c) code[c] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(raw[c], shift), mask));
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 acc = _mm512_mul_ps(code[0], _mm512_loadu_ps(x + g * L));
+        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(code[c], _mm512_loadu_ps(x + g * L + c * 16), acc);
+        st.stage[g][st.ns] = acc;
+      }
+      if (++st.ns == 16) st.flush(G, stride, out);
+    }
+  }
+  if (st.ns) st.flush(G, stride, out);
+}
+
+// out[g * stride + i] = x[g] . rows[i], for `count` float rows of L = 16 * C floats
+template <int C>
+void row_products(const float* rows, int64_t count, const float* x, int64_t G, int64_t stride, float* out) {
+  constexpr int L = 16 * C;
+  Staged st;
+  for (int64_t i = 0; i < count; ++i) {
+    __m512 r[C];
+    for (int c = 0; c < C; ++c) r[c] = _mm512_loadu_ps(rows + i * L + c * 16);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(r[0], _mm512_loadu_ps(x + g * L));
+      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(r[c], _mm512_loadu_ps(x + g * L + c * 16), acc);
+      st.stage[g][st.ns] = acc;
+    }
+    if (++st.ns == 16) st.flush(G, stride, out);
+  }
+  if (st.ns) st.flush(G, stride, out);
+}
+#endif
+
+// out[g * stride + i] = x[g] . rows[i], rows of L floats (L: compile-time length or 0 for n)
+template <int L>
+void float_products(const float* rows, int64_t count, const float* x, int64_t G, int64_t n, int64_t stride,
+                    float* out) {
+#if defined(__AVX512F__)
+  if constexpr (L > 0 && L % 16 == 0) {
+    if (G <= kMaxGroup) return row_products<L / 16>(rows, count, x, G, stride, out);
+  }
+#endif
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t g = 0; g < G; ++g) out[g * stride + i] = dot<L>(x + g * n, rows + i * n, n);
+}
+
+// out[g * stride + i] = x[g] . (codes of row i): `code_products` where it compiles for L, else a
+// row of codes unpacked at a time and one dot per (row, g). L: the compile-time row length or 0.
+template <int L>
+void products(const uint8_t* codes, int64_t rows, int per, int bits, const float* x, int64_t G, int64_t n,
+              int64_t stride, float* row, float* out) {
+#if defined(__AVX512F__)
+  if constexpr (L > 0 && L % 16 == 0) {
+    if (G <= kMaxGroup) return code_products<L / 16>(codes, rows, per, bits, x, G, stride, out);
+  }
+#endif
+  const uint8_t mask = static_cast<uint8_t>((1u << bits) - 1);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int j = 0; j < per; ++j) {
+      unpack_row(codes + m * n, j * bits, mask, n, row);
+      for (int64_t g = 0; g < G; ++g) out[g * stride + m * per + j] = dot<L>(x + g * n, row, n);
+    }
+}
+
 struct Tile {  // a page tile whose scores are in the buffer from `offset`
   int64_t block, tile, offset;
 };
@@ -210,20 +359,20 @@ template <int KD, int KT>
 struct Rows {
   const Call& c;
   const int64_t D, T, cap;  // cap: positions a row can score
-  std::vector<float> s, qs, qz, chan, zero, tok, tz, row, ps, acc, part, den;
+  std::vector<float> s, qs, qz, chan, zero, tok, tz, row, ps, acc, prod, den, hk, hv;
   std::vector<Tile> tiles;
 
   explicit Rows(const Call& call)
       : c(call), D(KD ? KD : call.D), T(KT ? KT : call.T), cap(call.M * call.bs + call.sink_len + call.bs + 1),
         s(call.G * cap), qs(call.G * D), qz(call.G), chan(D), zero(D), tok(T), tz(T), row(std::max(D, T)),
-        ps(call.G * T), acc(call.G * D), part(call.G * D), den(call.G) {
+        ps(call.G * T), acc(call.G * D), prod(call.G * std::max({D, T, call.sink_len + call.bs})), den(call.G),
+        hk((call.sink_len + call.bs) * D), hv((call.sink_len + call.bs) * D) {
     tiles.reserve(call.M * call.R);
   }
 
   void pair(int64_t b, int64_t h) {
   const int64_t G = c.G, Hk = c.Hk, Hq = c.Hq, bs = c.bs, M = c.M, R = c.R;
   const int kper = static_cast<int>(8 / c.k_bits), vper = static_cast<int>(8 / c.v_bits);
-  const uint8_t kmask = static_cast<uint8_t>((1u << c.k_bits) - 1), vmask = static_cast<uint8_t>((1u << c.v_bits) - 1);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   {
     const int64_t len = std::clamp<int64_t>(c.lens[b], 0, M * bs);
@@ -250,37 +399,36 @@ struct Rows {
             qz[g] = dot<KD>(qh + g * D, zero.data(), D);
           }
           const uint8_t* codes = c.k_codes + t_idx * (T * c.k_bits / 8) * D;
-          for (int64_t mrow = 0; mrow < T / kper; ++mrow) {
-            for (int j2 = 0; j2 < kper; ++j2) {
-              unpack_row(codes + mrow * D, j2 * static_cast<int>(c.k_bits), kmask, D, row.data());
-              const int64_t t = mrow * kper + j2;
-              const int64_t pos = p0 + t;
-              const bool ok = pos >= page_lo && pos < len;
-              for (int64_t g = 0; g < G; ++g)
-                s[g * cap + n + t] = ok ? (dot<KD>(qs.data() + g * D, row.data(), D) + qz[g]) * tok[t] * c.scale
-                                        : neg_inf;
-            }
+          products<KD>(codes, T / kper, kper, static_cast<int>(c.k_bits), qs.data(), G, D, T, row.data(), prod.data());
+          // positions [page_lo, len) are read: a tile's are a contiguous range of it
+          const int64_t t_lo = std::clamp<int64_t>(page_lo - p0, 0, T), t_hi = std::clamp<int64_t>(len - p0, 0, T);
+          for (int64_t g = 0; g < G; ++g) {
+            float* sg = s.data() + g * cap + n;
+            const float* pg = prod.data() + g * T;
+            for (int64_t t = 0; t < T; ++t) sg[t] = (pg[t] + qz[g]) * tok[t] * c.scale;
+            for (int64_t t = 0; t < t_lo; ++t) sg[t] = neg_inf;
+            for (int64_t t = t_hi; t < T; ++t) sg[t] = neg_inf;
           }
           tiles.push_back({blk, r, n});
           n += T;
         }
       }
-      // ---- the sink and the ring's block: rows scored one at a time
-      const int64_t sink_from = n;
-      for (int64_t i = 0; i < c.sink_len; ++i) {
-        const bool ok = i >= lo && i < len;
-        if (ok) c.sink[0].load(sid, h, Hk, i, D, row.data());
-        for (int64_t g = 0; g < G; ++g) s[g * cap + n] = ok ? dot<KD>(qh + g * D, row.data(), D) * c.scale : neg_inf;
-        ++n;
-      }
-      const int64_t tail_from = n, ring = (own % c.tail_blocks) * bs;
-      for (int64_t i = 0; i < bs; ++i) {
-        const int64_t pos = own * bs + i;
-        const bool ok = pos >= lo && pos < len && pos >= c.sink_len;
-        if (ok) c.tail[0].load(sid, h, Hk, ring + i, D, row.data());
-        for (int64_t g = 0; g < G; ++g) s[g * cap + n] = ok ? dot<KD>(qh + g * D, row.data(), D) * c.scale : neg_inf;
-        ++n;
-      }
+      // ---- the sink and the ring's block: the rows a position reads, a contiguous range of each
+      // (sink rows [lo, len) below sink_len; ring rows of positions [max(lo, sink_len), len) in the
+      // query's own block), loaded once as floats for both products
+      const int64_t s_lo = std::min(lo, c.sink_len), ns = std::max<int64_t>(std::min(len, c.sink_len) - s_lo, 0);
+      const int64_t base = own * bs, ring = (own % c.tail_blocks) * bs;
+      const int64_t r_lo = std::clamp<int64_t>(std::max(lo, c.sink_len) - base, 0, bs);
+      const int64_t nr = std::max<int64_t>(std::clamp<int64_t>(len - base, 0, bs) - r_lo, 0);
+      c.sink[0].load(sid, h, Hk, s_lo, ns, D, hk.data());
+      c.sink[1].load(sid, h, Hk, s_lo, ns, D, hv.data());
+      c.tail[0].load(sid, h, Hk, ring + r_lo, nr, D, hk.data() + ns * D);
+      c.tail[1].load(sid, h, Hk, ring + r_lo, nr, D, hv.data() + ns * D);
+      const int64_t hp_from = n, hp_rows = ns + nr;
+      float_products<KD>(hk.data(), hp_rows, qh, G, D, cap, s.data() + n);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < hp_rows; ++i) s[g * cap + n + i] *= c.scale;
+      n += hp_rows;
       const int64_t new_at = n;
       if (c.has_new) {
         const float* kn = c.new_k + (b * Hk + h) * D;
@@ -289,9 +437,8 @@ struct Rows {
       }
       // ---- one softmax over all parts (a row that sees nothing gets 0)
       for (int64_t g = 0; g < G; ++g) {
-        float mx = neg_inf;
         float* sg = s.data() + g * cap;
-        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sg[i]);
+        float mx = max_of(sg, n);
         if (!std::isfinite(mx)) mx = 0.f;
         exp_shifted(sg, n, mx);
         float sum = 0.f;
@@ -311,31 +458,13 @@ struct Rows {
           qz[g] = dot<KT>(p, tz.data(), T);  // sum_t p[t] * zero_tok[t]
         }
         const uint8_t* codes = c.v_codes + t_idx * (D * c.v_bits / 8) * T;
-        for (int64_t mrow = 0; mrow < D / vper; ++mrow) {
-          for (int j2 = 0; j2 < vper; ++j2) {
-            unpack_row(codes + mrow * T, j2 * static_cast<int>(c.v_bits), vmask, T, row.data());
-            const int64_t d = mrow * vper + j2;
-            for (int64_t g = 0; g < G; ++g) part[g * D + d] = dot<KT>(ps.data() + g * T, row.data(), T);
-          }
-        }
+        products<KT>(codes, D / vper, vper, static_cast<int>(c.v_bits), ps.data(), G, T, D, row.data(), prod.data());
         for (int64_t g = 0; g < G; ++g)
-          for (int64_t d = 0; d < D; ++d) acc[g * D + d] += (part[g * D + d] + qz[g]) * chan[d];
+          for (int64_t d = 0; d < D; ++d) acc[g * D + d] += (prod[g * D + d] + qz[g]) * chan[d];
       }
       // ---- the sink's, ring's and new token's values
-      auto add_rows = [&](const HpStore& st, int64_t from, int64_t count, int64_t first_row) {
-        for (int64_t i = 0; i < count; ++i) {
-          bool any = false;
-          for (int64_t g = 0; g < G; ++g) any |= s[g * cap + from + i] > 0.f;
-          if (!any) continue;  // unseen rows are not read (they may hold anything)
-          st.load(sid, h, Hk, first_row + i, D, row.data());
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = s[g * cap + from + i];
-            for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p * row[d];
-          }
-        }
-      };
-      add_rows(c.sink[1], sink_from, c.sink_len, 0);
-      add_rows(c.tail[1], tail_from, bs, ring);
+      for (int64_t g = 0; g < G; ++g)
+        weighted_rows<KD>(s.data() + g * cap + hp_from, hv.data(), hp_rows, D, acc.data() + g * D);
       if (c.has_new) {
         const float* vn = c.new_v + (b * Hk + h) * D;
         for (int64_t g = 0; g < G; ++g)
