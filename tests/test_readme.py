@@ -9,6 +9,7 @@ import pathlib
 import re
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import kvarn_jax
@@ -49,9 +50,13 @@ def test_readme_example_results():
     assert ns["k_hat"].shape == (256, 8, 128) and ns["k_hat"].dtype == jnp.float16
     assert ns["cfg"] == kvarn_jax.parse("int4")
     assert ns["out"].shape == (1, 32, 128) and bool(jnp.all(jnp.isfinite(ns["out"])))
-    # the example's cache read back equals the reference decode over the same cache
+    # the example's decode (on CPUs the C++ kernel for this KVarN cache) agrees with the reference over
+    # the same cache to test_paged_decode_cpu.py's tolerance: 2e-5 of the output's maximum plus one
+    # float16 rounding
     ref = kvarn_jax.paged_decode_attention_reference(ns["query"], ns["cache"], ns["tables"], jnp.array([256]))
-    assert bool(jnp.all(ns["out"] == ref))
+    out, ref = np.asarray(ns["out"], np.float32), np.asarray(ref, np.float32)
+    tol = (2e-5 + float(jnp.finfo(jnp.float16).eps)) * np.abs(ref).max()
+    assert np.abs(out - ref).max() <= tol, (np.abs(out - ref).max(), tol)
 
 
 def test_every_page_is_reachable_and_short_pages_stay_short():
