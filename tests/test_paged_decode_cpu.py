@@ -6,7 +6,9 @@ Both compute in fp32 from the same stored fields; only the order of the sums dif
 buffer is never pre-filled by the kernel's caller, so an element it failed to write cannot pass.
 """
 
+import ctypes
 import os
+import platform
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 import kvarn_jax as kj
 from helpers import allocate_tables, random_kv, serve_writes
-from kvarn_jax.attention import paged_decode_cpu
+from kvarn_jax.attention import paged_decode_cpu, reference
 from kvarn_jax.attention.paged_decode import decode_impl
 from kvarn_jax.attention.paged_decode_cpu import build as native_build
 from kvarn_jax.impl import resolve_impl
@@ -83,6 +85,16 @@ def test_new_token_seq_ids_and_two_ring_blocks():
     compare(q, cache, bt, sl, seq_ids=sid)
     kv = tuple(jnp.asarray(rng.standard_normal((4, 2, 64)), jnp.float32) for _ in range(2))
     compare(q, cache, bt, sl, seq_ids=sid, new_kv=kv)
+
+
+def test_vmap_runs_one_call_per_element():
+    rng = np.random.default_rng(13)
+    cache, bt, sl = make("kvarn_k4v4_g64", [90, 200], 1, 64, 64, rng)
+    qs = jnp.asarray(rng.standard_normal((3, 2, 4, 64)), jnp.float32)
+    f = lambda q: kj.paged_decode_attention(q, cache, bt, sl, impl="native", check_values=False)  # noqa: E731
+    got = np.asarray(jax.vmap(f)(qs))
+    for i in range(3):
+        np.testing.assert_array_equal(got[i], np.asarray(f(qs[i])))
 
 
 def test_unread_pages_may_hold_anything():
@@ -155,3 +167,28 @@ def test_library_is_cached_by_source(tmp_path, monkeypatch):
     mtime = os.path.getmtime(built[0])
     native_build.library()
     assert list((tmp_path / "cpu_kernel").glob("*.so")) == built and os.path.getmtime(built[0]) == mtime
+
+
+_PORTABLE = {}  # arch flag -> the FFI target its library is registered under (once per process)
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 instruction sets")
+@pytest.mark.parametrize("arch", ["-march=x86-64-v3", "-march=x86-64"])
+def test_other_instruction_sets_match_the_reference(arch, monkeypatch):
+    """The AVX2 and plain C++ paths (what a machine without AVX-512 runs), built for those
+    instruction sets here whatever this CPU has."""
+    if arch not in _PORTABLE:
+        lib = ctypes.cdll.LoadLibrary(str(native_build.library([arch])))
+        _PORTABLE[arch] = "kvarn_decode_cpu_" + arch.split("=")[1].replace("-", "_")
+        jax.ffi.register_ffi_target(_PORTABLE[arch], jax.ffi.pycapsule(lib.KvarnDecodeCpu), platform="cpu")
+    monkeypatch.setattr(native_build, "load", lambda: _PORTABLE[arch])
+    rng = np.random.default_rng(3)
+    for cfg, dim, ratio, dtype in [("kvarn_k4v2_g128", 64, 3, jnp.float32), ("kvarn_k8v4_g32_hpint8", 128, 9, jnp.bfloat16),
+                                   ("kvarn_k2v2_g64", 32, 2, jnp.float16)]:
+        cache, bt, sl = make(cfg, [30, 260, 700], 2, dim, 128, rng, dtype=dtype)
+        q = jnp.asarray(rng.standard_normal((3, 2 * ratio, dim)), jnp.float32)
+        ref = np.asarray(reference.attend(q, cache, bt, sl, 0.3, None, None, True, False, None), np.float32)
+        # a new jit per call: the target is read when the call is traced
+        out = np.asarray(jax.jit(lambda q: paged_decode_cpu.paged_decode_cpu(q, cache, bt, sl, None, scale=0.3,
+                                                                             window=None))(q))
+        np.testing.assert_allclose(out, ref, rtol=0, atol=2e-5 * np.abs(ref).max())

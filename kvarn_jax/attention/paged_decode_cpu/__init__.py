@@ -49,7 +49,8 @@ def paged_decode_cpu(q, cache, block_tables, seq_lens, seq_ids, *, scale: float,
         nk = nv = jnp.zeros((1, 1, d), jnp.float32)
     else:
         nk, nv = (x.astype(jnp.float32) for x in new_kv)
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((b, hq, d), jnp.float32))
+    # under vmap: one call per batch element (vmap over layers of stacked caches, say)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((b, hq, d), jnp.float32), vmap_method="sequential")
     return call(q.astype(jnp.float32), block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32),
                 seq_ids.astype(jnp.int32),
                 pk["codes"], pk["scale_chan"], pk["zero_chan"], pk["scale_tok"],

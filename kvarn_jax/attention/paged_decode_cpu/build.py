@@ -52,14 +52,15 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
-def _flags(include: str) -> list[str]:
+def _flags(include: str, arch: list[str] | None = None) -> list[str]:
     return ["-O3", "-std=c++17", "-fopenmp-simd", "-shared", "-fPIC",
-            *_arch_flags(), f"-I{include}"]
+            *(_arch_flags() if arch is None else arch), f"-I{include}"]
 
 
-def library() -> Path:
+def library(arch: list[str] | None = None) -> Path:
     """The built library for this machine: from the cache, or compiled into it now. Raises
-    NativeKernelUnavailable with the reason."""
+    NativeKernelUnavailable with the reason. arch: the instruction-set flags to compile for instead
+    of this CPU's (`-march=native`); the tests build the AVX2 and baseline x86-64 paths with it."""
     import jax
     import jaxlib
 
@@ -69,7 +70,7 @@ def library() -> Path:
             f"the CPU decode kernel is compiled on first use and needs a C++17 compiler: none found "
             f"({os.environ.get('CXX', 'g++')!r}; set CXX, or install one, e.g. `apt install g++`), "
             "or pass impl='reference'")
-    flags = _flags(jax.ffi.include_dir())
+    flags = _flags(jax.ffi.include_dir(), arch)
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:

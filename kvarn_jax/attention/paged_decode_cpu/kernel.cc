@@ -253,6 +253,19 @@ struct Staged {
     at += ns;
     ns = 0;
   }
+  // the G dots of one row (its C vectors in r) with x's G vectors of 16 * C floats
+  template <int C>
+  void push(const __m512* r, const float* x, int64_t G, int64_t stride, float* out) {
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(r[0], _mm512_loadu_ps(x + g * 16 * C));
+      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(r[c], _mm512_loadu_ps(x + g * 16 * C + c * 16), acc);
+      stage[g][ns] = acc;
+    }
+    if (++ns == 16) flush(G, stride, out);
+  }
+  void finish(int64_t G, int64_t stride, float* out) {
+    if (ns) flush(G, stride, out);
+  }
 };
 
 // out[g * stride + i] = x[g] . (codes of row i), for the rows packed `per` to a byte in `rows` byte
@@ -272,15 +285,10 @@ void code_products(const uint8_t* codes, int64_t rows, int per, int bits, const 
       const __m128i shift = _mm_cvtsi32_si128(j * bits);
       __m512 code[C];
       for (int c = 0; c < C; ++c) code[c] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(raw[c], shift), mask));
-      for (int64_t g = 0; g < G; ++g) {
-        __m512 acc = _mm512_mul_ps(code[0], _mm512_loadu_ps(x + g * L));
-        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(code[c], _mm512_loadu_ps(x + g * L + c * 16), acc);
-        st.stage[g][st.ns] = acc;
-      }
-      if (++st.ns == 16) st.flush(G, stride, out);
+      st.push<C>(code, x, G, stride, out);
     }
   }
-  if (st.ns) st.flush(G, stride, out);
+  st.finish(G, stride, out);
 }
 
 // out[g * stride + i] = x[g] . rows[i], for `count` float rows of L = 16 * C floats
@@ -291,14 +299,9 @@ void row_products(const float* rows, int64_t count, const float* x, int64_t G, i
   for (int64_t i = 0; i < count; ++i) {
     __m512 r[C];
     for (int c = 0; c < C; ++c) r[c] = _mm512_loadu_ps(rows + i * L + c * 16);
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 acc = _mm512_mul_ps(r[0], _mm512_loadu_ps(x + g * L));
-      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(r[c], _mm512_loadu_ps(x + g * L + c * 16), acc);
-      st.stage[g][st.ns] = acc;
-    }
-    if (++st.ns == 16) st.flush(G, stride, out);
+    st.push<C>(r, x, G, stride, out);
   }
-  if (st.ns) st.flush(G, stride, out);
+  st.finish(G, stride, out);
 }
 #endif
 
