@@ -1,14 +1,14 @@
 // Decode attention over a KVarN paged cache on the CPU: one query token per sequence, fp32, the
 // semantics of `attention/reference.py: attend` for rotated tiled caches (pages on their codes,
 // the sink, the ring's block holding the query's own block, an optional token not cached yet).
-// An XLA FFI handler (jax.ffi), built by `build.py`; docs/kernels.md ("The CPU kernel").
+// An XLA FFI handler (jax.ffi), built by `build.py`; docs/kernels.md ("The CPU decode kernel").
 //
 // Per (sequence, kv head): scores of every part into one buffer, one softmax, then the value
 // sums. A tile's key scores and value sums run on its codes, as `schemes/kvarn.py` key_scores and
 // value_sums do: a key is (c * scale_chan + zero_chan) * scale_tok, a value
 // (c * scale_tok + zero_tok) * scale_chan, so the channel (key) or token (value) scales fold into
-// the query or the probabilities and the codes are read once per tile, unpacked to floats a row
-// at a time.
+// the query or the probabilities and the codes are read once per tile, unpacked to floats in
+// registers (AVX-512) or a row at a time.
 
 #include <algorithm>
 #include <atomic>
@@ -374,113 +374,109 @@ struct Rows {
   }
 
   void pair(int64_t b, int64_t h) {
-  const int64_t G = c.G, Hk = c.Hk, Hq = c.Hq, bs = c.bs, M = c.M, R = c.R;
-  const int kper = static_cast<int>(8 / c.k_bits), vper = static_cast<int>(8 / c.v_bits);
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  {
+    const int64_t G = c.G, Hk = c.Hk, Hq = c.Hq, bs = c.bs, M = c.M, R = c.R;
+    const int kper = static_cast<int>(8 / c.k_bits), vper = static_cast<int>(8 / c.v_bits);
+    const float neg_inf = -std::numeric_limits<float>::infinity();
     const int64_t len = std::clamp<int64_t>(c.lens[b], 0, M * bs);
     const int64_t sid = std::clamp<int64_t>(c.seq_ids[b], 0, c.S - 1);
     const int64_t lo = c.window > 0 ? std::max<int64_t>(len - c.window, 0) : 0;  // positions [lo, len) are seen
     const int64_t own = c.has_new ? len / bs : std::max<int64_t>((len - 1) / bs, 0);
     const int64_t page_lo = std::max(lo, c.sink_len < bs ? c.sink_len : int64_t{0});
-    {
-      const float* qh = c.q + (b * Hq + h * G) * D;
-      int64_t n = 0;  // scores so far, per query head
-      tiles.clear();
-      // ---- pages: whole blocks before the query's own, tiles holding a seen position
-      for (int64_t j = c.paged_from / bs; j < std::min(own, M); ++j) {
-        const int64_t blk = std::clamp<int64_t>(c.tables[b * M + j], 0, c.N - 1);
-        for (int64_t r = 0; r < R; ++r) {
-          const int64_t p0 = j * bs + r * T;
-          if (p0 + T <= page_lo || p0 >= len) continue;
-          const int64_t t_idx = (blk * Hk + h) * R + r;
-          load_floats(*c.k_scale_chan, t_idx * D, D, chan.data());
-          load_floats(*c.k_zero_chan, t_idx * D, D, zero.data());
-          load_floats(*c.k_scale_tok, t_idx * T, T, tok.data());
-          for (int64_t g = 0; g < G; ++g) {
-            for (int64_t d = 0; d < D; ++d) qs[g * D + d] = qh[g * D + d] * chan[d];
-            qz[g] = dot<KD>(qh + g * D, zero.data(), D);
-          }
-          const uint8_t* codes = c.k_codes + t_idx * (T * c.k_bits / 8) * D;
-          products<KD>(codes, T / kper, kper, static_cast<int>(c.k_bits), qs.data(), G, D, T, row.data(), prod.data());
-          // positions [page_lo, len) are read: a tile's are a contiguous range of it
-          const int64_t t_lo = std::clamp<int64_t>(page_lo - p0, 0, T), t_hi = std::clamp<int64_t>(len - p0, 0, T);
-          for (int64_t g = 0; g < G; ++g) {
-            float* sg = s.data() + g * cap + n;
-            const float* pg = prod.data() + g * T;
-            for (int64_t t = 0; t < T; ++t) sg[t] = (pg[t] + qz[g]) * tok[t] * c.scale;
-            for (int64_t t = 0; t < t_lo; ++t) sg[t] = neg_inf;
-            for (int64_t t = t_hi; t < T; ++t) sg[t] = neg_inf;
-          }
-          tiles.push_back({blk, r, n});
-          n += T;
-        }
-      }
-      // ---- the sink and the ring's block: the rows a position reads, a contiguous range of each
-      // (sink rows [lo, len) below sink_len; ring rows of positions [max(lo, sink_len), len) in the
-      // query's own block), loaded once as floats for both products
-      const int64_t s_lo = std::min(lo, c.sink_len), ns = std::max<int64_t>(std::min(len, c.sink_len) - s_lo, 0);
-      const int64_t base = own * bs, ring = (own % c.tail_blocks) * bs;
-      const int64_t r_lo = std::clamp<int64_t>(std::max(lo, c.sink_len) - base, 0, bs);
-      const int64_t nr = std::max<int64_t>(std::clamp<int64_t>(len - base, 0, bs) - r_lo, 0);
-      c.sink[0].load(sid, h, Hk, s_lo, ns, D, hk.data());
-      c.sink[1].load(sid, h, Hk, s_lo, ns, D, hv.data());
-      c.tail[0].load(sid, h, Hk, ring + r_lo, nr, D, hk.data() + ns * D);
-      c.tail[1].load(sid, h, Hk, ring + r_lo, nr, D, hv.data() + ns * D);
-      const int64_t hp_from = n, hp_rows = ns + nr;
-      float_products<KD>(hk.data(), hp_rows, qh, G, D, cap, s.data() + n);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t i = 0; i < hp_rows; ++i) s[g * cap + n + i] *= c.scale;
-      n += hp_rows;
-      const int64_t new_at = n;
-      if (c.has_new) {
-        const float* kn = c.new_k + (b * Hk + h) * D;
-        for (int64_t g = 0; g < G; ++g) s[g * cap + n] = dot<KD>(qh + g * D, kn, D) * c.scale;
-        ++n;
-      }
-      // ---- one softmax over all parts (a row that sees nothing gets 0)
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = s.data() + g * cap;
-        float mx = max_of(sg, n);
-        if (!std::isfinite(mx)) mx = 0.f;
-        exp_shifted(sg, n, mx);
-        float sum = 0.f;
-        for (int64_t i = 0; i < n; ++i) sum += sg[i];
-        den[g] = sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      // ---- value sums of the page tiles, on their codes
-      for (const Tile& tl : tiles) {
-        const int64_t t_idx = (tl.block * Hk + h) * R + tl.tile;
-        load_floats(*c.v_scale_chan, t_idx * D, D, chan.data());
-        load_floats(*c.v_scale_tok, t_idx * T, T, tok.data());
-        load_floats(*c.v_zero_tok, t_idx * T, T, tz.data());
+    const float* qh = c.q + (b * Hq + h * G) * D;
+    int64_t n = 0;  // scores so far, per query head
+    tiles.clear();
+    // ---- pages: whole blocks before the query's own, tiles holding a seen position
+    for (int64_t j = c.paged_from / bs; j < std::min(own, M); ++j) {
+      const int64_t blk = std::clamp<int64_t>(c.tables[b * M + j], 0, c.N - 1);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t p0 = j * bs + r * T;
+        if (p0 + T <= page_lo || p0 >= len) continue;
+        const int64_t t_idx = (blk * Hk + h) * R + r;
+        load_floats(*c.k_scale_chan, t_idx * D, D, chan.data());
+        load_floats(*c.k_zero_chan, t_idx * D, D, zero.data());
+        load_floats(*c.k_scale_tok, t_idx * T, T, tok.data());
         for (int64_t g = 0; g < G; ++g) {
-          const float* p = s.data() + g * cap + tl.offset;
-          for (int64_t t = 0; t < T; ++t) ps[g * T + t] = p[t] * tok[t];
-          qz[g] = dot<KT>(p, tz.data(), T);  // sum_t p[t] * zero_tok[t]
+          for (int64_t d = 0; d < D; ++d) qs[g * D + d] = qh[g * D + d] * chan[d];
+          qz[g] = dot<KD>(qh + g * D, zero.data(), D);
         }
-        const uint8_t* codes = c.v_codes + t_idx * (D * c.v_bits / 8) * T;
-        products<KT>(codes, D / vper, vper, static_cast<int>(c.v_bits), ps.data(), G, T, D, row.data(), prod.data());
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t d = 0; d < D; ++d) acc[g * D + d] += (prod[g * D + d] + qz[g]) * chan[d];
-      }
-      // ---- the sink's, ring's and new token's values
-      for (int64_t g = 0; g < G; ++g)
-        weighted_rows<KD>(s.data() + g * cap + hp_from, hv.data(), hp_rows, D, acc.data() + g * D);
-      if (c.has_new) {
-        const float* vn = c.new_v + (b * Hk + h) * D;
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t d = 0; d < D; ++d) acc[g * D + d] += s[g * cap + new_at] * vn[d];
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = den[g] > 0.f ? 1.f / den[g] : 1.f;
-        float* og = c.out + (b * Hq + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) og[d] = acc[g * D + d] * inv;
+        const uint8_t* codes = c.k_codes + t_idx * (T * c.k_bits / 8) * D;
+        products<KD>(codes, T / kper, kper, static_cast<int>(c.k_bits), qs.data(), G, D, T, row.data(), prod.data());
+        // positions [page_lo, len) are read: a tile's are a contiguous range of it
+        const int64_t t_lo = std::clamp<int64_t>(page_lo - p0, 0, T), t_hi = std::clamp<int64_t>(len - p0, 0, T);
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = s.data() + g * cap + n;
+          const float* pg = prod.data() + g * T;
+          for (int64_t t = 0; t < T; ++t) sg[t] = (pg[t] + qz[g]) * tok[t] * c.scale;
+          for (int64_t t = 0; t < t_lo; ++t) sg[t] = neg_inf;
+          for (int64_t t = t_hi; t < T; ++t) sg[t] = neg_inf;
+        }
+        tiles.push_back({blk, r, n});
+        n += T;
       }
     }
+    // ---- the sink and the ring's block: the rows a position reads, a contiguous range of each
+    // (sink rows [lo, len) below sink_len; ring rows of positions [max(lo, sink_len), len) in the
+    // query's own block), loaded once as floats for both products
+    const int64_t s_lo = std::min(lo, c.sink_len), ns = std::max<int64_t>(std::min(len, c.sink_len) - s_lo, 0);
+    const int64_t base = own * bs, ring = (own % c.tail_blocks) * bs;
+    const int64_t r_lo = std::clamp<int64_t>(std::max(lo, c.sink_len) - base, 0, bs);
+    const int64_t nr = std::max<int64_t>(std::clamp<int64_t>(len - base, 0, bs) - r_lo, 0);
+    c.sink[0].load(sid, h, Hk, s_lo, ns, D, hk.data());
+    c.sink[1].load(sid, h, Hk, s_lo, ns, D, hv.data());
+    c.tail[0].load(sid, h, Hk, ring + r_lo, nr, D, hk.data() + ns * D);
+    c.tail[1].load(sid, h, Hk, ring + r_lo, nr, D, hv.data() + ns * D);
+    const int64_t hp_from = n, hp_rows = ns + nr;
+    float_products<KD>(hk.data(), hp_rows, qh, G, D, cap, s.data() + n);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i = 0; i < hp_rows; ++i) s[g * cap + n + i] *= c.scale;
+    n += hp_rows;
+    const int64_t new_at = n;
+    if (c.has_new) {
+      const float* kn = c.new_k + (b * Hk + h) * D;
+      for (int64_t g = 0; g < G; ++g) s[g * cap + n] = dot<KD>(qh + g * D, kn, D) * c.scale;
+      ++n;
+    }
+    // ---- one softmax over all parts (a row that sees nothing gets 0)
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = s.data() + g * cap;
+      float mx = max_of(sg, n);
+      if (!std::isfinite(mx)) mx = 0.f;
+      exp_shifted(sg, n, mx);
+      float sum = 0.f;
+      for (int64_t i = 0; i < n; ++i) sum += sg[i];
+      den[g] = sum;
+    }
+    std::fill(acc.begin(), acc.end(), 0.f);
+    // ---- value sums of the page tiles, on their codes
+    for (const Tile& tl : tiles) {
+      const int64_t t_idx = (tl.block * Hk + h) * R + tl.tile;
+      load_floats(*c.v_scale_chan, t_idx * D, D, chan.data());
+      load_floats(*c.v_scale_tok, t_idx * T, T, tok.data());
+      load_floats(*c.v_zero_tok, t_idx * T, T, tz.data());
+      for (int64_t g = 0; g < G; ++g) {
+        const float* p = s.data() + g * cap + tl.offset;
+        for (int64_t t = 0; t < T; ++t) ps[g * T + t] = p[t] * tok[t];
+        qz[g] = dot<KT>(p, tz.data(), T);  // sum_t p[t] * zero_tok[t]
+      }
+      const uint8_t* codes = c.v_codes + t_idx * (D * c.v_bits / 8) * T;
+      products<KT>(codes, D / vper, vper, static_cast<int>(c.v_bits), ps.data(), G, T, D, row.data(), prod.data());
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) acc[g * D + d] += (prod[g * D + d] + qz[g]) * chan[d];
+    }
+    // ---- the sink's, ring's and new token's values
+    for (int64_t g = 0; g < G; ++g)
+      weighted_rows<KD>(s.data() + g * cap + hp_from, hv.data(), hp_rows, D, acc.data() + g * D);
+    if (c.has_new) {
+      const float* vn = c.new_v + (b * Hk + h) * D;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) acc[g * D + d] += s[g * cap + new_at] * vn[d];
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float inv = den[g] > 0.f ? 1.f / den[g] : 1.f;
+      float* og = c.out + (b * Hq + h * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) og[d] = acc[g * D + d] * inv;
+    }
   }
-}
 };
 
 // Pairs go to XLA's CPU threads when there is work enough: each thread (the caller's too) takes the
