@@ -192,3 +192,15 @@ def test_other_instruction_sets_match_the_reference(arch, monkeypatch):
         out = np.asarray(jax.jit(lambda q: paged_decode_cpu.paged_decode_cpu(q, cache, bt, sl, None, scale=0.3,
                                                                              window=None))(q))
         np.testing.assert_allclose(out, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+
+
+def test_the_kernel_source_ships_with_the_package():
+    """Installed from a wheel, the kernel is built from the packaged source: pyproject's package data
+    must name it."""
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["kvarn_jax"]
+    shipped = [p for pattern in data for p in (root / "kvarn_jax").glob(pattern)]
+    assert native_build.SOURCE.resolve() in [p.resolve() for p in shipped]

@@ -1,7 +1,7 @@
 """The CPU decode kernel: KVarN paged caches attended by compiled C++ (`kernel.cc`, an XLA FFI
 custom call built on first use by `build.py`), one call per layer instead of the reference's ~150
 XLA operations. Same semantics as the reference (`attention/reference.py: attend`), fp32 throughout;
-docs/kernels.md ("The CPU kernel")."""
+docs/kernels.md ("The CPU decode kernel")."""
 
 from __future__ import annotations
 
