@@ -12,7 +12,8 @@ so a forward pass is a pure function of (weights, caches, batch) that `jax.jit` 
   high-precision sink and partial tail, full blocks dequantized) plus the chunk's own keys and
   values causally; then the chunk is written (blocks it completes are quantized in the same call).
 - `decode(caches, DecodeBatch)`: one token per sequence; stored in high precision first, then
-  `paged_decode_attention` (impl "auto": the Pallas kernel on NVIDIA GPUs, the reference elsewhere);
+  `paged_decode_attention` (impl "auto": the Pallas kernel on NVIDIA GPUs, the C++ kernel for KVarN
+  caches on CPUs, the reference otherwise);
   blocks the batch completes are quantized by `LayerCaches.commit` (in the call, or by a serving
   engine when it knows they exist).
 The layers run in a Python loop over static layer indices (each layer's weights are a static slice

@@ -284,7 +284,8 @@ class Engine:
     prefill_chunk / prefill_batch: tokens per sequence and sequences per prefill call. A chunk ends on
       a block boundary unless its prompt does: from one block up, prefill_chunk counts whole blocks
       (rounded down to a multiple of block_size); below, a chunk also stops at the next boundary.
-    impl: decode attention ("auto": Pallas kernel on NVIDIA GPUs, reference elsewhere).
+    impl: decode attention ("auto": the Pallas kernel on NVIDIA GPUs and TPUs, the C++ kernel for KVarN
+      caches on CPUs, the reference otherwise; `kvarn_jax.impl`).
     calibration: a `kvarn_jax.Calibration` of all layers, for static schemes.
     decode_loop: how the decode step runs the layers (`ModelRunner`): "auto", "unroll", "scan" or
         "switch" (auto: "switch" on CPUs, "scan" there under tensor parallelism, "unroll" elsewhere).
