@@ -26,6 +26,7 @@ import numpy as np
 from .data import TEXTS, load_text
 from .evaluation import arguments as A
 from .evaluation import cli as evaluation_cli
+from .impl import IMPLS
 
 DEFAULT_GENERATE_SCHEME = "kvarn_k4v2_g128"
 DEFAULT_SCHEMES = ("fp16,fp8,int8,int4,int4_g32,int2_g32,kivi_k4v4_g64,kivi_k2v2_g32,"
@@ -374,7 +375,7 @@ def _add_generate_parser(sub) -> None:
                    help="tokens per cache page (a multiple of the scheme's tile)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations (auto: bfloat16 on GPU, float32 on CPU)")
-    g.add_argument("--impl", default="auto", choices=["auto", "pallas", "native", "reference"],
+    g.add_argument("--impl", default="auto", choices=list(IMPLS),
                    help="decode attention: the Pallas kernel, the C++ CPU kernel for KVarN caches (built on first "
                         "use), the jnp reference, or auto (the Pallas kernel on NVIDIA GPUs and TPUs, the C++ one on "
                         "CPUs)")

@@ -2,11 +2,13 @@
 
 Both compute in fp32 from the same stored fields; only the order of the sums differs. Required:
 |native - reference| <= 2e-5 * max|reference| elementwise on fp32 outputs (measured ~1e-6), and for
-16-bit outputs one ulp of that dtype on top. Every output element is compared, and the output
-buffer is never pre-filled by the kernel's caller, so an element it failed to write cannot pass.
+16-bit outputs one ulp of that dtype on top. Every output element is compared, on fresh random
+caches and queries each example, so an element the kernel failed to write (left as XLA's buffer held
+it) does not pass; unread pages and rows are poisoned with NaN.
 """
 
 import ctypes
+import dataclasses
 import os
 import platform
 
@@ -17,24 +19,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import kvarn_jax as kj
-from helpers import allocate_tables, random_kv, serve_writes
+from test_paged_decode_kernel import build  # a cache filled as a serving loop fills it
 from kvarn_jax.attention import paged_decode_cpu, reference
 from kvarn_jax.attention.paged_decode import decode_impl
 from kvarn_jax.attention.paged_decode_cpu import build as native_build
 from kvarn_jax.impl import resolve_impl
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the native kernel is the CPU backend's")
-
-
-def make(cfg, lens, heads, dim, block_size, rng, dtype=jnp.float16, seq_ids=None, tail_blocks=1, spare=2):
-    nb = sum(-(-L // block_size) for L in lens) + spare
-    cache = kj.PagedKVCache.create(cfg, num_blocks=nb, block_size=block_size, num_kv_heads=heads, head_dim=dim,
-                                   max_seqs=max(seq_ids or [len(lens) - 1]) + 1, tail_blocks=tail_blocks,
-                                   dtype=dtype)
-    seqs = [random_kv(rng, L, heads, dim, dtype=np.float32, outliers=2) for L in lens]
-    tables = allocate_tables(rng, lens, block_size, nb)
-    cache = serve_writes(cache, tables, seqs, rng, seq_ids=seq_ids)
-    return cache, jnp.asarray(tables), jnp.asarray(lens, jnp.int32)
 
 
 def compare(q, cache, bt, sl, **kw):
@@ -60,7 +51,7 @@ def test_native_matches_reference(bits, group, suffix, dtype, dim, heads, ratio,
     every metadata dtype, int8 / fp32 / short sinks, windows, empty rows."""
     rng = np.random.default_rng(seed)
     cfg = f"kvarn_k{bits[0]}v{bits[1]}_g{group}{suffix}"
-    cache, bt, sl = make(cfg, lens, heads, dim, group * block_mult, rng, dtype=dtype)
+    cache, bt, sl = build(cfg, lens, heads, dim, group * block_mult, rng, dtype=dtype)[:3]
     q = jnp.asarray(rng.standard_normal((len(lens), heads * ratio, dim)), dtype)
     compare(q, cache, bt, sl, window=window)
     compare(q, cache, bt, sl, rotated_output=True)
@@ -71,7 +62,7 @@ def test_wide_heads_and_large_groups(dim, ratio):
     """head_dim 256 (the widest compiled row), and GQA groups beyond the 8 query heads the staged
     products hold (plain dots there)."""
     rng = np.random.default_rng(dim + ratio)
-    cache, bt, sl = make("kvarn_k4v2_g64", [70, 200], 1, dim, 64, rng)
+    cache, bt, sl = build("kvarn_k4v2_g64", [70, 200], 1, dim, 64, rng)[:3]
     compare(jnp.asarray(rng.standard_normal((2, ratio, dim)), jnp.float32), cache, bt, sl)
 
 
@@ -79,7 +70,8 @@ def test_new_token_seq_ids_and_two_ring_blocks():
     """new_kv (a token not cached yet), sequence slots other than the row index, a two-block ring."""
     rng = np.random.default_rng(7)
     lens = [1, 127, 128, 300]
-    cache, bt, sl = make("kvarn_k4v2_g64", lens, 2, 64, 64, rng, seq_ids=[5, 0, 3, 1], tail_blocks=2)
+    cache, bt, sl = build("kvarn_k4v2_g64", lens, 2, 64, 64, rng, max_seqs=6, seq_ids=[5, 0, 3, 1],
+                         tail_blocks=2)[:3]
     sid = jnp.asarray([5, 0, 3, 1], jnp.int32)
     q = jnp.asarray(rng.standard_normal((4, 8, 64)), jnp.float32)
     compare(q, cache, bt, sl, seq_ids=sid)
@@ -89,7 +81,7 @@ def test_new_token_seq_ids_and_two_ring_blocks():
 
 def test_vmap_runs_one_call_per_element():
     rng = np.random.default_rng(13)
-    cache, bt, sl = make("kvarn_k4v4_g64", [90, 200], 1, 64, 64, rng)
+    cache, bt, sl = build("kvarn_k4v4_g64", [90, 200], 1, 64, 64, rng)[:3]
     qs = jnp.asarray(rng.standard_normal((3, 2, 4, 64)), jnp.float32)
     f = lambda q: kj.paged_decode_attention(q, cache, bt, sl, impl="native", check_values=False)  # noqa: E731
     got = np.asarray(jax.vmap(f)(qs))
@@ -98,17 +90,19 @@ def test_vmap_runs_one_call_per_element():
 
 
 def test_unread_pages_may_hold_anything():
-    """Pages and ring rows that no position reads are not read: NaN there changes nothing."""
+    """Pages, sink rows and ring rows that no position reads are not read: NaN there changes nothing."""
     rng = np.random.default_rng(11)
-    lens = [200, 90]
-    cache, bt, sl = make("kvarn_k4v2_g128", lens, 2, 64, 128, rng, spare=3)
+    lens = [300, 90]
+    cache, bt, sl = build("kvarn_k4v2_g128", lens, 2, 64, 128, rng)[:3]
     q = jnp.asarray(rng.standard_normal((2, 6, 64)), jnp.float32)
     want = compare(q, cache, bt, sl)
-    used = {int(bt[0, 1])}   # row 0's only page (block 0 is its sink, block 1 its ring's)
+    used = {int(bt[0, 1])}   # row 0's only page (block 0 is its sink, block 2 its ring's); row 1 has none
     poison = {side: {n: (a.at[jnp.asarray(sorted(set(range(cache.num_blocks)) - used))].set(jnp.nan)
                          if a.dtype != jnp.uint8 else a) for n, a in f.items()} for side, f in cache.pages.items()}
-    import dataclasses
-    bad = dataclasses.replace(cache, pages=poison)
+    # row 0 reads ring rows 0-43 (positions 256-299); row 1 its sink's rows 0-89 and no ring row
+    tail = {side: a.at[0, :, 300 - 256:].set(jnp.nan).at[1].set(jnp.nan) for side, a in cache.tail.items()}
+    sink = {side: a.at[1, :, 90:].set(jnp.nan) for side, a in cache.sink.items()}
+    bad = dataclasses.replace(cache, pages=poison, tail=tail, sink=sink)
     got = kj.paged_decode_attention(q, bad, bt, sl, impl="native")
     np.testing.assert_array_equal(np.asarray(got), want)
 
@@ -116,7 +110,7 @@ def test_unread_pages_may_hold_anything():
 def test_unchecked_out_of_range_indices_are_clamped():
     """As every implementation: block ids and sequence slots clamped, lengths capped at the table."""
     rng = np.random.default_rng(5)
-    cache, bt, sl = make("kvarn_k4v2_g64", [150, 70], 1, 64, 64, rng)
+    cache, bt, sl = build("kvarn_k4v2_g64", [150, 70], 1, 64, 64, rng)[:3]
     q = jnp.asarray(rng.standard_normal((2, 2, 64)), jnp.float32)
     bt_bad = bt.at[0, 0].set(10 ** 6).at[1, 0].set(-7)
     sl_bad = jnp.asarray([10 ** 6, 70], jnp.int32)
@@ -136,7 +130,7 @@ def test_auto_runs_native_on_kvarn_caches_only():
 
 def test_refusals_name_the_reason():
     rng = np.random.default_rng(2)
-    cache, bt, sl = make("int8", [40], 1, 64, 64, rng)
+    cache, bt, sl = build("int8", [40], 1, 64, 64, rng)[:3]
     with pytest.raises(ValueError, match="impl='native' cannot run this cache: the CPU kernel reads KVarN caches only"):
         kj.paged_decode_attention(jnp.zeros((1, 1, 64)), cache, bt, sl, impl="native")
     assert "reads KVarN caches only" in paged_decode_cpu.supports(kj.parse("kivi_k2v2_g32"), 64, 64)
@@ -185,7 +179,7 @@ def test_other_instruction_sets_match_the_reference(arch, monkeypatch):
     rng = np.random.default_rng(3)
     for cfg, dim, ratio, dtype in [("kvarn_k4v2_g128", 64, 3, jnp.float32), ("kvarn_k8v4_g32_hpint8", 128, 9, jnp.bfloat16),
                                    ("kvarn_k2v2_g64", 32, 2, jnp.float16)]:
-        cache, bt, sl = make(cfg, [30, 260, 700], 2, dim, 128, rng, dtype=dtype)
+        cache, bt, sl = build(cfg, [30, 260, 700], 2, dim, 128, rng, dtype=dtype)[:3]
         q = jnp.asarray(rng.standard_normal((3, 2 * ratio, dim)), jnp.float32)
         ref = np.asarray(reference.attend(q, cache, bt, sl, 0.3, None, None, True, False, None), np.float32)
         # a new jit per call: the target is read when the call is traced
