@@ -79,6 +79,33 @@ def test_new_token_seq_ids_and_two_ring_blocks():
     compare(q, cache, bt, sl, seq_ids=sid, new_kv=kv)
 
 
+def test_a_new_token_gives_the_bits_of_writing_it_first():
+    """new_kv is attended as one more high-precision row, in the order a written token is: the output
+    is bit-equal to writing the token (`kj.write`) and decoding with one more position - for a new
+    token in the sink, in the ring, completing a block and opening one. The vLLM bridge relies on it:
+    its fused decode step passes the token, a mixed step writes it first, and a request's tokens must
+    not depend on which one ran."""
+    rng = np.random.default_rng(11)
+    lens = [1, 127, 128, 200, 300]
+    cache, bt, sl, _ = build("kvarn_k4v2_g64", lens, 2, 64, 64, rng, dtype=jnp.bfloat16)
+    bt = np.asarray(bt).copy()
+    used = {int(bt[i, j]) for i, n in enumerate(lens) for j in range(-(-n // 64))}
+    bt[2, 2] = min(set(range(cache.num_blocks)) - used)  # position 128 opens block 2: a free page for it
+    k, v = (jnp.asarray(rng.standard_normal((len(lens), 2, 64)), jnp.float32) for _ in range(2))
+    pos = np.asarray(lens)
+    slots = jnp.asarray([int(bt[i, p // 64]) * 64 + p % 64 for i, p in enumerate(pos)], jnp.int32)
+    written = kj.write(cache, k, v, slots, seq_ids=jnp.arange(len(lens), dtype=jnp.int32),
+                       positions=jnp.asarray(pos, jnp.int32))
+    # the rows as the cache stores them (rotated, rounded), read back from where the write put them
+    rows = tuple(jnp.where((pos < 64)[:, None, None], written.sink[x][jnp.arange(len(lens)), :, pos % 64],
+                           written.tail[x][jnp.arange(len(lens)), :, pos % written.tail_len]) for x in ("k", "v"))
+    q = jnp.asarray(rng.standard_normal((len(lens), 8, 64)), jnp.float32)
+    bt = jnp.asarray(bt)
+    passed = kj.paged_decode_attention(q, cache, bt, sl, impl="native", new_kv=rows, rotated_output=True)
+    after = kj.paged_decode_attention(q, written, bt, sl + 1, impl="native", rotated_output=True)
+    np.testing.assert_array_equal(np.asarray(passed), np.asarray(after))
+
+
 def test_vmap_runs_one_call_per_element():
     rng = np.random.default_rng(13)
     cache, bt, sl = build("kvarn_k4v4_g64", [90, 200], 1, 64, 64, rng)[:3]

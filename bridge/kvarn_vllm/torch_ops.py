@@ -71,16 +71,18 @@ from torch.nn.attention.bias import causal_lower_right
 import kvarn_jax
 from kvarn_jax import schemes
 from kvarn_jax.schemes import kvarn
+from kvarn_jax.attention import paged_decode as library_decode
+from kvarn_jax.attention.paged_decode_cpu import paged_decode_cpu
 from kvarn_jax.attention.prefill import dequantize_blocks
 from kvarn_jax.cache.paged import (auto_quantizer, completed_block_values, completion_sizes, quantized_fields,
                                    saturated_blocks, write_plan)
-from kvarn_jax.hadamard import hadamard_matrix_np, rotate, unrotate
+from kvarn_jax.hadamard import SAFE_ABS, hadamard_matrix_np, rotate, unrotate
 from kvarn_jax.storage import QUANT_MAX, storage_values
 
 from .layout import PageLayout, allocate_hp, carve, to_jax
 from .plan import StepPlan, bucket
 
-IMPLS = ("auto", "pallas", "reference")
+IMPLS = kvarn_jax.impl.IMPLS  # "auto" | "pallas" | "native" | "reference" (`decode_impl`)
 _DLPACK_KIND_ARG = jaxlib_extension_version >= 467  # the device type argument (jax.dlpack.from_dlpack's test)
 
 
@@ -113,7 +115,7 @@ def _jit(*, cpu_options: dict, **kw):
 
 # ------------------------------------------------------------------------------------- counters
 _COUNTERS = {"bind": 0, "write_calls": 0, "write_tokens": 0, "blocks_quantized": 0, "decode_calls": 0,
-             "decode_rows": 0, "prefill_calls": 0, "prefill_tokens": 0, "blocks_dequantized": 0, "write_s": 0.0,
+             "decode_rows": 0, "decode_native_calls": 0, "prefill_calls": 0, "prefill_tokens": 0, "blocks_dequantized": 0, "write_s": 0.0,
              "attend_s": 0.0, "seq_starts": 0, "seq_restarts": 0}
 _LOCK = threading.Lock()
 
@@ -173,8 +175,8 @@ def take_altered_slots(device, max_seqs: int) -> np.ndarray:
 
 def counters() -> dict:
     """How often the bridge ran (per process): binds, writes, tokens written, blocks quantized,
-    attention calls with decode rows / prefill rows and their rows / tokens, blocks dequantized for
-    attention, host seconds in write and attend, how many sequences started (restarts: a request
+    attention calls with decode rows / prefill rows and their rows / tokens, the decode calls that
+    ran the C++ CPU kernel (`decode_native_calls`), blocks dequantized for attention, host seconds in write and attend, how many sequences started (restarts: a request
     that started again at position 0, e.g. after vLLM preempted it), and `altered_tokens`."""
     with _LOCK:
         out = dict(_COUNTERS)
@@ -734,16 +736,35 @@ def write(bound: BoundCache, key: torch.Tensor, value: torch.Tensor, plan: StepP
 
 # ------------------------------------------------------------------------------------- attention
 def decode_impl(impl: str) -> str:
-    """What decode rows run for impl "auto" | "pallas" | "reference": the library's
+    """What decode rows run for impl "auto" | "pallas" | "native" | "reference": the library's
     `paged_decode_attention` with that impl on GPUs and TPUs ("auto": its kernel where it supports the
-    cache), and on other backends for "pallas" / "reference"; "served" for "auto" on the CPU, where no
-    kernel compiles: one XLA computation per layer that dequantizes exactly the pages the rows read
-    (the library's reference gathers whole padded block tables) and attends (`_decode_served`)."""
+    cache), and on other backends for "pallas" / "reference"; "served" for "auto" and "native" on the
+    CPU: one XLA computation per layer over exactly the pages the rows read (the library's reference
+    gathers whole padded block tables) that attends with the C++ CPU kernel for KVarN caches
+    (`_native_decode`), with XLA's operations otherwise (`_decode_served`)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
-    if impl == "auto" and jax.default_backend() not in ("gpu", "tpu"):
+    cpu = jax.default_backend() not in ("gpu", "tpu")
+    if impl == "native" and not cpu:
+        raise ValueError(f"impl='native' is the CPU decode kernel; this is the {jax.default_backend()} backend "
+                         "(use 'auto')")
+    if impl in ("auto", "native") and cpu:
         return "served"
     return impl
+
+
+def _native_decode(bound: BoundCache, impl: str) -> bool:
+    """Whether the CPU's served decode (`_decode_served`) attends with the C++ kernel: the library's
+    rule (`kvarn_jax.attention.paged_decode.decode_impl`) - for "auto", KVarN caches when the kernel
+    can be built here (else XLA's operations, with the library's one-time RuntimeWarning); "native"
+    raises for a cache the kernel does not take or a machine that cannot build it."""
+    if impl not in ("auto", "native") or bound.cfg.is_passthrough:
+        return False
+    lay = bound.layout
+    which, _, why = library_decode.decode_impl(bound.cfg, lay.block_size, lay.head_dim, impl, backend="cpu")
+    if impl == "native" and why is not None:
+        raise ValueError(f"kvarn: impl='native' cannot run layer scheme {bound.cfg.name}: {why}")
+    return which == "native"
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "impl", "passthrough"))
@@ -762,10 +783,12 @@ def _used_columns(max_seq_len: int, block_size: int, width: int) -> int:
     return min(width, 1 << (need - 1).bit_length())
 
 
-def _decode_rows_library(bound, query, plan, scale, impl, out):
+def _decode_index(plan: StepPlan, block_size: int):
+    """The decode rows' [bb, cols + 2] int32 (block table columns the longest row uses, vLLM's lengths,
+    sequence ids; padding rows zero) as a torch tensor and its JAX import, made once per step."""
     nd = plan.num_decodes
     bb = bucket(nd, 1)
-    cols = _used_columns(plan.max_decode_len, bound.layout.block_size, plan.block_table.shape[1])
+    cols = _used_columns(plan.max_decode_len, block_size, plan.block_table.shape[1])
 
     def make():
         idx = torch.zeros((bb, cols + 2), dtype=torch.int32, device=plan.device)
@@ -773,7 +796,13 @@ def _decode_rows_library(bound, query, plan, scale, impl, out):
         idx[:nd, cols] = plan.to_device(plan.seq_len[:nd], torch.int32)
         idx[:nd, cols + 1] = plan.to_device(plan.seq_id[:nd], torch.int32)
         return idx, _to_jax(idx)
-    idx, idx_j = plan.cached(("decode_idx", bb, cols), make)
+    return plan.cached(("decode_idx", bb, cols), make)
+
+
+def _decode_rows_library(bound, query, plan, scale, impl, out):
+    nd = plan.num_decodes
+    idx, idx_j = _decode_index(plan, bound.layout.block_size)
+    bb = idx.shape[0]
     q = _pad_rows(query[:nd], bb)
     q_j = _to_jax(q)  # also the fence: JAX's stream waits for torch's writes into the cache
     res = _decode_library(q_j, bound.cache, idx_j, scale=scale, impl=impl, passthrough=bound.cfg.is_passthrough)
@@ -872,55 +901,103 @@ def _kvarn_page_values(cache, f: dict, p):
     return kvarn.value_sums(f, pr, cache.cfg.bits("v")).sum(2)
 
 
-@_jit(static_argnames=("scale", "slots", "q_heads", "completes"), cpu_options=ROW_INVARIANT_CPU)
-def _decode_served(q, cache, blk, entries, info, hp_rows=None, altered_total=None, *, scale, slots=1, q_heads=None,
-                   completes=0):
-    """Decode rows on the CPU in one XLA computation: dequantize the pages each row reads, attend
-    with the sink and the ring's last block (quantized caches), softmax over all of a row's blocks.
-    q [B, Hq, D]; entries / info: `StepPlan.decode_entries`. Each row's sums run over its own blocks
-    in position order, whatever else is in the batch. Returns [B, Hq, D] in q's dtype.
+def _step_rows(cache, q, info, slots: int, q_heads):
+    """The fused decode step's inputs (`_decode_served` with q_heads): (queries [B, Hq, D], the rows as
+    the cache stores them [2, B, Hk, D], which rows are live, per-slot counts of altered tokens); for
+    a step without the write (q_heads None): (q, None, None, None)."""
+    if q_heads is None:
+        return q, None, None, None
+    hk = cache.num_kv_heads
+    k_s, v_s, nonfinite, saturated = storage_values(cache.cfg, q[:, q_heads:q_heads + hk], q[:, q_heads + hk:],
+                                                    cache.value_dtype)
+    live = info[4] >= 0                                                        # padding rows write nothing
+    return q[:, :q_heads], jnp.stack((k_s, v_s)), live, _slot_counts(slots, info[0], live, nonfinite, saturated)
+
+
+def _hp_blocks(cache, info, hp_rows):
+    """The rows' sink and the ring's last block (K, V, K, V), 4 x [B, Hk, bs, D]: hp_rows as given, or
+    the cache's staging leaves. info[2] is a multiple of block_size, so the ring's block is one slice
+    of the ring (a gather of whole [bs, D] rows; a per-position gather costs XLA-CPU a slow transpose)."""
+    if hp_rows is not None:
+        return list(hp_rows.transpose(1, 0, 2, 3, 4))
+    hk, bs, d = cache.num_kv_heads, cache.block_size, cache.head_dim
+    seq, ring_blk = jnp.clip(info[0], 0, cache.max_seqs - 1), info[2] // bs
+    return [src[x][seq] if src is cache.sink else src[x].reshape(src[x].shape[0], hk, -1, bs, d)[seq, :, ring_blk]
+            for src in (cache.sink, cache.tail) for x in ("k", "v")]
+
+
+def _with_rows(kk, vv, rows, here, live, slot):
+    """kk, vv [B, Hk, bs, D] with each live row's new token (rows [2, B, Hk, D], as stored: rounded to
+    the value dtype) at slot info[4] where `here` (the token's block is this one), as if written."""
+    at = ((here & live)[:, None] & (jnp.arange(kk.shape[2])[None, :] == slot[:, None]))[:, None, :, None]
+    return tuple(jnp.where(at, x[:, :, None, :].astype(y.dtype), y) for x, y in zip(rows, (kk, vv)))
+
+
+def _step_result(cache, o, q, rows, live, altered, altered_total, ring, info, completes: int):
+    """What `_decode_served` returns: o unrotated (KVarN), in q's dtype; with the step's write, the
+    packed rows and output, the running altered totals and the completed blocks."""
+    if cache.cfg.rotated:
+        o = unrotate(o, max_abs=SAFE_ABS)   # a clip, not a per-row test of the largest value: fewer operations
+    o = o.astype(q.dtype)
+    if rows is None:
+        return o
+    total = altered + (0 if altered_total is None else altered_total)
+    return _packed_step(rows, o), total, (_completed_values(cache, ring, info, live, completes) if completes else None)
+
+
+@_jit(static_argnames=("scale", "slots", "q_heads", "completes", "native"), cpu_options=ROW_INVARIANT_CPU)
+def _decode_served(q, cache, pages, entries, info, hp_rows=None, altered_total=None, hp_units=None, *, scale, slots=1,
+                   q_heads=None, completes=0, native=False):
+    """Decode rows on the CPU in one XLA computation: attend over the pages each row reads, the sink
+    and the ring's last block (quantized caches), one softmax over all of a row's positions.
+    q [B, Hq, D]; info: `StepPlan.decode_entries`'s rows_info. Each row's sums run over its own
+    blocks in position order, whatever else is in the batch. Returns [B, Hq, D] in q's dtype.
+
+    native (KVarN caches, `_native_decode`): the attention is the C++ CPU kernel
+    (`kvarn_jax.attention.paged_decode_cpu`, a custom call inside this computation); pages is the
+    rows' block table, lengths and sequence ids [B, cols + 2] (`_decode_index`), and entries is None. Otherwise XLA's operations: pages dequantized (KVarN pages attended on their
+    codes with the scales folded in), pages [N] the block ids of `entries` (`decode_entries`).
 
     With q_heads the step's write is done here too (a decode-only step: `forward`): q is then the
     step's queries, keys and values side by side, [B, q_heads + 2 * Hk, D] (one exchange, `_qkv`),
     and the attention is computed as if the new keys and values were written (each row's new token
-    in its sink, ring or page). Returns (packed, altered, completed): the rows as the cache stores
-    them ([2, B, Hk, D], `kvarn_jax.storage.storage_values`) and the output as one uint8 array
-    (`_unpacked_step`; one exchange back), which the caller stores afterwards; altered_total
-    ([slots + 1, 3] int32 running totals in `ALTERED` order) plus this step's per-slot counts, kept
-    as a JAX array until read (`_fold_altered`); and the blocks the step completes (below).
+    in its sink, ring or page; the kernel takes it as `new_kv`). Returns (packed, altered, completed):
+    the rows as the cache stores them ([2, B, Hk, D], `kvarn_jax.storage.storage_values`) and the
+    output as one uint8 array (`_unpacked_step`; one exchange back), which the caller stores
+    afterwards; altered_total ([slots + 1, 3] int32 running totals in `ALTERED` order) plus this
+    step's per-slot counts, kept as a JAX array until read (`_fold_altered`); and the blocks the
+    step completes (below).
 
     With hp_rows ([B, 4, Hk, bs, D] in the value dtype, `_hp_rows`) the rows' sink and the ring's last
-    block (K, V, K, V) are those, copied from the pool's blocks, not the cache's staging leaves.
+    block (K, V, K, V) are those, copied from the pool's blocks, not the cache's staging leaves; with
+    hp_units (native only, `_hp_units`) the kernel reads them in the pool's blocks.
 
     completes (a `completion_sizes` size, with q_heads; 0: none): the blocks that rows fill this step
     (their new token in the ring block's last slot) are returned third, as `_completed_fields`
     quantizes them (`_completed_values`; None without completes)."""
-    kv = None
-    if q_heads is not None:
-        hk_ = cache.num_kv_heads
-        q, kv = q[:, :q_heads], jnp.stack((q[:, q_heads:q_heads + hk_], q[:, q_heads + hk_:]))
+    q, rows, live, altered = _step_rows(cache, q, info, slots, q_heads)
     b, hq, d = q.shape
     hk, bs = cache.num_kv_heads, cache.block_size
-    g = hq // hk
     qf = q.astype(jnp.float32)
     if cache.cfg.rotated:
-        qf = rotate(qf)
+        qf = rotate(qf, max_abs=QUANT_MAX)  # as the library's decode rotates the query
+    ring = None
+    if native:
+        o = _native_rows(cache, qf, pages, info, hp_rows, hp_units, rows, scale)
+        if completes:
+            hp = _hp_blocks(cache, info, hp_rows)
+            ring = _with_rows(hp[2], hp[3], rows, info[3] != 0, live, info[4])
+        return _step_result(cache, o, q, rows, live, altered, altered_total, ring, info, completes)
+    g = hq // hk
     qg = qf.reshape(b, hk, g, d)
-    rows = ring = None
-    if kv is not None:
-        store = cache.value_dtype
-        k_s, v_s, nonfinite, saturated = storage_values(cache.cfg, kv[0], kv[1], store)
-        rows = jnp.stack((k_s, v_s))
-        live = info[4] >= 0                                                   # padding rows write nothing
-        altered = _slot_counts(slots, info[0], live, nonfinite, saturated)
     row = entries[0]
     pos = jnp.arange(bs)
     qn = jnp.concatenate([qg, jnp.zeros((1, hk, g, d))])[jnp.clip(row, 0, b)]   # [N, Hk, G, D]
     if _folds_scales(cache):
-        stored = _page_fields(cache, blk)
+        stored = _page_fields(cache, pages)
         s = _kvarn_page_scores(cache, stored["k"], qn) * scale
     else:
-        k, v = dequantize_blocks(cache, blk)                                  # [Hk, N, bs, D]
+        k, v = dequantize_blocks(cache, pages)                                # [Hk, N, bs, D]
         if rows is not None and not cache.has_hp:  # passthrough: the new token sits in its row's last page
             at = jnp.where(live, info[5], k.shape[1])
             k = k.at[:, at, info[6]].set(rows[0].astype(jnp.float32).transpose(1, 0, 2), mode="drop")
@@ -930,22 +1007,13 @@ def _decode_served(q, cache, blk, entries, info, hp_rows=None, altered_total=Non
     mx = jax.ops.segment_max(s.max(-1), row, num_segments=b + 1, indices_are_sorted=True)[:b]   # [B, Hk, G]
     parts = []
     if cache.has_hp:
-        seq = jnp.clip(info[0], 0, cache.max_seqs - 1)
-        # the ring's last block: info[2] is a multiple of block_size, so the block is one slice of the
-        # ring (a gather of whole [bs, D] rows; a per-position gather costs XLA-CPU a slow transpose)
-        ring_blk = info[2] // bs
+        hp = _hp_blocks(cache, info, hp_rows)
         in_sink = info[3] == 0                                               # the new token's block is the sink
-        if hp_rows is None:
-            hp = [src[x][seq] if src is cache.sink else src[x].reshape(src[x].shape[0], hk, -1, bs, d)[seq, :, ring_blk]
-                  for src in (cache.sink, cache.tail) for x in ("k", "v")]
-        else:
-            hp = list(hp_rows.transpose(1, 0, 2, 3, 4))                                  # 4 x [B, Hk, bs, D]
         for (kk, vv), lens, here in ((hp[:2], info[1], in_sink), (hp[2:], info[3], ~in_sink)):
             if rows is not None:
-                # the new token's row (as stored: rounded to the value dtype) in its place, as if written
-                # first: the same sums, in the same order, as a step that writes and then attends
-                at = ((here & live)[:, None] & (pos[None, :] == info[4][:, None]))[:, None, :, None]
-                kk, vv = (jnp.where(at, x[:, :, None, :].astype(kk.dtype), y) for x, y in zip(rows, (kk, vv)))
+                # the new token's row in its place, as if written first: the same sums, in the same
+                # order, as a step that writes and then attends
+                kk, vv = _with_rows(kk, vv, rows, here, live, info[4])
                 ring = (kk, vv)  # the last part: the ring's block, with this step's rows
             seen = pos[None, :] < lens[:, None]
             sh = jnp.einsum("bhgd,bhtd->bhgt", qg, kk.astype(jnp.float32), precision="highest") * scale
@@ -963,13 +1031,22 @@ def _decode_served(q, cache, blk, entries, info, hp_rows=None, altered_total=Non
         den = den + ph.sum(-1)
         o = o + jnp.einsum("bhgt,bhtd->bhgd", ph, vv, precision="highest")
     o = (o / jnp.where(den > 0, den, 1.0)[..., None]).reshape(b, hq, d)
-    if cache.cfg.rotated:
-        o = unrotate(o)
-    o = o.astype(q.dtype)
-    if kv is None:
-        return o
-    total = altered + (0 if altered_total is None else altered_total)
-    return _packed_step(rows, o), total, (_completed_values(cache, ring, info, live, completes) if completes else None)
+    return _step_result(cache, o, q, rows, live, altered, altered_total, ring, info, completes)
+
+
+def _native_rows(cache, qf, table, info, hp_rows, hp_units, rows, scale):
+    """The CPU kernel's attention of the rows (qf [B, Hq, D] fp32, rotated) over a KVarN cache in
+    the bridge's form: table [B, cols + 2] (`_decode_index`: block table, vLLM's length - which
+    counts the new token - and the sequence id); each row's sink and ring block from hp_rows (row b's
+    at b, the ring one block long: position p of the row's last block is its row p % bs), from the
+    pool's blocks (hp_units, the same rows where they live) or from the cache's own sink and tail
+    (sequence ids info[0]), read where they are; with the step's write
+    (rows) each row's new token is the kernel's new_kv at position length - 1. Returns fp32
+    [B, Hq, D], rotated."""
+    lens = table[:, -2] - (0 if rows is None else 1)
+    seq = info[0] if hp_rows is None and hp_units is None else jnp.arange(qf.shape[0], dtype=jnp.int32)
+    return paged_decode_cpu(qf, cache, table[:, :-2], jnp.maximum(lens, 0), seq, scale=scale, window=None,
+                            new_kv=None if rows is None else (rows[0], rows[1]), hp_rows=hp_rows, hp_units=hp_units)
 
 
 def _completed_values(cache, ring, info, live, size: int):
@@ -1002,23 +1079,27 @@ def _unpacked_step(packed: torch.Tensor, rows_shape, rows_dtype, o_shape, o_dtyp
     return packed[:n].view(rows_dtype).view(rows_shape), packed[n:].view(o_dtype).view(o_shape)
 
 
-def _decode_inputs(bound, plan):
-    """The decode rows' per-step JAX inputs (entries, info, the entries' block ids), made once per step."""
+def _decode_inputs(bound, plan, native: bool):
+    """The decode rows' per-step JAX inputs for `_decode_served`, made once per step: (entries, info,
+    the entries' block ids), or with native (None, info, `_decode_index`'s table)."""
     passthrough = bound.cfg.is_passthrough
 
     def make():
         entries, info = plan.decode_entries(passthrough)
+        if native:
+            return None, _to_jax(plan.to_device(info, torch.int32)), _decode_index(plan, bound.layout.block_size)[1]
         return tuple(_to_jax(plan.to_device(x, torch.int32)) for x in (entries, info)) + (
             _to_jax(_entry_blocks(plan, entries)),)
-    return plan.cached(("decode_served", passthrough), make)
+    return plan.cached(("decode_served", passthrough, native), make)
 
 
-def _decode_rows_served(bound, query, plan, scale, out):
+def _decode_rows_served(bound, query, plan, scale, out, native):
     nd = plan.num_decodes
-    e_j, i_j, b_j = _decode_inputs(bound, plan)
+    e_j, i_j, b_j = _decode_inputs(bound, plan, native)
     q = _pad_rows(query[:nd], i_j.shape[1])
     q_j = _to_jax(q)  # the fence (module docstring)
-    res = _decode_served(q_j, bound.cache, b_j, e_j, i_j, scale=scale)
+    res = _decode_served(q_j, bound.cache, b_j, e_j, i_j, scale=scale, native=native)
+    count(decode_native_calls=int(native))
     o = _to_torch(res)
     out[:nd].copy_(o[:nd])
     return (q, q_j, res, o)
@@ -1100,6 +1181,25 @@ def _hp_rows(bound: BoundCache, pooled):
     return arr
 
 
+def _hp_units(bound: BoundCache, plan: StepPlan, pooled):
+    """The decode rows' sink and last ring block rows where they live, for the CPU kernel: (the
+    layer's buffer as [units, unit / itemsize] of the value dtype, imported once per buffer; the
+    rows' unit indices `pooled.hp_src` as int32, imported once per step)."""
+    units = pooled.buffer_units
+    vd = bound.rows.dtype
+    key = ("units", units.data_ptr(), tuple(units.shape), vd)
+    if key not in _IMPORTED:
+        view = units.view(vd)
+        _IMPORTED[key] = (view, _to_jax(view))
+
+    def make():
+        if units.shape[0] > np.iinfo(np.int32).max:
+            raise ValueError(f"kvarn: a layer buffer of {units.shape[0]} units is past the CPU kernel's int32 indices")
+        idx = pooled.hp_src.to(torch.int32)
+        return idx, _to_jax(idx)
+    return _IMPORTED[key][1], plan.cached(("hp_units_int32", bound.layout, bound.num_blocks), make)[1]
+
+
 # per (device, max_seqs): the running totals of the fused decode steps' altered-token counts, a JAX
 # array that each step's computation adds to (no torch op per layer); folded into `_altered`'s
 # tensor when read (`_fold_altered`)
@@ -1138,7 +1238,7 @@ def fuses_completions(bound: BoundCache) -> bool:
     return not bound.cfg.is_passthrough and bound.page_columns is not None
 
 
-def _decode_step_served(bound, query, key, value, plan, scale, out, pooled=None):
+def _decode_step_served(bound, query, key, value, plan, scale, out, pooled=None, native=False):
     """A decode-only step on the CPU: the write and the attention in one XLA computation
     (`_decode_served` with q_heads), which also returns the ring blocks the step fills; those are
     quantized right after by `_completed_fields`, the executable `write` uses (`fuses_completions`);
@@ -1147,7 +1247,7 @@ def _decode_step_served(bound, query, key, value, plan, scale, out, pooled=None)
     array. pooled: `hp_pool.InPlace` - the sink and ring rows are read from and the new rows stored
     into the pool's blocks directly (no staging)."""
     nd = plan.num_decodes
-    e_j, i_j, b_j = _decode_inputs(bound, plan)
+    e_j, i_j, b_j = _decode_inputs(bound, plan, native)
     bb = i_j.shape[1]
     if _staged_write(bound, plan):
         raise ValueError("kvarn: this cache's decode steps that complete blocks write with `write` "
@@ -1155,11 +1255,17 @@ def _decode_step_served(bound, query, key, value, plan, scale, out, pooled=None)
     if pooled is not None and pooled.hp_src.shape[0] != bb:
         raise ValueError(f"kvarn: a decode step in the pool's blocks must have its rows padded to {bb}")
     qkv_j = _qkv(query, key, value, nd, bb)
-    hp_j = None if pooled is None else _hp_rows(bound, pooled)
     dev, slots = bound.buffer.device, bound.layout.max_seqs
     size = _filled_block_size(bound, plan)
+    # the kernel reads the pool's rows where they are; XLA's operations, and a step that returns the
+    # blocks it completes, take a copy
+    in_place = pooled is not None and native and not size
+    hp_j = None if pooled is None or in_place else _hp_rows(bound, pooled)
+    units_j = _hp_units(bound, plan, pooled) if in_place else None
     packed_j, total, values = _decode_served(qkv_j, bound.cache, b_j, e_j, i_j, hp_j, _pending_altered(dev, slots),
-                                             scale=scale, slots=slots, q_heads=query.shape[1], completes=size)
+                                             units_j, scale=scale, slots=slots, q_heads=query.shape[1],
+                                             completes=size, native=native)
+    count(decode_native_calls=int(native))
     _set_pending_altered(dev, slots, total)
     held = _store_filled_blocks(bound, plan, values) if size else []
     return held + _store_step(bound, plan, packed_j, bb, query, out, pooled)
@@ -1422,7 +1528,7 @@ def attend(bound: BoundCache, query: torch.Tensor, plan: StepPlan, *, written: W
     if which in ("auto", "pallas", "reference"):
         held.append(_decode_rows_library(bound, query, plan, sm, which, out))
     elif which == "served":
-        held.append(_decode_rows_served(bound, query, plan, sm, out))
+        held.append(_decode_rows_served(bound, query, plan, sm, out, _native_decode(bound, impl)))
     if prefill and _prefill_by_rule_op(bound):
         held += _prefill_rule(bound, query, plan, written, sm, out)
     elif prefill:
@@ -1469,7 +1575,8 @@ def forward(bound: BoundCache, query: torch.Tensor, key: torch.Tensor, value: to
         raise ValueError(f"out must be {tuple(query.shape)} like query, got {tuple(out.shape)}")
     sm = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     bound.held_write = ()
-    bound.held_attend = tuple(_decode_step_served(bound, query, key, value, plan, sm, out, pooled) if served else
+    bound.held_attend = tuple(_decode_step_served(bound, query, key, value, plan, sm, out, pooled,
+                                                  _native_decode(bound, impl)) if served else
                               _decode_step_library(bound, query, key, value, plan, sm, out, which))
     dt = time.perf_counter() - t0
     count(write_calls=1, write_tokens=n, blocks_quantized=0 if bound.cfg.is_passthrough else plan.completing,

@@ -102,17 +102,31 @@ bool is_float(ffi::DataType t) {
 }
 
 // One high-precision store (sink or tail ring) of one side: float rows, or uint8 codes with a
-// scale and zero point per token.
+// scale and zero point per token. rows is [S, Hk, n, D], or with parts > 1 one buffer
+// [S, parts, Hk, n, D] of which this store is part `part` (the vLLM bridge's rows: sink and ring
+// block, K and V, of each row side by side). With `units`, rows is a buffer of units [U, D / ru]
+// and row i of (s, h) is the ru units units[s * units_stride + ((part * hk + h) * n + i) * ru + k]
+// (the vLLM bridge's rows where they live, in vLLM's blocks).
 struct HpStore {
-  const ffi::AnyBuffer* rows;   // [S, Hk, n, D]
+  const ffi::AnyBuffer* rows;
   const ffi::AnyBuffer* scale;  // [S, Hk, n] (int8 only)
   const ffi::AnyBuffer* zero;
   int64_t n;
   bool int8;
+  int64_t parts = 1, part = 0;
+  const int32_t* units = nullptr;
+  int64_t units_stride = 0, ru = 1, num_units = 0;
 
   // rows [i, i + count) of (sequence slot s, kv head h) as fp32 [count, D]
   void load(int64_t s, int64_t h, int64_t hk, int64_t i, int64_t count, int64_t d, float* out) const {
-    const int64_t r0 = (s * hk + h) * n + i;
+    const int64_t r0 = ((s * parts + part) * hk + h) * n + i;
+    if (units) {
+      const int64_t len = d / ru;
+      const int32_t* at = units + s * units_stride + (r0 - s * parts * hk * n) * ru;
+      for (int64_t k = 0; k < count * ru; ++k, out += len)
+        load_floats(*rows, std::clamp<int64_t>(at[k], 0, num_units - 1) * len, len, out);
+      return;
+    }
     if (!int8) {
       load_floats(*rows, r0 * d, count * d, out);
       return;
@@ -368,8 +382,8 @@ struct Rows {
   explicit Rows(const Call& call)
       : c(call), D(KD ? KD : call.D), T(KT ? KT : call.T), cap(call.M * call.bs + call.sink_len + call.bs + 1),
         s(call.G * cap), qs(call.G * D), qz(call.G), chan(D), zero(D), tok(T), tz(T), row(std::max(D, T)),
-        ps(call.G * T), acc(call.G * D), prod(call.G * std::max({D, T, call.sink_len + call.bs})), den(call.G),
-        hk((call.sink_len + call.bs) * D), hv((call.sink_len + call.bs) * D) {
+        ps(call.G * T), acc(call.G * D), prod(call.G * std::max({D, T, call.sink_len + call.bs + 1})), den(call.G),
+        hk((call.sink_len + call.bs + 1) * D), hv((call.sink_len + call.bs + 1) * D) {
     tiles.reserve(call.M * call.R);
   }
 
@@ -416,7 +430,9 @@ struct Rows {
     }
     // ---- the sink and the ring's block: the rows a position reads, a contiguous range of each
     // (sink rows [lo, len) below sink_len; ring rows of positions [max(lo, sink_len), len) in the
-    // query's own block), loaded once as floats for both products
+    // query's own block), loaded once as floats for both products; then the token not cached yet,
+    // as one more row: the same sums in the same order as after writing it (its position is the
+    // last), so a step that passes it gives the bits of one that writes it first
     const int64_t s_lo = std::min(lo, c.sink_len), ns = std::max<int64_t>(std::min(len, c.sink_len) - s_lo, 0);
     const int64_t base = own * bs, ring = (own % c.tail_blocks) * bs;
     const int64_t r_lo = std::clamp<int64_t>(std::max(lo, c.sink_len) - base, 0, bs);
@@ -425,17 +441,15 @@ struct Rows {
     c.sink[1].load(sid, h, Hk, s_lo, ns, D, hv.data());
     c.tail[0].load(sid, h, Hk, ring + r_lo, nr, D, hk.data() + ns * D);
     c.tail[1].load(sid, h, Hk, ring + r_lo, nr, D, hv.data() + ns * D);
-    const int64_t hp_from = n, hp_rows = ns + nr;
+    const int64_t hp_from = n, hp_rows = ns + nr + (c.has_new ? 1 : 0);
+    if (c.has_new) {
+      std::memcpy(hk.data() + (ns + nr) * D, c.new_k + (b * Hk + h) * D, D * sizeof(float));
+      std::memcpy(hv.data() + (ns + nr) * D, c.new_v + (b * Hk + h) * D, D * sizeof(float));
+    }
     float_products<KD>(hk.data(), hp_rows, qh, G, D, cap, s.data() + n);
     for (int64_t g = 0; g < G; ++g)
       for (int64_t i = 0; i < hp_rows; ++i) s[g * cap + n + i] *= c.scale;
     n += hp_rows;
-    const int64_t new_at = n;
-    if (c.has_new) {
-      const float* kn = c.new_k + (b * Hk + h) * D;
-      for (int64_t g = 0; g < G; ++g) s[g * cap + n] = dot<KD>(qh + g * D, kn, D) * c.scale;
-      ++n;
-    }
     // ---- one softmax over all parts (a row that sees nothing gets 0)
     for (int64_t g = 0; g < G; ++g) {
       float* sg = s.data() + g * cap;
@@ -466,11 +480,6 @@ struct Rows {
     // ---- the sink's, ring's and new token's values
     for (int64_t g = 0; g < G; ++g)
       weighted_rows<KD>(s.data() + g * cap + hp_from, hv.data(), hp_rows, D, acc.data() + g * D);
-    if (c.has_new) {
-      const float* vn = c.new_v + (b * Hk + h) * D;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) acc[g * D + d] += s[g * cap + new_at] * vn[d];
-    }
     for (int64_t g = 0; g < G; ++g) {
       const float inv = den[g] > 0.f ? 1.f / den[g] : 1.f;
       float* og = c.out + (b * Hq + h * G + g) * D;
@@ -538,27 +547,34 @@ ffi::Error Decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
                   ffi::AnyBuffer k_zero_chan, ffi::AnyBuffer k_scale_tok, ffi::AnyBuffer v_codes,
                   ffi::AnyBuffer v_scale_chan, ffi::AnyBuffer v_scale_tok, ffi::AnyBuffer v_zero_tok,
                   ffi::AnyBuffer sink_k, ffi::AnyBuffer sink_v, ffi::AnyBuffer tail_k, ffi::AnyBuffer tail_v,
+                  ffi::Buffer<ffi::S32> hp_units,
                   ffi::AnyBuffer sink_k_scale, ffi::AnyBuffer sink_k_zero, ffi::AnyBuffer sink_v_scale,
                   ffi::AnyBuffer sink_v_zero, ffi::AnyBuffer tail_k_scale, ffi::AnyBuffer tail_k_zero,
                   ffi::AnyBuffer tail_v_scale, ffi::AnyBuffer tail_v_zero, ffi::Buffer<ffi::F32> new_k,
                   ffi::Buffer<ffi::F32> new_v, ffi::ResultBuffer<ffi::F32> out, float scale, int64_t window,
                   int64_t k_bits, int64_t v_bits, int64_t block_size, int64_t paged_from, int64_t has_new,
-                  int64_t max_threads) {
+                  int64_t hp_parts, int64_t max_threads) {
   const auto qd = q.dimensions();
   const auto kd = k_codes.dimensions();
   const auto vd = v_codes.dimensions();
   const auto sd = sink_k.dimensions();
   const auto td = tail_k.dimensions();
-  if (qd.size() != 3 || kd.size() != 5 || vd.size() != 5 || sd.size() != 4 || td.size() != 4 ||
-      tables.dimensions().size() != 2)
+  // hp_parts 4: the rows' sink and one-block ring (K, V, K, V) side by side, passed as all four
+  // stores: sink_k [S, 4, Hk, n, D]; or (hp_parts -4) sink_k a buffer of units [U, D / ru] and
+  // hp_units [S, 4 * Hk * n * ru] their indices (block_size rows a part)
+  const bool joined = hp_parts == 4, by_units = hp_parts == -4;
+  const size_t hp_rank = joined ? 5 : by_units ? 2 : 4;
+  if (qd.size() != 3 || kd.size() != 5 || vd.size() != 5 || sd.size() != hp_rank || td.size() != hp_rank ||
+      tables.dimensions().size() != 2 || hp_units.dimensions().size() != 2 || (hp_parts != 1 && !joined && !by_units))
     return ffi::Error::InvalidArgument("kvarn cpu decode: unexpected ranks");
   Call c{};
   c.B = qd[0], c.Hq = qd[1], c.D = qd[2];
   c.N = kd[0], c.Hk = kd[1], c.R = kd[2];
   c.T = vd[4];
   c.M = tables.dimensions()[1];
-  c.S = sd[0], c.sink_len = sd[2];
-  const int64_t tail_len = td[2];
+  c.S = by_units ? hp_units.dimensions()[0] : sd[0];
+  c.sink_len = by_units ? block_size : sd[hp_rank - 2];
+  const int64_t tail_len = by_units ? block_size : td[hp_rank - 2];
   c.bs = block_size;
   if (c.Hk <= 0 || c.Hq % c.Hk || c.T * c.R != c.bs || kd[3] * 8 != c.T * k_bits || kd[4] != c.D ||
       vd[3] * 8 != c.D * v_bits || tail_len % c.bs || c.S <= 0 || !is_float(k_scale_chan.element_type()) ||
@@ -570,6 +586,23 @@ ffi::Error Decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
   c.sink[1] = {&sink_v, &sink_v_scale, &sink_v_zero, c.sink_len, hp_int8};
   c.tail[0] = {&tail_k, &tail_k_scale, &tail_k_zero, tail_len, hp_int8};
   c.tail[1] = {&tail_v, &tail_v_scale, &tail_v_zero, tail_len, hp_int8};
+  if (joined) {
+    if (hp_int8 || sd[1] != 4 || sd[2] != c.Hk)
+      return ffi::Error::InvalidArgument("kvarn cpu decode: joined sink and ring rows must be float [S, 4, Hk, n, D]");
+    HpStore* stores[4] = {&c.sink[0], &c.sink[1], &c.tail[0], &c.tail[1]};
+    for (int p = 0; p < 4; ++p) stores[p]->parts = 4, stores[p]->part = p;
+  }
+  if (by_units) {
+    const int64_t per = hp_units.dimensions()[1], rows = 4 * c.Hk * block_size;
+    if (hp_int8 || per % rows || sd[1] * (per / rows) != c.D)
+      return ffi::Error::InvalidArgument("kvarn cpu decode: the units of the sink and ring rows do not make rows of head_dim");
+    HpStore* stores[4] = {&c.sink[0], &c.sink[1], &c.tail[0], &c.tail[1]};
+    for (int p = 0; p < 4; ++p) {
+      HpStore& st = *stores[p];
+      st.parts = 4, st.part = p, st.units = hp_units.typed_data(), st.units_stride = per, st.ru = per / rows;
+      st.num_units = sd[0];
+    }
+  }
   c.q = q.typed_data();
   c.tables = tables.typed_data(), c.lens = lens.typed_data(), c.seq_ids = seq_ids.typed_data();
   c.k_codes = static_cast<const uint8_t*>(k_codes.untyped_data());
@@ -610,6 +643,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvarnDecodeCpu, Decode,
                                   .Arg<ffi::AnyBuffer>()          // sink v
                                   .Arg<ffi::AnyBuffer>()          // tail k [S, Hk, tail_len, D]
                                   .Arg<ffi::AnyBuffer>()          // tail v
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // sink and ring rows' units (hp_parts -4)
                                   .Arg<ffi::AnyBuffer>()          // int8 sink/tail scales and zeros
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
@@ -628,4 +662,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvarnDecodeCpu, Decode,
                                   .Attr<int64_t>("block_size")
                                   .Attr<int64_t>("paged_from")
                                   .Attr<int64_t>("has_new")
+                                  .Attr<int64_t>("hp_parts")       // 1; 4 or -4: the bridge's rows
                                   .Attr<int64_t>("max_threads"));  // 0: as the work and XLA's pool allow
