@@ -199,6 +199,18 @@ float max_of(const float* x, int64_t n) {
   return m[0];
 }
 
+// the sum of n floats: 16 lanes, then a tree (a plain loop is one chain of dependent adds)
+float sum_of(const float* x, int64_t n) {
+  float a[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) a[l] += x[i + l];
+  for (; i < n; ++i) a[0] += x[i];
+  for (int w = 8; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) a[l] += a[l + w];
+  return a[0];
+}
+
 // x[i] <- exp(x[i] - shift), in a loop the compiler vectorizes (libm's expf is a call per element):
 // 2^k * e^r with k = round((x - shift) / ln 2) and r reduced in two steps (ln 2 = hi + lo), e^r a
 // degree-6 Taylor polynomial (|r| <= ln 2 / 2: relative error below 2e-7). Arguments below -87
@@ -296,9 +308,13 @@ void code_products(const uint8_t* codes, int64_t rows, int per, int bits, const 
     for (int c = 0; c < C; ++c)
       raw[c] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + m * L + c * 16)));
     for (int j = 0; j < per; ++j) {
+      // slot 0 needs no shift and the top slot no mask: bytes widened to 32 bits have no bits above
       const __m128i shift = _mm_cvtsi32_si128(j * bits);
       __m512 code[C];
-      for (int c = 0; c < C; ++c) code[c] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(raw[c], shift), mask));
+      for (int c = 0; c < C; ++c) {
+        const __m512i v = j == 0 ? raw[c] : _mm512_srl_epi32(raw[c], shift);
+        code[c] = _mm512_cvtepi32_ps(j == per - 1 ? v : _mm512_and_si512(v, mask));
+      }
       st.push<C>(code, x, G, stride, out);
     }
   }
@@ -456,9 +472,7 @@ struct Rows {
       float mx = max_of(sg, n);
       if (!std::isfinite(mx)) mx = 0.f;
       exp_shifted(sg, n, mx);
-      float sum = 0.f;
-      for (int64_t i = 0; i < n; ++i) sum += sg[i];
-      den[g] = sum;
+      den[g] = sum_of(sg, n);
     }
     std::fill(acc.begin(), acc.end(), 0.f);
     // ---- value sums of the page tiles, on their codes
