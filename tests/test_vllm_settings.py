@@ -55,6 +55,8 @@ def test_scheme_from_a_registered_kv_cache_dtype():
     ({"kvarn_kv_cache_dtype": "int8_static"}, "kvarn_calibration"),
     ({"kvarn_kv_cache_dtype": "int8", "kvarn_calibration": "x.npz"}, "dynamically"),
     ({"kvarn_calibration": "x.npz"}, "no kvarn scheme"),
+    ({"kvarn_kv_cache_dtype": "kvarn_k4v2_g128_sink4"}, "4-token sink"),
+    ({"kvarn_kv_cache_dtype": "kivi_k2v2_g32_hpint8"}, "int8 sink and tail"),
 ])
 def test_bad_settings_are_errors(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -249,6 +251,31 @@ def test_the_cpu_prefill_needs_a_head_size_vllms_cpu_attention_takes():
     cfg = _full_config()
     cfg.device_config = cpu
     checks.check_config(cfg)  # SmolLM2's 64
+
+
+def test_the_native_decode_kernel_is_checked_at_start(monkeypatch):
+    """kvarn_decode_impl=native (the C++ CPU kernel): refused at start for a scheme it does not take,
+    on a GPU, and where it cannot be built; accepted for KVarN on a CPU."""
+    from kvarn_jax.attention import paged_decode_cpu
+    from kvarn_vllm import checks
+
+    cpu = types.SimpleNamespace(device_type="cpu")
+    cfg = _full_config({"kvarn_kv_cache_dtype": "kvarn_k4v2_g128", "kvarn_decode_impl": "native"})
+    cfg.device_config = cpu
+    monkeypatch.setattr(paged_decode_cpu, "available", lambda: None)
+    checks.check_config(cfg)
+    cfg.device_config = types.SimpleNamespace(device_type="cuda")
+    with pytest.raises(ValueError, match="native on cuda.*CPU decode kernel"):
+        checks.check_config(cfg)
+    cfg = _full_config({"kvarn_kv_cache_dtype": "int8", "kvarn_decode_impl": "native"})
+    cfg.device_config = cpu
+    with pytest.raises(ValueError, match="native with int8.*KVarN caches only"):
+        checks.check_config(cfg)
+    cfg = _full_config({"kvarn_kv_cache_dtype": "kvarn_k4v2_g128", "kvarn_decode_impl": "native"})
+    cfg.device_config = cpu
+    monkeypatch.setattr(paged_decode_cpu, "available", lambda: "no C++ compiler (g++) found")
+    with pytest.raises(ValueError, match="native on this machine.*no C\\+\\+ compiler"):
+        checks.check_config(cfg)
 
 
 def test_the_config_hook_refuses_bad_settings_and_versions(monkeypatch, tmp_path):

@@ -407,6 +407,29 @@ def test_the_fused_decode_step_equals_write_then_attend(scheme):
     _assert_same_cache(scheme, caches)
 
 
+def test_kvarn_decode_rows_run_the_cpu_kernel_where_asked(monkeypatch):
+    """On the CPU, impl "auto" and "native" attend KVarN decode rows with the C++ kernel (counted:
+    `decode_native_calls`), inside the fused step and after a split write alike; "reference" runs
+    the library's reference; "native" for a scheme the kernel does not take is an error naming it.
+    (The outputs: `test_the_fused_decode_step_equals_write_then_attend` against the reference.)"""
+    from kvarn_jax.attention import paged_decode_cpu
+
+    if paged_decode_cpu.available() is not None:
+        pytest.skip(f"the CPU kernel cannot be built here: {paged_decode_cpu.available()}")
+    for impl, ran in (("auto", True), ("native", True), ("reference", False)):
+        torch_ops.reset_counters()
+        _fused_and_split("kvarn_k4v2_g32", impl, impl, 2)  # 2 decode steps fused, then 2 after split writes
+        calls = torch_ops.counters()["decode_native_calls"]
+        assert calls == (4 if ran else 0), (impl, calls)
+    rng = np.random.default_rng(0)
+    bound, _ = _bind("int8_g16", rng)
+    lens = [40]
+    seqs, queries = _sequences(rng, lens)
+    tables = allocate_tables(rng, lens, 32, 12)
+    with pytest.raises(ValueError, match="impl='native' cannot run layer scheme int8_g16"):
+        _serve(bound, None, seqs, queries, tables, [[(0, 39)], [(0, 1)]], impl="native")
+
+
 @pytest.mark.parametrize("scheme, impl", [("kvarn_k4v2_g32", "reference"), ("kvarn_k4v2_g32", "pallas"),
                                           ("fp16", "reference")])
 def test_the_library_decode_step_equals_write_then_attend(scheme, impl, monkeypatch):

@@ -83,6 +83,8 @@ def _check_model(vllm_config, settings) -> None:
             raise ValueError(f"kvarn: {e}{where}") from None
     device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
     quantized = [cfg.name for cfg in settings.schemes if not cfg.is_passthrough]
+    if settings.decode_impl == "native":
+        _check_native(settings, device, head, block, where)
     if device == "cpu" and quantized:
         # a quantized cache's prefill on the CPU runs vLLM's CPU attention op (`torch_ops._prefill_rule`)
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
@@ -91,6 +93,21 @@ def _check_model(vllm_config, settings) -> None:
         if head not in sizes:
             refuse(f"head_size={head} with {', '.join(quantized)} on the CPU{where}",
                    f"the CPU prefill runs vLLM's CPU attention, which takes head sizes {sizes}")
+
+
+def _check_native(settings, device, head: int, block: int | None, where: str) -> None:
+    """kvarn_decode_impl=native: the C++ CPU decode kernel must take every layer's scheme and build here."""
+    from kvarn_jax.attention import paged_decode_cpu
+
+    if device not in (None, "cpu"):
+        refuse(f"kvarn_decode_impl=native on {device}", "it is the CPU decode kernel; use auto")
+    for cfg in settings.schemes:
+        why = paged_decode_cpu.supports(cfg, block or cfg.tile_tokens, head)
+        if why:
+            refuse(f"kvarn_decode_impl=native with {cfg.name}{where}", why)
+    why = paged_decode_cpu.available()
+    if why:
+        refuse("kvarn_decode_impl=native on this machine", why)
 
 
 def _check_compilation(vllm_config) -> None:

@@ -68,6 +68,17 @@ def _dummy_calibration(num_kv_heads: int, head_dim: int):
     return kvarn_jax.Calibration(z - 1, z + 1, z - 1, z + 1, tokens=1)
 
 
+def unsupported(cfg: KVQuantConfig) -> str | None:
+    """Why the bridge cannot serve a scheme, or None: its decode and its pool of sink/tail rows keep
+    a whole block of 16-bit (or fp32) rows per sequence as the sink."""
+    if cfg.sink_tokens:
+        return (f"a {cfg.sink_tokens}-token sink (_sink{cfg.sink_tokens}); the bridge keeps the first block whole "
+                "(drop the suffix)")
+    if cfg.hp == "int8":
+        return "int8 sink and tail rows (_hpint8); the bridge's pool keeps float rows (drop the suffix)"
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class PageLayout:
     """The byte layout of one layer's cache for given scheme and sizes (independent of num_blocks).
@@ -87,6 +98,9 @@ class PageLayout:
     def __post_init__(self):
         object.__setattr__(self, "cfg", KVQuantConfig.parse(self.cfg))
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
+        why = unsupported(self.cfg)
+        if why:
+            raise ValueError(f"kvarn: the vLLM bridge does not support {self.cfg.name}: {why}")
         self.cfg.check_head_dim(self.head_dim)
         self.cfg.check_block_size(self.block_size)
         if not isinstance(self.max_seqs, int) or self.max_seqs <= 0:

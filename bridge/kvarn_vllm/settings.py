@@ -8,7 +8,8 @@ Where the scheme string comes from (the same strings as everywhere in kvarn-jax)
   environment variable `KVARN_KV_CACHE_DTYPE=kvarn_k4v2_g128`.
 Two sources that disagree are an error. Further keys (additional-config, or the upper-case
 environment variable of the same name): `kvarn_calibration` (a `Calibration` file, required by
-`*_static` schemes), `kvarn_decode_impl` (`auto` | `pallas` | `reference`).
+`*_static` schemes), `kvarn_decode_impl` (`auto` | `pallas` | `native` | `reference`; `native`: the C++ CPU
+kernel for KVarN caches, which `auto` runs on CPUs where it can be built).
 
 Per-layer schemes: `kvarn_layer_config` / `KVARN_LAYER_CONFIG` is the path of a layer-scheme file
 written by `kvarn-jax tune` (one scheme per decoder layer; its layer count must match the model's).
@@ -24,8 +25,10 @@ from typing import Any
 
 from kvarn_jax import KVQuantConfig
 
+from .layout import unsupported
+
 KEYS = ("kvarn_kv_cache_dtype", "kvarn_layer_config", "kvarn_calibration", "kvarn_decode_impl")
-DECODE_IMPLS = ("auto", "pallas", "reference")
+DECODE_IMPLS = ("auto", "pallas", "native", "reference")
 VLLM_OWNED = ("fp8", "fp8_e4m3", "fp8_e5m2", "float16", "bfloat16", "float32", "auto")
 PREFIX = "kvarn_"
 
@@ -55,6 +58,10 @@ class BridgeSettings:
             if not layers:
                 raise ValueError("layers must name at least one layer's scheme")
             object.__setattr__(self, "layers", layers)
+        for c in self.schemes:
+            why = unsupported(c)
+            if why:
+                raise ValueError(f"the vLLM bridge does not support {c.name}: {why}")
         static = [c for c in self.schemes if c.static]
         if static and not self.calibration:
             raise ValueError(f"{static[0].name} has fixed scales: set kvarn_calibration (additional-config or "
