@@ -106,6 +106,37 @@ def test_a_new_token_gives_the_bits_of_writing_it_first():
     np.testing.assert_array_equal(np.asarray(passed), np.asarray(after))
 
 
+def test_the_bridges_row_inputs_read_the_same_rows():
+    """hp_rows ([S, 4, Hk, bs, D]: each row's sink and one-block ring side by side) and hp_units (the
+    same rows as scattered units of a buffer and their indices, as vLLM's blocks hold them) give the
+    bits of the cache's own sink and tail, with and without a new token."""
+    rng = np.random.default_rng(5)
+    lens = [3, 64, 100, 250]
+    bs, hk, d = 64, 2, 64
+    cache, bt, sl, _ = build("kvarn_k4v2_g64", lens, hk, d, bs, rng, dtype=jnp.bfloat16, tail_blocks=2)
+    b = len(lens)
+    own = (np.asarray(sl) - 1) // bs
+    ring = [cache.tail[x].reshape(b, hk, 2, bs, d)[np.arange(b), :, own % 2] for x in ("k", "v")]
+    rows = jnp.stack([cache.sink["k"], cache.sink["v"], ring[0], ring[1]], 1)           # [B, 4, Hk, bs, D]
+    ru = 4                                                                              # 4 units of 16 a row
+    flat = np.asarray(rows.astype(jnp.float32)).reshape(-1, d // ru)
+    perm = rng.permutation(flat.shape[0] + 7)                                           # buffer unit of each
+    buf = np.asarray(rng.standard_normal((flat.shape[0] + 7, d // ru)), np.float32)
+    buf[perm[:flat.shape[0]]] = flat
+    units = (jnp.asarray(buf, jnp.bfloat16), jnp.asarray(perm[:flat.shape[0]].reshape(b, -1), jnp.int32))
+    q = jnp.asarray(rng.standard_normal((b, hk * 3, d)), jnp.float32)
+    new = tuple(jnp.asarray(rng.standard_normal((b, hk, d)), jnp.float32) for _ in range(2))
+    for kv, lengths in ((None, sl), (new, sl - 1)):
+        want = paged_decode_cpu.paged_decode_cpu(q, cache, bt, lengths, None, scale=0.125, window=None, new_kv=kv)
+        for extra in ({"hp_rows": rows}, {"hp_units": units}):
+            got = paged_decode_cpu.paged_decode_cpu(q, cache, bt, lengths, None, scale=0.125, window=None, new_kv=kv,
+                                                    **extra)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(list(extra)))
+    with pytest.raises(ValueError, match="hp_units"):
+        paged_decode_cpu.paged_decode_cpu(q, cache, bt, sl, None, scale=0.125, window=None,
+                                          hp_units=(units[0], units[1][:, :-1]))
+
+
 def test_vmap_runs_one_call_per_element():
     rng = np.random.default_rng(13)
     cache, bt, sl = build("kvarn_k4v4_g64", [90, 200], 1, 64, 64, rng)[:3]

@@ -116,8 +116,9 @@ def test_staged_rows_attend_exactly_like_slot_storage(scheme, dtype):
 @pytest.mark.parametrize("scheme, dtype, bs", [("kvarn_k4v2_g128", "bfloat16", 128), ("kvarn_k4v2_g32", "float32", 32),
                                                ("kivi_k2v2_g32", "float16", 32)])
 def test_decode_in_the_pools_blocks_equals_staging(scheme, dtype, bs):
-    """Decode-only steps that use the sink/tail rows where they live (`HpPool.in_place`: read by the
-    XLA computation from the layer's buffer, new rows stored there) give bit for bit the outputs
+    """Decode-only steps that use the sink/tail rows where they live (`HpPool.in_place`: read in the
+    layer's buffer - by the CPU kernel for KVarN, from a copy by XLA's operations for other schemes
+    and for KVarN steps that complete blocks - new rows stored there) give bit for bit the outputs
     and buffer bytes of staging them (gather / forward / scatter), across steps that fill the sink,
     wrap the ring, complete blocks (both sides quantize them from the fused step's output), pad the
     batch (5 rows -> 8) and start sequences - the pooled side given q, k and v as views of one qkv

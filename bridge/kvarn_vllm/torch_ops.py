@@ -30,9 +30,9 @@ that tensor (no copy; checked by data pointer). A step is described once by a `p
   request over the blocks before it and its own block's high-precision rows, masked causally.
   Elsewhere fused SDPA calls, lower-right causal per block the chunk touches: the rule is causal
   within a query's own block (`_prefill_rows`). Decode rows: on the CPU one XLA computation per layer
-  (`_decode_served`, with a decode-only step's write; KVarN pages attended on their codes with the
-  scales folded in; with `pooled` the sink and tail rows read from and written to the pool's
-  blocks in place), else `kvarn_jax.paged_decode_attention` with impl "pallas" (NVIDIA GPUs: the
+  (`_decode_served`, with a decode-only step's write; KVarN caches attended by the library's C++
+  CPU kernel inside it, other schemes' pages dequantized; with `pooled` the sink and tail rows read
+  from and written to the pool's blocks in place), else `kvarn_jax.paged_decode_attention` with impl "pallas" (NVIDIA GPUs: the
   fused kernel reads the pages itself) or "reference".
 - The per-slot counts are what fails a request (`failures`): `take_altered_slots`.
 
@@ -115,8 +115,8 @@ def _jit(*, cpu_options: dict, **kw):
 
 # ------------------------------------------------------------------------------------- counters
 _COUNTERS = {"bind": 0, "write_calls": 0, "write_tokens": 0, "blocks_quantized": 0, "decode_calls": 0,
-             "decode_rows": 0, "decode_native_calls": 0, "prefill_calls": 0, "prefill_tokens": 0, "blocks_dequantized": 0, "write_s": 0.0,
-             "attend_s": 0.0, "seq_starts": 0, "seq_restarts": 0}
+             "decode_rows": 0, "decode_native_calls": 0, "prefill_calls": 0, "prefill_tokens": 0,
+             "blocks_dequantized": 0, "write_s": 0.0, "attend_s": 0.0, "seq_starts": 0, "seq_restarts": 0}
 _LOCK = threading.Lock()
 
 
@@ -176,8 +176,9 @@ def take_altered_slots(device, max_seqs: int) -> np.ndarray:
 def counters() -> dict:
     """How often the bridge ran (per process): binds, writes, tokens written, blocks quantized,
     attention calls with decode rows / prefill rows and their rows / tokens, the decode calls that
-    ran the C++ CPU kernel (`decode_native_calls`), blocks dequantized for attention, host seconds in write and attend, how many sequences started (restarts: a request
-    that started again at position 0, e.g. after vLLM preempted it), and `altered_tokens`."""
+    ran the C++ CPU kernel (`decode_native_calls`), blocks dequantized for attention, host seconds in
+    write and attend, how many sequences started (restarts: a request that started again at
+    position 0, e.g. after vLLM preempted it), and `altered_tokens`."""
     with _LOCK:
         out = dict(_COUNTERS)
     return {**out, **altered_tokens()}
@@ -928,7 +929,8 @@ def _hp_blocks(cache, info, hp_rows):
 
 def _with_rows(kk, vv, rows, here, live, slot):
     """kk, vv [B, Hk, bs, D] with each live row's new token (rows [2, B, Hk, D], as stored: rounded to
-    the value dtype) at slot info[4] where `here` (the token's block is this one), as if written."""
+    the value dtype) at its slot (`slot`: info[4]) where `here` (the token's block is this one), as if
+    written."""
     at = ((here & live)[:, None] & (jnp.arange(kk.shape[2])[None, :] == slot[:, None]))[:, None, :, None]
     return tuple(jnp.where(at, x[:, :, None, :].astype(y.dtype), y) for x, y in zip(rows, (kk, vv)))
 
@@ -955,8 +957,9 @@ def _decode_served(q, cache, pages, entries, info, hp_rows=None, altered_total=N
 
     native (KVarN caches, `_native_decode`): the attention is the C++ CPU kernel
     (`kvarn_jax.attention.paged_decode_cpu`, a custom call inside this computation); pages is the
-    rows' block table, lengths and sequence ids [B, cols + 2] (`_decode_index`), and entries is None. Otherwise XLA's operations: pages dequantized (KVarN pages attended on their
-    codes with the scales folded in), pages [N] the block ids of `entries` (`decode_entries`).
+    rows' block table, lengths and sequence ids [B, cols + 2] (`_decode_index`), and entries is None.
+    Otherwise XLA's operations: pages dequantized (KVarN pages attended on their codes with the
+    scales folded in), pages [N] the block ids of `entries` (`decode_entries`).
 
     With q_heads the step's write is done here too (a decode-only step: `forward`): q is then the
     step's queries, keys and values side by side, [B, q_heads + 2 * Hk, D] (one exchange, `_qkv`),
@@ -1040,9 +1043,8 @@ def _native_rows(cache, qf, table, info, hp_rows, hp_units, rows, scale):
     counts the new token - and the sequence id); each row's sink and ring block from hp_rows (row b's
     at b, the ring one block long: position p of the row's last block is its row p % bs), from the
     pool's blocks (hp_units, the same rows where they live) or from the cache's own sink and tail
-    (sequence ids info[0]), read where they are; with the step's write
-    (rows) each row's new token is the kernel's new_kv at position length - 1. Returns fp32
-    [B, Hq, D], rotated."""
+    (sequence ids info[0]), read where they are; with the step's write (rows) each row's new token
+    is the kernel's new_kv at position length - 1. Returns fp32 [B, Hq, D], rotated."""
     lens = table[:, -2] - (0 if rows is None else 1)
     seq = info[0] if hp_rows is None and hp_units is None else jnp.arange(qf.shape[0], dtype=jnp.int32)
     return paged_decode_cpu(qf, cache, table[:, :-2], jnp.maximum(lens, 0), seq, scale=scale, window=None,
@@ -1507,8 +1509,8 @@ def attend(bound: BoundCache, query: torch.Tensor, plan: StepPlan, *, written: W
            scale: float | None = None, impl: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the step's queries ([tokens, Hq, D]) over the bound cache, after this step's
     `write` (whose result `written` prefill rows need). Returns `out` ([tokens, Hq, D], query's dtype
-    unless given) with every row's result. impl: what decode rows run, "auto" | "pallas" | "reference"
-    (see `decode_impl`)."""
+    unless given) with every row's result. impl: what decode rows run, "auto" | "pallas" | "native" |
+    "reference" (see `decode_impl`)."""
     t0 = time.perf_counter()
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
