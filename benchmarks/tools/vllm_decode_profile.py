@@ -30,7 +30,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 PIECES = {"torch_ops": ["_decode_served", "_decode_step_served", "_write_jax", "_to_jax", "_to_torch",
-                        "_decode_inputs", "_count_altered"],
+                        "_decode_inputs", "_count_altered", "_qkv", "_store_step", "_hp_units", "_hp_rows",
+                        "_native_decode", "_check_plan", "_check_tokens"],
           "hp_pool": []}
 
 
