@@ -24,11 +24,12 @@ import os
 from typing import Any
 
 from kvarn_jax import KVQuantConfig
+from kvarn_jax.impl import IMPLS
 
 from .layout import unsupported
 
 KEYS = ("kvarn_kv_cache_dtype", "kvarn_layer_config", "kvarn_calibration", "kvarn_decode_impl")
-DECODE_IMPLS = ("auto", "pallas", "native", "reference")
+DECODE_IMPLS = IMPLS  # the library's: "auto" | "pallas" | "native" | "reference"
 VLLM_OWNED = ("fp8", "fp8_e4m3", "fp8_e5m2", "float16", "bfloat16", "float32", "auto")
 PREFIX = "kvarn_"
 
